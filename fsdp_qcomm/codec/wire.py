@@ -1,0 +1,68 @@
+"""The wire format: how one row of ``n`` values is laid out as bytes.
+
+Every quantized collective sends rows (one per destination rank or one per shard), each encoded
+on its own, so a row is the unit of this format. For a row of ``n`` values under a
+``QuantSpec`` with ``b`` bits and group size ``g``::
+
+    G = ceil(n / g)                              groups; the last one may be partial
+    [ scales : G x scale_dtype ]                 one per group, little-endian
+    [ mins   : G x scale_dtype ]                 asymmetric (min-max) specs only
+    [ codes  : ceil(n / 8) * b bytes ]           dense little-endian bit stream
+    [ zero padding to a multiple of 4 bytes ]    keeps every row's scales aligned
+
+Codes are unsigned: a symmetric code ``q`` in [-(2^(b-1)-1), 2^(b-1)-1] is stored as
+``q + 2^(b-1) - 1``; an asymmetric code is stored as is (0 .. 2^b-1). Element ``i`` occupies
+bits ``[b*i, b*i + b)`` of the bit stream, where bit ``k`` of the stream is bit ``k % 8`` of
+byte ``k // 8``: for 4 bits, element 2j is the low nibble of byte j and element 2j+1 the high
+nibble. Elements ``n .. ceil(n/8)*8 - 1`` are padding and encode as 0.
+
+A group holding a NaN or an infinity is sent with a NaN scale (and min), so every value of that
+group decodes as NaN: overflow stays visible to grad-norm checks instead of becoming finite
+garbage.
+
+Decoding: symmetric ``x = (u - (2^(b-1)-1)) * scale``; asymmetric ``x = u * scale + min``.
+"""
+
+from __future__ import annotations
+
+from ..config import QuantSpec
+
+ROW_ALIGN = 4
+HADAMARD_BLOCK = 32
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_groups(numel: int, spec: QuantSpec) -> int:
+    return _ceil_div(numel, spec.group_size)
+
+
+def scale_section_bytes(numel: int, spec: QuantSpec) -> int:
+    """Bytes of the scales (and mins, for asymmetric specs) at the start of a row."""
+    per = spec.torch_scale_dtype.itemsize * (1 if spec.symmetric else 2)
+    return num_groups(numel, spec) * per
+
+
+def code_bytes(numel: int, spec: QuantSpec) -> int:
+    return _ceil_div(numel, 8) * spec.bits
+
+
+def wire_bytes(numel: int, spec: QuantSpec) -> int:
+    """Exact bytes one encoded row of ``numel`` values occupies on the wire."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if numel == 0:
+        return 0
+    raw = scale_section_bytes(numel, spec) + code_bytes(numel, spec)
+    return _ceil_div(raw, ROW_ALIGN) * ROW_ALIGN
+
+
+def hadamard_len(numel: int) -> int:
+    """Length a row has once padded with zeros to whole 32-element Hadamard blocks."""
+    return _ceil_div(numel, HADAMARD_BLOCK) * HADAMARD_BLOCK
+
+
+def bits_per_element(numel: int, spec: QuantSpec) -> float:
+    return 8.0 * wire_bytes(numel, spec) / numel if numel else 0.0

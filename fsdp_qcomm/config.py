@@ -1,0 +1,223 @@
+"""Configuration: what to quantize, how, and with which wire format.
+
+`QuantSpec` describes one quantizer (one wire format); `QCommConfig` says which quantizer each
+collective uses. Both validate on construction so that a bad value fails at ``enable`` time with
+a message naming the field, never later inside a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Optional
+
+import torch
+
+Rounding = Literal["nearest", "stochastic"]
+WeightScheme = Literal["none", "direct", "qwd"]
+GradScheme = Literal["none", "one_level", "two_level"]
+
+_SCALE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def _check_choice(owner: str, name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"{owner}.{name}={value!r} is not valid; allowed values: "
+            + ", ".join(repr(a) for a in allowed)
+        )
+
+
+def _check_int(owner: str, name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{owner}.{name}={value} is out of range; it must be {rng}")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One quantizer, which fixes one wire format.
+
+    bits: code width, 2..8. Codes are packed densely (see ``fsdp_qcomm.codec.wire``).
+    group_size: elements sharing one scale; a multiple of 8 so every group's codes fill whole
+        bytes. Tensors of any length are accepted (the last group may be partial).
+    symmetric: True = absmax scaling with levels -(2^(b-1)-1)..2^(b-1)-1 (SDP4Bit);
+        False = min-max (asymmetric) scaling with levels 0..2^b-1 (QSDP / CGX).
+    rounding: "nearest" (floor(x/s + 1/2)) or "stochastic" (floor(x/s + u), u ~ U[0,1) from a
+        counter-based RNG, so unbiased and reproducible).
+    scale_dtype: dtype of the per-group scale (and minimum) on the wire.
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    rounding: Rounding = "stochastic"
+    scale_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_int("QuantSpec", "bits", self.bits, 2, 8)
+        _check_int("QuantSpec", "group_size", self.group_size, 8)
+        if self.group_size % 8:
+            raise ValueError(
+                f"QuantSpec.group_size={self.group_size} must be a multiple of 8 so each group's "
+                f"codes fill whole bytes; use {self.group_size + 8 - self.group_size % 8}"
+            )
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"QuantSpec.symmetric must be a bool, got {self.symmetric!r}")
+        _check_choice("QuantSpec", "rounding", self.rounding, ("nearest", "stochastic"))
+        _check_choice("QuantSpec", "scale_dtype", self.scale_dtype, tuple(_SCALE_DTYPES))
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rounding == "stochastic"
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return _SCALE_DTYPES[self.scale_dtype]
+
+    @property
+    def qmax(self) -> int:
+        """Largest code magnitude: 2^(b-1)-1 for symmetric, 2^b-1 for asymmetric."""
+        return (1 << (self.bits - 1)) - 1 if self.symmetric else (1 << self.bits) - 1
+
+
+@dataclass(frozen=True)
+class QCommConfig:
+    """Which quantizer each FSDP2 collective uses.
+
+    Weights (the all-gather): ``weight_scheme`` "none" (plain gather through our hook),
+    "direct" (quantize the weights themselves: QSDP, ZeRO++ qwZ, the qW ablation) or "qwd"
+    (SDP4Bit: quantize the difference against a reference every rank holds).
+
+    Gradients (the reduce-scatter): ``grad_scheme`` "none", "one_level" (quantize once, one
+    all-to-all, ``grad_inter_bits``) or "two_level" (``grad_intra_bits`` inside a node, then
+    ``grad_inter_bits`` across nodes). ``grad_hadamard`` adds the 32-point Hadamard smoothing.
+    """
+
+    weight_scheme: WeightScheme = "none"
+    weight_bits: int = 4
+    weight_group_size: int = 2048
+    weight_symmetric: bool = True
+    weight_rounding: Rounding = "stochastic"
+
+    grad_scheme: GradScheme = "none"
+    grad_intra_bits: int = 8
+    grad_inter_bits: int = 4
+    grad_group_size: int = 128
+    grad_symmetric: bool = True
+    grad_rounding: Rounding = "stochastic"
+    grad_hadamard: bool = False
+    grad_pipeline_chunks: int = 1
+
+    scale_dtype: str = "float32"
+    ranks_per_node: Optional[int] = None
+    seed: int = 0
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "baseline": {},
+        # SDP4Bit: qWD 4-bit g2048 + TLq-HS (8-bit intra, 4-bit inter, g128, Hadamard).
+        "sdp4bit": dict(weight_scheme="qwd", grad_scheme="two_level", grad_hadamard=True),
+        # Ablations from SDP4Bit Table 1.
+        "qwd": dict(weight_scheme="qwd"),
+        "qw4": dict(weight_scheme="direct"),
+        "tlq": dict(grad_scheme="two_level"),
+        "tlq_hs": dict(grad_scheme="two_level", grad_hadamard=True),
+        # QSDP: 8-bit weights and gradients, unbiased min-max buckets of 1024.
+        "qsdp": dict(
+            weight_scheme="direct", weight_bits=8, weight_group_size=1024,
+            weight_symmetric=False, grad_scheme="one_level", grad_inter_bits=8,
+            grad_group_size=1024, grad_symmetric=False,
+        ),
+        # ZeRO++: int8 weights (qwZ) and 4-bit gradients at both levels (qgZ), no Hadamard.
+        "zeropp": dict(
+            weight_scheme="direct", weight_bits=8, weight_rounding="nearest",
+            grad_scheme="two_level", grad_intra_bits=4, grad_inter_bits=4,
+        ),
+    }
+
+    def __post_init__(self) -> None:
+        owner = "QCommConfig"
+        _check_choice(owner, "weight_scheme", self.weight_scheme, ("none", "direct", "qwd"))
+        _check_choice(owner, "grad_scheme", self.grad_scheme, ("none", "one_level", "two_level"))
+        for name in ("weight_symmetric", "grad_symmetric", "grad_hadamard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int(owner, "grad_pipeline_chunks", self.grad_pipeline_chunks, 1, 64)
+        _check_int(owner, "seed", self.seed, 0, 2**63 - 1)
+        if self.ranks_per_node is not None:
+            _check_int(owner, "ranks_per_node", self.ranks_per_node, 1)
+        # Building the specs validates bits, group sizes, rounding and scale dtype, and the
+        # error is re-raised under the QCommConfig field name the user actually set.
+        for prefix, build in (("weight", self.weight_spec), ("grad", self._grad_specs)):
+            try:
+                build()
+            except ValueError as e:
+                msg = str(e).replace("QuantSpec.", f"{owner}.{prefix}_")
+                msg = msg.replace(f"{owner}.{prefix}_scale_dtype", f"{owner}.scale_dtype")
+                raise ValueError(msg) from None
+        if self.grad_hadamard and self.grad_scheme == "none":
+            raise ValueError(
+                "QCommConfig.grad_hadamard=True needs a quantized gradient scheme; set "
+                "grad_scheme='one_level' or 'two_level'"
+            )
+
+    # ---- quantizers --------------------------------------------------------------------
+    def weight_spec(self) -> QuantSpec:
+        return QuantSpec(
+            bits=self.weight_bits, group_size=self.weight_group_size,
+            symmetric=self.weight_symmetric, rounding=self.weight_rounding,
+            scale_dtype=self.scale_dtype,
+        )
+
+    def _grad_spec(self, bits: int) -> QuantSpec:
+        return QuantSpec(
+            bits=bits, group_size=self.grad_group_size, symmetric=self.grad_symmetric,
+            rounding=self.grad_rounding, scale_dtype=self.scale_dtype,
+        )
+
+    def _grad_specs(self) -> tuple[QuantSpec, QuantSpec]:
+        return self._grad_spec(self.grad_intra_bits), self._grad_spec(self.grad_inter_bits)
+
+    def grad_intra_spec(self) -> QuantSpec:
+        """Quantizer of the intra-node hop (two-level scheme)."""
+        return self._grad_spec(self.grad_intra_bits)
+
+    def grad_inter_spec(self) -> QuantSpec:
+        """Quantizer of the inter-node hop, and of the single hop of the one-level scheme."""
+        return self._grad_spec(self.grad_inter_bits)
+
+    # ---- construction helpers ----------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "QCommConfig":
+        """A named configuration (``QCommConfig.PRESETS``), optionally with field overrides."""
+        if name not in cls.PRESETS:
+            raise ValueError(
+                f"unknown QCommConfig preset {name!r}; known presets: {', '.join(cls.PRESETS)}"
+            )
+        return cls.from_dict({**cls.PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "QCommConfig":
+        """Build from a plain dict (TOML, CLI), rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown QCommConfig field(s) {unknown}; known fields: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "QCommConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+__all__ = ["QuantSpec", "QCommConfig", "Rounding", "WeightScheme", "GradScheme"]

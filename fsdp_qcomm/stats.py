@@ -1,0 +1,72 @@
+"""Counters of what the hooks hand to the process group, per collective kind.
+
+A collective records, per call, the bytes of the input it passes to ``torch.distributed``
+(``sent_bytes``), the bytes of the output it receives into (``recv_bytes``), how many logical
+values those bytes carry (``elements``), and the bytes FSDP's own collective would have passed
+for the same call (``baseline_bytes``), so ratios and bits per element come from the same counts
+the tests check against the process group.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class KindStats:
+    calls: int = 0
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    elements: int = 0
+    baseline_bytes: int = 0
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8.0 * self.sent_bytes / self.elements if self.elements else 0.0
+
+    @property
+    def ratio_vs_baseline(self) -> float:
+        return self.sent_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["bits_per_element"] = self.bits_per_element
+        d["ratio_vs_baseline"] = self.ratio_vs_baseline
+        return d
+
+
+class CommStats:
+    """Thread-safe accumulator shared by all hooks of one ``enable`` handle."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kinds: dict[str, KindStats] = {}
+        self.notes: set[str] = set()
+
+    def record(
+        self, kind: str, *, sent_bytes: int, recv_bytes: int, elements: int, baseline_bytes: int
+    ) -> None:
+        with self._lock:
+            k = self._kinds.setdefault(kind, KindStats())
+            k.calls += 1
+            k.sent_bytes += int(sent_bytes)
+            k.recv_bytes += int(recv_bytes)
+            k.elements += int(elements)
+            k.baseline_bytes += int(baseline_bytes)
+
+    def note(self, text: str) -> None:
+        """Something the user should know (for example a module that fell back to FSDP's gather)."""
+        with self._lock:
+            self.notes.add(text)
+
+    def snapshot(self) -> dict:
+        """``{kind: {calls, sent_bytes, ..., bits_per_element, ratio_vs_baseline}, "notes": [...]}``."""
+        with self._lock:
+            out: dict = {k: v.as_dict() for k, v in sorted(self._kinds.items())}
+            out["notes"] = sorted(self.notes)
+            return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self._kinds.clear()

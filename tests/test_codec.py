@@ -1,0 +1,283 @@
+"""The torch codec against the wire format's definition and its error bounds."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_qcomm import QCommConfig, QuantSpec
+from fsdp_qcomm import codec
+from fsdp_qcomm.codec import RngKey, torch_codec, wire
+
+KEY = RngKey(seed=1, step=2, rank=3, bucket=4)
+
+
+def _groups(x: torch.Tensor, gs: int) -> torch.Tensor:
+    """[R, n] -> [R, G, gs] with the last group padded by its last value (like the encoder)."""
+    n = x.shape[-1]
+    G = -(-n // gs)
+    pad = x[:, -1:].expand(-1, G * gs - n)
+    return torch.cat((x, pad), 1).view(x.shape[0], G, gs)
+
+
+def _scale(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Per-element scale implied by the spec, [R, n]."""
+    g = _groups(x, spec.group_size)
+    if spec.symmetric:
+        s = g.abs().amax(-1) / spec.qmax
+    else:
+        s = (g.amax(-1) - g.amin(-1)) / spec.qmax
+    s = s.to(spec.torch_scale_dtype).float()
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return s[..., None].expand_as(g).reshape(x.shape[0], -1)[:, : x.shape[1]]
+
+
+def test_wire_size_formula():
+    spec = QuantSpec(bits=4, group_size=2048)
+    assert codec.wire_bytes(2048, spec) == 4 + 1024
+    assert codec.wire_bytes(1, spec) == 4 + 4  # 1 scale + 4 code bytes (8 padded codes), aligned
+    assert codec.wire_bytes(0, spec) == 0
+    spec8 = QuantSpec(bits=8, group_size=128, symmetric=False, scale_dtype="bfloat16")
+    assert codec.wire_bytes(1000, spec8) == 8 * 2 * 2 + 1000
+    spec3 = QuantSpec(bits=3, group_size=64)
+    assert codec.wire_bytes(100, spec3) == -(-(2 * 4 + 13 * 3) // 4) * 4
+    assert abs(codec.bits_per_element(2048 * 64, spec) - (4 + 32 / 2048)) < 1e-9
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+def test_pack_unpack_every_width(bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (3, 8 * 37), generator=g)
+    packed = torch_codec.pack_codes(codes, bits)
+    assert packed.shape == (3, 37 * bits) and packed.dtype == torch.uint8
+    assert torch.equal(torch_codec.unpack_codes(packed, bits).long(), codes)
+
+
+def test_nibble_layout_is_documented_one():
+    # Element 2j is the low nibble of byte j, element 2j+1 the high nibble.
+    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    assert torch_codec.pack_codes(codes, 4).tolist() == [[0x21, 0x43, 0x65, 0x87]]
+    # 3 bits: LSB-first bit stream.
+    codes = torch.tensor([[7, 0, 0, 0, 0, 0, 0, 1]])
+    assert torch_codec.pack_codes(codes, 3).tolist() == [[0x07, 0x00, 0x20]]
+
+
+def test_symmetric_levels_and_biased_storage():
+    spec = QuantSpec(bits=4, group_size=8, rounding="nearest")
+    x = torch.tensor([[-7.0, -3.0, 0.0, 1.0, 2.0, 3.0, 6.0, 7.0]])
+    data = codec.quantize(x, spec)
+    assert data[0, :4].view(torch.float32).item() == 1.0  # scale = absmax / 7
+    codes = torch_codec.unpack_codes(data[:, 4:8], 4)
+    assert codes.tolist() == [[0, 4, 7, 8, 9, 10, 13, 14]]
+    assert torch.equal(codec.dequantize(data, 8, spec), x)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nearest_round_trip_within_half_scale(bits, symmetric, dtype):
+    spec = QuantSpec(bits=bits, group_size=64, symmetric=symmetric, rounding="nearest")
+    x = (torch.randn(3, 1001, generator=torch.Generator().manual_seed(bits)) * 3).to(dtype)
+    y = codec.dequantize(codec.quantize(x, spec), 1001, spec)
+    xf = x.float()
+    err = (y - xf).abs()
+    bound = _scale(xf, spec) * 0.5 * (1 + 1e-5) + 1e-6
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_stochastic_error_below_one_scale(symmetric):
+    spec = QuantSpec(bits=4, group_size=128, symmetric=symmetric)
+    x = torch.randn(4, 777, generator=torch.Generator().manual_seed(0))
+    y = codec.dequantize(codec.quantize(x, spec, KEY), 777, spec)
+    assert bool(((y - x).abs() <= _scale(x, spec) * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_stochastic_rounding_is_unbiased(symmetric):
+    spec = QuantSpec(bits=2, group_size=64, symmetric=symmetric)
+    x = torch.randn(1, 640, generator=torch.Generator().manual_seed(5))
+    trials = 2000
+    acc = torch.zeros_like(x)
+    for s in range(trials):
+        acc += codec.dequantize(codec.quantize(x, spec, RngKey(0, s, 0, 0)), 640, spec)
+    mean_err = (acc / trials - x).abs()
+    # Per-element sd of the rounding is <= scale/2, so the mean of 2000 draws is within
+    # 5 sigma = 5 * scale / (2 * sqrt(2000)) ~= 0.056 scale; a biased rounder misses by ~0.25.
+    assert bool((mean_err <= 0.06 * _scale(x, spec)).all())
+    nearest = QuantSpec(bits=2, group_size=64, symmetric=symmetric, rounding="nearest")
+    bias = (codec.dequantize(codec.quantize(x, nearest), 640, nearest) - x).abs().mean()
+    assert mean_err.mean() < bias / 5
+
+
+def test_stochastic_is_deterministic_per_key_and_independent_across_keys():
+    spec = QuantSpec(bits=4, group_size=128)
+    x = torch.randn(2, 4096, generator=torch.Generator().manual_seed(1))
+    a = codec.quantize(x, spec, KEY)
+    assert torch.equal(a, codec.quantize(x, spec, KEY))
+    others = [KEY._replace(seed=9), KEY._replace(step=3), KEY._replace(rank=0), KEY._replace(bucket=5)]
+    for k in others:
+        b = codec.quantize(x, spec, k)
+        assert not torch.equal(a, b)
+    # Uniforms of different keys are uncorrelated and uniform.
+    c = torch.arange(1 << 16, dtype=torch.int64)
+    from fsdp_qcomm.codec.rng import uniform
+
+    u1, u2 = uniform(c, KEY), uniform(c, KEY._replace(step=3))
+    assert abs(u1.mean().item() - 0.5) < 0.01 and abs(u1.var().item() - 1 / 12) < 0.005
+    assert abs(torch.corrcoef(torch.stack([u1, u2]))[0, 1].item()) < 0.02
+    assert float(u1.min()) >= 0.0 and float(u1.max()) < 1.0
+
+
+def test_stochastic_needs_key():
+    with pytest.raises(ValueError, match="RngKey"):
+        codec.quantize(torch.ones(1, 8), QuantSpec())
+
+
+def test_all_zero_groups_and_constant_groups():
+    for sym in (True, False):
+        spec = QuantSpec(bits=4, group_size=8, symmetric=sym, rounding="nearest")
+        x = torch.zeros(2, 20)
+        x[1, 8:16] = 3.5
+        y = codec.dequantize(codec.quantize(x, spec), 20, spec)
+        assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_groups_decode_non_finite(symmetric, bad):
+    spec = QuantSpec(bits=4, group_size=16, symmetric=symmetric)
+    x = torch.randn(2, 50)
+    x[1, 20] = bad
+    y = codec.dequantize(codec.quantize(x, spec, KEY), 50, spec)
+    assert bool(torch.isnan(y[1, 16:32]).all())  # the group holding it
+    assert bool(torch.isfinite(y[0]).all()) and bool(torch.isfinite(y[1, :16]).all())
+    assert bool(torch.isfinite(y[1, 32:]).all())
+
+
+def test_hadamard_identity_and_orthogonality():
+    x = torch.randn(5, 96, dtype=torch.float64)
+    hx = torch_codec.hadamard32(x)
+    assert torch.allclose(torch_codec.hadamard32(hx) / 32, x)
+    # Against the Sylvester matrix.
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < 32:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    assert torch.allclose(hx.view(-1, 32), x.view(-1, 32) @ H.T)
+
+
+def test_hadamard_quantize_round_trip_and_smoothing():
+    # Stochastic rounding, as the gradient hops use: an outlier inflates its group's scale and
+    # the small values then round to +-scale at random; Hadamard spreads the outlier instead.
+    spec = QuantSpec(bits=4, group_size=128)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1000, generator=g) * 0.01
+    x[:, ::97] = 5.0
+    plain = codec.dequantize(codec.quantize(x, spec, KEY), 1000, spec)
+    data = codec.quantize(x, spec, KEY, hadamard=True)
+    assert data.shape[-1] == codec.wire_bytes(wire.hadamard_len(1000), spec)
+    had = codec.dequantize(data, 1000, spec, hadamard=True)
+    e_plain = (plain - x).norm() / x.norm()
+    e_had = (had - x).norm() / x.norm()
+    assert e_had < e_plain * 0.6
+
+
+def test_difference_and_accumulate():
+    spec = QuantSpec(bits=4, group_size=64, rounding="nearest")
+    ref = torch.randn(3, 200)
+    new = ref + 0.01 * torch.randn(3, 200)
+    data = codec.quantize(new, spec, ref=ref)
+    out = ref.clone()
+    codec.dequantize(data, 200, spec, out=out, accumulate=True)
+    d = new - ref
+    assert bool(((out - new).abs() <= _scale(d, spec) * 0.5 + 1e-6).all())
+    # Accumulating into a bf16 reference keeps its dtype.
+    ref16 = ref.bfloat16()
+    codec.dequantize(data, 200, spec, out=ref16, accumulate=True)
+    assert ref16.dtype == torch.bfloat16
+
+
+def test_reduce_requantize_and_reduce_dequantize_match_unfused():
+    s8 = QuantSpec(bits=8, group_size=128)
+    s4 = QuantSpec(bits=4, group_size=128)
+    k, n = 3, 320
+    xs = torch.randn(k, 2, n)
+    hops = torch.stack([codec.quantize(xs[j], s8, KEY._replace(rank=j), hadamard=True) for j in range(k)])
+    m = wire.hadamard_len(n)
+    fused = codec.reduce_requantize(hops, m, s8, s4, KEY)
+    acc = codec.dequantize(hops[0], m, s8)
+    for j in range(1, k):
+        acc = acc + codec.dequantize(hops[j], m, s8)
+    assert torch.equal(fused, codec.quantize(acc, s4, KEY))
+    final = codec.reduce_dequantize(fused.unsqueeze(0), n, s4, hadamard=True)
+    assert final.shape == (2, n)
+    rel = (final - xs.sum(0)).norm() / xs.sum(0).norm()
+    assert rel < 0.2
+
+
+def test_shapes_and_errors():
+    spec = QuantSpec(bits=4, group_size=8, rounding="nearest")
+    x = torch.randn(2, 3, 17)
+    data = codec.quantize(x, spec)
+    assert data.shape == (2, 3, codec.wire_bytes(17, spec))
+    assert codec.dequantize(data, 17, spec).shape == (2, 3, 17)
+    with pytest.raises(ValueError, match="bytes"):
+        codec.dequantize(data, 25, spec)
+    with pytest.raises(TypeError):
+        codec.quantize(torch.ones(4, dtype=torch.int32), spec)
+    with pytest.raises(ValueError, match="ref shape"):
+        codec.quantize(x, spec, ref=torch.zeros(17))
+
+
+def test_quantspec_and_config_validation_messages():
+    with pytest.raises(ValueError, match=r"QuantSpec.bits=9 .*\[2, 8\]"):
+        QuantSpec(bits=9)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        QuantSpec(group_size=100)
+    with pytest.raises(ValueError, match="rounding"):
+        QuantSpec(rounding="up")
+    with pytest.raises(ValueError, match="QCommConfig.weight_bits"):
+        QCommConfig(weight_bits=1)
+    with pytest.raises(ValueError, match="QCommConfig.grad_group_size"):
+        QCommConfig(grad_group_size=12)
+    with pytest.raises(ValueError, match="QCommConfig.weight_scheme"):
+        QCommConfig(weight_scheme="fancy")
+    with pytest.raises(ValueError, match="unknown QCommConfig preset"):
+        QCommConfig.preset("nope")
+    with pytest.raises(ValueError, match="unknown QCommConfig field"):
+        QCommConfig.from_dict({"weight_bitz": 4})
+    cfg = QCommConfig.preset("sdp4bit")
+    assert cfg.weight_scheme == "qwd" and cfg.grad_hadamard and cfg.weight_spec().group_size == 2048
+    assert cfg.grad_intra_spec().bits == 8 and cfg.grad_inter_spec().bits == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 700),
+    rows=st.integers(1, 3),
+    bits=st.integers(2, 8),
+    gs=st.sampled_from([8, 16, 64, 128, 136]),
+    symmetric=st.booleans(),
+    scale_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    mag=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_round_trip(n, rows, bits, gs, symmetric, scale_dtype, mag, seed):
+    spec = QuantSpec(bits=bits, group_size=gs, symmetric=symmetric, rounding="nearest",
+                     scale_dtype=scale_dtype)
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * mag
+    data = codec.quantize(x, spec)
+    assert data.shape == (rows, codec.wire_bytes(n, spec))
+    y = codec.dequantize(data, n, spec)
+    # Low-precision scales are rounded, which may clip the extreme value by up to one ulp of
+    # the scale dtype relative to absmax (2^-8 for bf16): allow that on top of half a step.
+    s = _scale(x, spec)
+    ulp = {"float32": 0.0, "bfloat16": 2**-8, "float16": 2**-11}[scale_dtype]
+    g = _groups(x, gs)
+    rng = (g.abs().amax(-1) if symmetric else g.amax(-1) - g.amin(-1))
+    rng = rng[..., None].expand_as(g).reshape(rows, -1)[:, :n]
+    bound = 0.5 * s * (1 + 1e-5) + ulp * rng * 2 + 1e-30
+    assert bool(((y - x).abs() <= bound).all())
+    assert math.isfinite(float(y.abs().max()))
