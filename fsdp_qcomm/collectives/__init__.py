@@ -1,0 +1,1 @@
+"""Quantized collectives on process groups, usable without FSDP."""

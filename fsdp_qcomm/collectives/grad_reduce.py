@@ -1,0 +1,298 @@
+"""Quantized reduce-scatter of gradients over a process group (no FSDP needed).
+
+Same contract as ``dist.reduce_scatter_single(output, input, op, group)``: row ``j`` of
+``input.view(world, m)`` is reduced into group rank ``j``'s ``output`` (``m`` values). The
+reduction is replaced by all-to-alls of quantized rows (``fsdp_qcomm.codec``) and sums in fp32:
+
+one level (QSDP / ZeRO++-style, ``grad_scheme="one_level"``)
+    quantize every destination row with ``grad_inter_spec()``, one ``all_to_all_single`` over the
+    group, dequantize the ``world`` received rows and sum them.
+
+two level (SDP4Bit TLq, ``grad_scheme="two_level"``)
+    with the group laid out as ``nodes x local`` (``topology``):
+    hop 1, inside the node, ``grad_intra_spec()`` (8 bits): local peer ``p`` receives the rows
+    of every rank whose local index is ``p`` (ordered by node). It sums the ``local`` copies it
+    receives and re-quantizes each of those ``nodes`` rows with ``grad_inter_spec()`` (4 bits).
+    hop 2, across nodes, among the ranks sharing a local index: node ``q`` receives the row of
+    rank ``(q, p)``, which is that rank's own shard, summed over nodes.
+    One node degenerates to hop 1 alone (intra spec), one rank per node to hop 2 alone (inter
+    spec), a group of one to a copy.
+
+``grad_hadamard`` (TLq-HS) rotates 32-element blocks before the first quantization and undoes
+the rotation once after the final sum; the partial sums of hop 1 stay rotated (sums commute with
+the rotation). Rows are zero-padded to whole 32-blocks on the wire.
+
+Pipelining: the columns of ``input.view(world, m)`` are split into ``grad_pipeline_chunks``
+spans aligned to whole quantization groups (and Hadamard blocks), so the group boundaries and
+the bytes on the wire do not depend on the chunk count. Hop 1 of span ``c + 1`` is in flight
+while span ``c`` is re-quantized and its hop 2 runs (asynchronous ``all_to_all_single`` on two
+different subgroups).
+
+Every rank quantizes its own row too and sends it to itself through the all-to-all, so the row
+for oneself is counted in the bytes sent and carries quantization noise like the others.
+
+Ops: SUM, AVG (sum / world) and PREMUL_SUM (sum * factor; its factor may be a float or a
+tensor). The factor is applied once to the fp32 sum before it is written: absmax quantization is
+scale-equivariant, so this equals pre-multiplying the gradients. Non-finite inputs stay
+non-finite: a quantization group holding NaN/inf is sent with a NaN scale (``codec.wire``), so
+the reduced shard holds NaN wherever an input group did.
+
+Stats (``CommStats``), one record per call and hop, summed over chunks:
+kind ``"grad_intra"`` for a hop whose peers all share a node, ``"grad_inter"`` for one that
+crosses nodes. Two-level records both; the one-level hop is ``"grad_intra"`` only when the whole
+group sits on one node, else ``"grad_inter"`` (also when node placement is unknown).
+``sent_bytes`` / ``recv_bytes``: bytes of the send / receive buffers handed to
+``all_to_all_single`` (all rows, the row for oneself included); ``elements``: logical values those
+rows carry (before Hadamard padding); ``baseline_bytes``: what ``reduce_scatter_single`` would
+have been passed (``input.numel() * input.element_size()``), recorded on every kind, so do not
+add baselines across kinds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from .. import codec
+from ..codec import RngKey
+from ..codec.wire import HADAMARD_BLOCK
+from ..config import QCommConfig, QuantSpec
+from ..stats import CommStats
+from .topology import group_layout, known_ranks_per_node, node_topology
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# One quantize call may cover at most 2^32 RNG counters (codec.rng); stay well below.
+_MAX_CALL_ELEMENTS = 1 << 31
+
+Finish = Optional[Callable[[torch.Tensor], torch.Tensor]]
+
+
+def reduce_op_finisher(op: Union[ReduceOp, "ReduceOp.RedOpType"], world: int) -> Finish:
+    """What to apply to the fp32 sum for ``op``: None (SUM), ``/ world`` (AVG) or ``* factor``
+    (PREMUL_SUM). Any other op is an error: min/max/product do not commute with quantization."""
+    if op == ReduceOp.SUM:
+        return None
+    if op == ReduceOp.AVG:
+        return lambda t: t.div_(world)
+    if op == ReduceOp.PREMUL_SUM:
+        try:
+            factor = op.factor
+        except (AttributeError, RuntimeError):
+            raise ValueError(
+                "ReduceOp.PREMUL_SUM needs its factor: build the op with "
+                "ReduceOp.PREMUL_SUM(factor) (FSDP does) instead of passing the bare enum"
+            ) from None
+        if isinstance(factor, torch.Tensor):
+            return lambda t: t.mul_(factor.to(device=t.device, dtype=torch.float32))
+        return lambda t: t.mul_(float(factor))
+    raise ValueError(
+        f"quantized reduce-scatter supports ReduceOp SUM, AVG and PREMUL_SUM, got {op!r}; "
+        "use dist.reduce_scatter_single for other ops"
+    )
+
+
+def chunk_spans(m: int, chunks: int, align: int) -> list[tuple[int, int]]:
+    """Split ``[0, m)`` into at most ``chunks`` spans whose starts are multiples of ``align``."""
+    if m == 0:
+        return []
+    width = -(-m // chunks)
+    width = -(-width // align) * align
+    return [(a, min(a + width, m)) for a in range(0, m, width)]
+
+
+@dataclass(frozen=True)
+class _Hop:
+    """One all-to-all: its group, quantizer and stats kind."""
+
+    group: Optional[ProcessGroup]
+    spec: QuantSpec
+    kind: str
+
+
+@dataclass
+class _Tally:
+    sent: int = 0
+    recv: int = 0
+
+
+def reduce_scatter_quantized(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[ProcessGroup],
+    config: QCommConfig,
+    key: RngKey,
+    *,
+    op: Union[ReduceOp, "ReduceOp.RedOpType"] = ReduceOp.SUM,
+    stats: Optional[CommStats] = None,
+) -> None:
+    """Quantized ``reduce_scatter_single``: writes this rank's reduced shard into ``output``.
+
+    Blocking (returns once ``output`` is written). Collective over ``group`` (None: the default
+    group); on its first use with a two-level config it also creates the node subgroups
+    (``topology.node_topology``). ``key`` seeds stochastic rounding: the same key and inputs give
+    the same bits; pass a fresh key (``RngKey(seed, step, rank, bucket)``) every call.
+    """
+    if config.grad_scheme == "none":
+        raise ValueError(
+            "QCommConfig.grad_scheme='none' does not quantize gradients; use "
+            "dist.reduce_scatter_single, or set grad_scheme='one_level' or 'two_level'"
+        )
+    world = dist.get_world_size(group)
+    m = output.numel()
+    _check_buffers(output, input, world)
+    finish = reduce_op_finisher(op, world)
+    if m == 0:
+        return
+    x = input.reshape(world, m)
+    if world == 1:
+        res = x[0].to(torch.float32)
+        output.view(-1).copy_(finish(res.clone()) if finish is not None else res)
+        return
+
+    hadamard = config.grad_hadamard
+    align = math.lcm(config.grad_group_size, HADAMARD_BLOCK) if hadamard else config.grad_group_size
+    padded = codec.hadamard_len(m) if hadamard else m
+    chunks = max(config.grad_pipeline_chunks, -(-world * padded // _MAX_CALL_ELEMENTS))
+    spans = chunk_spans(m, chunks, align)
+    out = output.view(-1)
+    baseline = input.numel() * input.element_size()
+
+    if config.grad_scheme == "two_level":
+        topo = node_topology(group, config.ranks_per_node)
+        lay = topo.layout
+        if lay.num_nodes > 1 and lay.local_size > 1:
+            hop1 = _Hop(topo.intra, config.grad_intra_spec(), "grad_intra")
+            hop2 = _Hop(topo.inter, config.grad_inter_spec(), "grad_inter")
+            perm = _hop1_perm(tuple(lay.hop1_order()), input.device)
+            t1, t2 = _two_hops(out, x, spans, hop1, hop2, perm, lay.local_size, lay.num_nodes,
+                               hadamard, key, finish)
+            if stats is not None:
+                stats.record(hop1.kind, sent_bytes=t1.sent, recv_bytes=t1.recv,
+                             elements=world * m, baseline_bytes=baseline)
+                stats.record(hop2.kind, sent_bytes=t2.sent, recv_bytes=t2.recv,
+                             elements=lay.num_nodes * m, baseline_bytes=baseline)
+            return
+        if lay.num_nodes == 1:
+            hop = _Hop(group, config.grad_intra_spec(), "grad_intra")
+        else:
+            hop = _Hop(group, config.grad_inter_spec(), "grad_inter")
+    else:
+        hop = _Hop(group, config.grad_inter_spec(), _one_level_kind(group, config))
+    t = _one_hop(out, x, spans, hop, hadamard, key, finish)
+    if stats is not None:
+        stats.record(hop.kind, sent_bytes=t.sent, recv_bytes=t.recv, elements=world * m,
+                     baseline_bytes=baseline)
+
+
+def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int) -> None:
+    for name, t in (("input", input), ("output", output)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"quantized reduce-scatter {name} must be float32/bfloat16/float16, got {t.dtype}")
+    if input.numel() != world * output.numel():
+        raise ValueError(
+            f"input has {input.numel()} elements but a group of {world} with an output of "
+            f"{output.numel()} needs {world * output.numel()}"
+        )
+    if not output.is_contiguous():
+        raise ValueError("output must be contiguous: the reduced shard is written into it in place")
+    if input.device != output.device:
+        raise ValueError(f"input is on {input.device} but output on {output.device}")
+
+
+_PERMS: dict[tuple, torch.Tensor] = {}
+
+
+def _hop1_perm(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Row order of hop 1's send buffer as an index tensor, built once per layout and device."""
+    k = (order, str(device))
+    t = _PERMS.get(k)
+    if t is None:
+        t = _PERMS[k] = torch.tensor(order, dtype=torch.long, device=device)
+    return t
+
+
+def _one_level_kind(group: Optional[ProcessGroup], config: QCommConfig) -> str:
+    rpn = known_ranks_per_node(config.ranks_per_node)
+    if rpn is None:
+        return "grad_inter"  # placement unknown: count the hop as crossing nodes
+    lay = group_layout(group, rpn)
+    return "grad_intra" if lay.num_nodes == 1 else "grad_inter"
+
+
+def _a2a(send: torch.Tensor, group: Optional[ProcessGroup], tally: _Tally):
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    tally.sent += send.numel() * send.element_size()
+    tally.recv += recv.numel() * recv.element_size()
+    return work, recv
+
+
+def _write(out: torch.Tensor, res: torch.Tensor, finish: Finish) -> None:
+    if finish is not None:
+        res = finish(res)
+    out.copy_(res.view(-1))
+
+
+def _one_hop(out, x, spans, hop: _Hop, hadamard: bool, key: RngKey, finish: Finish) -> _Tally:
+    """Single all-to-all: row j of every span goes to group rank j; the transfer of span c
+    overlaps quantizing span c + 1."""
+    tally = _Tally()
+    pending = None
+    for c, (a, b) in enumerate(spans):
+        send = codec.quantize(x[:, a:b], hop.spec, key.fold(c).fold(1), hadamard=hadamard)
+        work, recv = _a2a(send, hop.group, tally)
+        if pending is not None:
+            _finish_last_hop(out, pending, hop.spec, hadamard, finish)
+        pending = (work, send, recv, a, b)
+    _finish_last_hop(out, pending, hop.spec, hadamard, finish)
+    return tally
+
+
+def _finish_last_hop(out, pending, spec: QuantSpec, hadamard: bool, finish: Finish) -> None:
+    work, _send, recv, a, b = pending
+    work.wait()
+    res = codec.reduce_dequantize(recv, b - a, spec, hadamard=hadamard)
+    _write(out[a:b], res, finish)
+
+
+def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: int, nodes: int,
+              hadamard: bool, key: RngKey, finish: Finish) -> tuple[_Tally, _Tally]:
+    """Intra-node all-to-all, sum + re-quantize, inter-node all-to-all, sum.
+
+    Send buffer of hop 1: ``[local, nodes, W1]``, block ``p`` = rows of the ranks with local
+    index ``p``. Its receive buffer ``[local (source), nodes, W1]`` reduces to ``[nodes, W2]``,
+    row ``q`` = partial sum for rank ``(q, my local index)``, which is hop 2's send buffer.
+    """
+    t1, t2 = _Tally(), _Tally()
+
+    def start_hop1(c: int):
+        a, b = spans[c]
+        wire = codec.quantize(x[:, a:b], hop1.spec, key.fold(c).fold(1), hadamard=hadamard)
+        send = wire.index_select(0, perm).view(local, nodes, wire.shape[-1])
+        work, recv = _a2a(send, hop1.group, t1)
+        return work, send, recv
+
+    in_hop1 = start_hop1(0)
+    in_hop2 = None
+    for c, (a, b) in enumerate(spans):
+        cur = in_hop1
+        if c + 1 < len(spans):
+            in_hop1 = start_hop1(c + 1)
+        work, _send, recv = cur
+        work.wait()
+        n = codec.hadamard_len(b - a) if hadamard else b - a
+        send2 = codec.reduce_requantize(recv, n, hop1.spec, hop2.spec, key.fold(c).fold(2))
+        work2, recv2 = _a2a(send2, hop2.group, t2)
+        if in_hop2 is not None:
+            _finish_last_hop(out, in_hop2, hop2.spec, hadamard, finish)
+        in_hop2 = (work2, send2, recv2, a, b)
+    _finish_last_hop(out, in_hop2, hop2.spec, hadamard, finish)
+    return t1, t2
+
+
+__all__ = ["chunk_spans", "reduce_op_finisher", "reduce_scatter_quantized"]

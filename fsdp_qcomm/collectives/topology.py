@@ -1,0 +1,242 @@
+"""Which ranks of a process group share a node, and the subgroups a two-level collective uses.
+
+A node is a block of ``ranks_per_node`` consecutive global ranks (what torchrun and SLURM block
+placement give): global rank ``g`` lives on node ``g // ranks_per_node``. ``ranks_per_node``
+comes from ``QCommConfig.ranks_per_node`` when set, else from ``LOCAL_WORLD_SIZE`` (set by
+torchrun), so one machine can pretend to be several nodes in tests.
+
+The members of a process group are arranged as a grid ``nodes x local``: nodes in order of node
+id, and inside a node the members in order of global rank. ``grid[q][p]`` is the group rank of
+the ``p``-th member on the ``q``-th node. The intra-node subgroup of a rank holds row ``q`` of
+the grid, its inter-node subgroup column ``p``; ``torch.distributed.new_group`` orders members by
+global rank, which is exactly the grid order, so subgroup rank ``p`` (intra) and ``q`` (inter)
+index the grid directly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+_ENV = "LOCAL_WORLD_SIZE"
+
+
+def known_ranks_per_node(ranks_per_node: Optional[int]) -> Optional[int]:
+    """``ranks_per_node`` if given, else ``LOCAL_WORLD_SIZE``, else None (placement unknown)."""
+    if ranks_per_node is None and _ENV not in os.environ:
+        return None
+    return resolve_ranks_per_node(ranks_per_node)
+
+
+def resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
+    """``ranks_per_node`` if given, else ``LOCAL_WORLD_SIZE``; a clear error when neither is set."""
+    if ranks_per_node is not None:
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        return ranks_per_node
+    raw = os.environ.get(_ENV)
+    if raw is None:
+        raise ValueError(
+            f"cannot tell which ranks share a node: {_ENV} is not set (torchrun sets it); "
+            "set QCommConfig.ranks_per_node to the number of ranks on each node"
+        )
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{_ENV}={raw!r} is not a positive integer; fix it or set QCommConfig.ranks_per_node")
+    return value
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The members of one process group laid out by node (see the module docstring).
+
+    ``nodes[q]`` lists the group ranks on the ``q``-th node, in global-rank order. The layout is
+    ``regular`` when every node holds the same number of members; only then does ``grid``-based
+    two-level routing apply.
+    """
+
+    global_ranks: tuple[int, ...]
+    ranks_per_node: int
+    nodes: tuple[tuple[int, ...], ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.global_ranks)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def regular(self) -> bool:
+        return len({len(n) for n in self.nodes}) == 1
+
+    @property
+    def local_size(self) -> int:
+        if not self.regular:
+            raise ValueError(self._irregular_message())
+        return len(self.nodes[0])
+
+    def position(self, group_rank: int) -> tuple[int, int]:
+        """(node index q, local index p) of a group rank."""
+        for q, members in enumerate(self.nodes):
+            if group_rank in members:
+                return q, members.index(group_rank)
+        raise ValueError(f"group rank {group_rank} is not in this layout of {self.size} ranks")
+
+    def hop1_order(self) -> list[int]:
+        """Group ranks in the order of the intra-node send buffer: for local peer ``p`` (outer),
+        the rows of every rank with local index ``p``, by node (inner)."""
+        L = self.local_size
+        return [self.nodes[q][p] for p in range(L) for q in range(self.num_nodes)]
+
+    def _irregular_message(self) -> str:
+        counts = {self.global_ranks[m[0]] // self.ranks_per_node: len(m) for m in self.nodes}
+        return (
+            f"the process group's {self.size} ranks are spread unevenly over nodes "
+            f"(members per node id: {counts}, ranks_per_node={self.ranks_per_node}); two-level "
+            "reduction needs the same number on every node. Use grad_scheme='one_level' for this "
+            "group or fix QCommConfig.ranks_per_node"
+        )
+
+
+def plan_layout(global_ranks: list[int] | tuple[int, ...], rank: int, ranks_per_node: int) -> NodeLayout:
+    """The layout of a group whose group rank ``i`` is global rank ``global_ranks[i]``.
+
+    Pure function (no communication); ``rank`` is the caller's group rank.
+    """
+    ranks = tuple(int(g) for g in global_ranks)
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"global ranks must be distinct, got {list(ranks)}")
+    if not 0 <= rank < len(ranks):
+        raise ValueError(f"group rank {rank} is outside a group of {len(ranks)}")
+    by_node: dict[int, list[int]] = {}
+    for i in sorted(range(len(ranks)), key=lambda i: ranks[i]):
+        by_node.setdefault(ranks[i] // ranks_per_node, []).append(i)
+    nodes = tuple(tuple(by_node[k]) for k in sorted(by_node))
+    return NodeLayout(ranks, ranks_per_node, nodes, rank)
+
+
+def group_layout(group: Optional[ProcessGroup], ranks_per_node: Optional[int]) -> NodeLayout:
+    """The layout of ``group`` (None: the default group); ``ranks_per_node`` None reads
+    ``LOCAL_WORLD_SIZE``. Checks it against the world size. No communication."""
+    rpn = resolve_ranks_per_node(ranks_per_node)
+    world = dist.get_world_size()
+    if world % rpn:
+        raise ValueError(
+            f"ranks_per_node={rpn} does not divide the world size {world}; every node must run "
+            "the same number of ranks. Set QCommConfig.ranks_per_node (or LOCAL_WORLD_SIZE) to a "
+            "divisor of the world size"
+        )
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return plan_layout(ranks, dist.get_rank(group), rpn)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A group's layout plus the caller's two subgroups.
+
+    ``intra``: the members on the caller's node; ``inter``: the members sharing the caller's
+    local index. Both are None when the layout needs a single hop (one node, or one member per
+    node), which runs over the group itself.
+    """
+
+    layout: NodeLayout
+    intra: Optional[ProcessGroup]
+    inter: Optional[ProcessGroup]
+
+
+_CACHE: dict[tuple, Topology] = {}
+
+
+def _alive(pg: Optional[ProcessGroup]) -> bool:
+    if pg is None:
+        return True
+    try:
+        dist.get_process_group_ranks(pg)
+        return True
+    except (ValueError, KeyError, RuntimeError):
+        return False
+
+
+def node_topology(group: Optional[ProcessGroup], ranks_per_node: Optional[int]) -> Topology:
+    """The layout and subgroups of ``group``, created on first use and cached per
+    (group, ranks_per_node).
+
+    Collective on first use: every member of ``group`` must call it, in the same order relative
+    to other collectives on ``group``. When ``group`` is the whole world, every rank creates all
+    subgroups with ``new_group`` in one fixed order (intra groups by node, then inter groups by
+    local index). For a smaller group the non-members cannot be made to join, so each member
+    creates only its own two subgroups with ``use_local_synchronization=True``, which names the
+    group by its ranks; the members must then have created the same number of process groups
+    before (true for SPMD programs).
+    """
+    layout = group_layout(group, ranks_per_node)
+    pg = group if group is not None else dist.group.WORLD
+    cache_key = (pg.group_name, layout.global_ranks, layout.ranks_per_node)
+    hit = _CACHE.get(cache_key)
+    if hit is not None and _alive(hit.intra) and _alive(hit.inter):
+        return hit
+    if not layout.regular:
+        raise ValueError(layout._irregular_message())
+    L, N = layout.local_size, layout.num_nodes
+    q_me, p_me = layout.position(layout.rank)
+    if L == 1 or N == 1:  # one hop over the group itself: no subgroups to create
+        topo = Topology(layout, None, None)
+        _CACHE[cache_key] = topo
+        return topo
+    g = layout.global_ranks
+    intra_sets = [[g[r] for r in layout.nodes[q]] for q in range(N)]
+    inter_sets = [[g[layout.nodes[q][p]] for q in range(N)] for p in range(L)]
+    whole_world = len(g) == dist.get_world_size()
+    intra = inter = None
+    for kind, sets, mine in (("intra", intra_sets, q_me), ("inter", inter_sets, p_me)):
+        for i, ranks in enumerate(sets):
+            if not whole_world and i != mine:
+                continue
+            sub = dist.new_group(
+                ranks, use_local_synchronization=not whole_world, group_desc=f"qcomm_grad_{kind}"
+            )
+            if i == mine:
+                if kind == "intra":
+                    intra = sub
+                else:
+                    inter = sub
+    topo = Topology(layout, intra, inter)
+    _check_subgroup_order(topo, q_me, p_me)
+    _CACHE[cache_key] = topo
+    return topo
+
+
+def _check_subgroup_order(topo: Topology, q: int, p: int) -> None:
+    """The routing relies on subgroup ranks following the grid; fail loudly if they do not."""
+    lay = topo.layout
+    if topo.intra is not None:
+        want = [lay.global_ranks[r] for r in lay.nodes[q]]
+        got = dist.get_process_group_ranks(topo.intra)
+        if got != want:
+            raise RuntimeError(f"intra-node subgroup ranks {got} do not follow the node layout {want}")
+    if topo.inter is not None:
+        want = [lay.global_ranks[lay.nodes[k][p]] for k in range(lay.num_nodes)]
+        got = dist.get_process_group_ranks(topo.inter)
+        if got != want:
+            raise RuntimeError(f"inter-node subgroup ranks {got} do not follow the node layout {want}")
+
+
+__all__ = [
+    "NodeLayout",
+    "Topology",
+    "group_layout",
+    "known_ranks_per_node",
+    "node_topology",
+    "plan_layout",
+    "resolve_ranks_per_node",
+]

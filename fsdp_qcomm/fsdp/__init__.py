@@ -1,0 +1,1 @@
+"""FSDP2 hooks: custom all-gather / reduce-scatter classes and enable()."""

@@ -1,0 +1,69 @@
+"""FSDP2's reduce-scatter replaced by the quantized one (``collectives.grad_reduce``).
+
+FSDP2 hands its reduce-scatter hook the flat gradient buffer ``input_tensor`` (``world * m``
+values in ``reduce_dtype``; row ``j`` of ``input_tensor.view(world, m)`` belongs to rank ``j``),
+the output shard, the shard process group and the reduce op: ``AVG`` by default, ``SUM`` after
+``set_force_sum_reduction_for_comms(True)``, ``PREMUL_SUM(1 / factor)`` after
+``set_gradient_divide_factor(factor)`` (all three are handled, gloo included). FSDP ignores the
+hook's return value unless it is a ``dist.Work``, so the call finishes before returning.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from ..codec import RngKey
+from ..collectives.grad_reduce import reduce_scatter_quantized
+from ..config import QCommConfig
+from ..stats import CommStats
+
+
+class QuantizedReduceScatter(ReduceScatter):
+    """The reduce-scatter of one FSDP module, with quantized gradients.
+
+    ``bucket`` (the module's index) and a per-instance call counter key the stochastic
+    rounding: call ``i`` of bucket ``b`` on global rank ``r`` uses
+    ``RngKey(config.seed, i, r, b)``, so the same run twice sends the same bits. ``call_count``
+    is public so a resumed run can restore it.
+    """
+
+    def __init__(self, config: QCommConfig, stats: CommStats, bucket: int) -> None:
+        if config.grad_scheme == "none":
+            raise ValueError(
+                "QuantizedReduceScatter needs QCommConfig.grad_scheme 'one_level' or "
+                "'two_level'; with 'none' keep FSDP's own reduce-scatter"
+            )
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+            raise ValueError(f"bucket must be a non-negative int (the module index), got {bucket!r}")
+        self.config = config
+        self.stats = stats
+        self.bucket = bucket
+        self.call_count = 0
+
+    def allocate(
+        self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: ProcessGroup,
+        op: Union[ReduceOp, "ReduceOp.RedOpType"],
+        async_op: bool = False,
+    ) -> None:
+        key = RngKey(self.config.seed, self.call_count, dist.get_rank(), self.bucket)
+        self.call_count += 1
+        reduce_scatter_quantized(
+            output_tensor, input_tensor, group, self.config, key, op=op, stats=self.stats
+        )
+        return None
+
+
+__all__ = ["QuantizedReduceScatter"]
