@@ -5,8 +5,8 @@
 ``init_process_group("gloo")`` and returns the list of results by rank. Processes come from a
 forkserver that imported torch once: a fresh interpreter per rank spends seconds importing torch
 on a loaded 2-core machine, a fork from the server milliseconds, and the server itself is a clean
-single-threaded process (unlike the pytest process, which is unsafe to fork). A rank that raises makes
-``run`` raise with that rank's traceback; a rank that hangs makes it raise after ``timeout``
+single-threaded process (unlike the pytest process, which is unsafe to fork). A rank that raises
+makes ``run`` raise with that rank's traceback; a rank that hangs makes it raise after ``timeout``
 seconds. Processes are started here and stopped here, by handle, never left running.
 ``fn`` must be a module-level function (it is pickled by reference).
 """
@@ -99,7 +99,8 @@ def run(
             try:
                 rank, ok, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in got]
                 if dead:
                     raise RuntimeError(
                         f"{fn.__name__}: rank(s) {dead} exited with code "

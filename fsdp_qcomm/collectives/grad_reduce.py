@@ -192,7 +192,9 @@ def reduce_scatter_quantized(
 def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int) -> None:
     for name, t in (("input", input), ("output", output)):
         if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"quantized reduce-scatter {name} must be float32/bfloat16/float16, got {t.dtype}")
+            raise TypeError(
+                f"quantized reduce-scatter {name} must be float32/bfloat16/float16, got {t.dtype}"
+            )
     if input.numel() != world * output.numel():
         raise ValueError(
             f"input has {input.numel()} elements but a group of {world} with an output of "

@@ -35,7 +35,8 @@ def known_ranks_per_node(ranks_per_node: Optional[int]) -> Optional[int]:
 def resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
     """``ranks_per_node`` if given, else ``LOCAL_WORLD_SIZE``; a clear error when neither is set."""
     if ranks_per_node is not None:
-        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        bad = isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+        if bad or ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
         return ranks_per_node
     raw = os.environ.get(_ENV)
@@ -49,7 +50,9 @@ def resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"{_ENV}={raw!r} is not a positive integer; fix it or set QCommConfig.ranks_per_node")
+        raise ValueError(
+            f"{_ENV}={raw!r} is not a positive integer; fix it or set QCommConfig.ranks_per_node"
+        )
     return value
 
 
@@ -108,7 +111,9 @@ class NodeLayout:
         )
 
 
-def plan_layout(global_ranks: list[int] | tuple[int, ...], rank: int, ranks_per_node: int) -> NodeLayout:
+def plan_layout(
+    global_ranks: list[int] | tuple[int, ...], rank: int, ranks_per_node: int
+) -> NodeLayout:
     """The layout of a group whose group rank ``i`` is global rank ``global_ranks[i]``.
 
     Pure function (no communication); ``rank`` is the caller's group rank.
@@ -223,12 +228,12 @@ def _check_subgroup_order(topo: Topology, q: int, p: int) -> None:
         want = [lay.global_ranks[r] for r in lay.nodes[q]]
         got = dist.get_process_group_ranks(topo.intra)
         if got != want:
-            raise RuntimeError(f"intra-node subgroup ranks {got} do not follow the node layout {want}")
+            raise RuntimeError(f"intra-node subgroup ranks {got} do not follow the layout {want}")
     if topo.inter is not None:
         want = [lay.global_ranks[lay.nodes[k][p]] for k in range(lay.num_nodes)]
         got = dist.get_process_group_ranks(topo.inter)
         if got != want:
-            raise RuntimeError(f"inter-node subgroup ranks {got} do not follow the node layout {want}")
+            raise RuntimeError(f"inter-node subgroup ranks {got} do not follow the layout {want}")
 
 
 __all__ = [

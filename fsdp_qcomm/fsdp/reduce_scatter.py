@@ -39,7 +39,7 @@ class QuantizedReduceScatter(ReduceScatter):
                 "'two_level'; with 'none' keep FSDP's own reduce-scatter"
             )
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
-            raise ValueError(f"bucket must be a non-negative int (the module index), got {bucket!r}")
+            raise ValueError(f"bucket must be a non-negative int (module index), got {bucket!r}")
         self.config = config
         self.stats = stats
         self.bucket = bucket
