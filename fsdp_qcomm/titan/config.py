@@ -7,14 +7,16 @@ TOML values first, then CLI flags (``--qcomm.weight_bits 8``) win.
 The section is *generated* from the fields of ``QCommConfig`` (:func:`qcomm_config_class`), so
 it cannot drift from the library's configuration:
 
-* ``preset`` (str, default ``"baseline"``) names ``QCommConfig.preset(name)``;
+* ``preset`` (str, default ``"baseline"``) names ``QCommConfig.preset(name)``, a dataclass
+  instance with a ``PRESETS`` mapping of known names;
 * every ``QCommConfig`` field ``f`` becomes an optional override ``f`` (default: unset, meaning
   "whatever the preset says"), with the same type.
 
 Values are checked when the section is built (TOML) and again after CLI overrides: each value
 must have its field's type (TOML values bypass tyro's parsing, so this is checked here), and the
 resolved ``QCommConfig.preset(preset, **overrides)`` must construct, which runs the library's own
-range checks. Errors name the section and field, e.g. ``[qcomm] weight_bits=99: ...``. Unknown
+range checks. (Resolution is ``dataclasses.replace(QCommConfig.preset(preset), **overrides)``.)
+Errors name the section and field, e.g. ``[qcomm] weight_bits=99: ...``. Unknown
 keys are rejected by torchtitan (``Invalid field names in ... {'foo'}``) and by tyro
 (``Unrecognized options: --qcomm.foo``).
 
@@ -125,8 +127,14 @@ def _section_overrides(self) -> dict:
 
 
 def _section_resolve(self):
-    """The ``QCommConfig`` this section describes: ``preset(preset, **overrides)``."""
-    return self._source.preset(self.preset, **self.overrides())
+    """The ``QCommConfig`` this section describes: the preset with the overrides applied.
+
+    ``dataclasses.replace`` rather than ``preset(name, **overrides)`` so that a field called
+    ``name`` cannot collide with ``preset``'s parameter; both construct (and validate) anew.
+    """
+    base = self._source.preset(self.preset)
+    overrides = self.overrides()
+    return dataclasses.replace(base, **overrides) if overrides else base
 
 
 def make_section_class(source: Optional[type] = None, name: str = "QComm") -> type:

@@ -42,6 +42,11 @@ class GPTModelArgs(TransformerModelArgs):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         super().update_from_config(job_config, **kwargs)
+        # llama3 sizes the RoPE table to training.seq_len; a longer validation.seq_len would
+        # trip an assertion inside the first validation forward.
+        val = getattr(job_config, "validation", None)
+        if val is not None and val.enable and val.seq_len > self.max_seq_len:
+            self.max_seq_len = val.seq_len
         from fsdp_qcomm.titan.data import tokenizer_vocab_size
 
         try:
