@@ -6,7 +6,8 @@ installs *unquantized* custom collectives on every FSDP module: real gloo all-ga
 reduce-scatters that count the bytes each rank sends and receives. That lets the tests check,
 without the library, that (1) the parallelize wrapper installs hooks and FSDP calls them, and
 (2) the metrics pipeline reports exactly ratio 1.0 / 32 bits per element for a plain fp32
-exchange, i.e. that the unquantized reference in ``comm_stats`` counts what FSDP sends.
+exchange, i.e. that the unquantized reference in ``comm_stats`` counts what FSDP sends, and
+(3) FSDP hands the reduce-scatter ``ReduceOp.SUM``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class CountingReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        # The plug-in forces FSDP's sum reduction (gloo rejects PREMUL_SUM); torchtitan has
+        # already divided the loss by the global token count, so a hook must SUM, not average.
+        if not op == dist.ReduceOp.SUM:
+            raise AssertionError(f"expected ReduceOp.SUM from FSDP, got {op!r}")
         w = group.size()
         nbytes = output_tensor.numel() * output_tensor.element_size()
         self.counts["bytes_sent"] += (w - 1) * nbytes
