@@ -317,7 +317,8 @@ class QCommMetricsProcessor(MetricsProcessor):
         lbs = job_config.training.local_batch_size
         if gbs <= 0:
             return 1
-        degree = parallel_dims.dp_replicate * parallel_dims.dp_shard if parallel_dims.dp_enabled else 1
+        # as in torchtitan's Trainer: the "batch" mesh spans the data-parallel ranks
+        degree = parallel_dims.get_mesh("batch").size() if parallel_dims.dp_enabled else 1
         return max(1, gbs // (lbs * degree))
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):

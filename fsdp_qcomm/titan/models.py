@@ -63,10 +63,9 @@ class GPTModelArgs(TransformerModelArgs):
 
 
 def _gpt(n_layers: int, dim: int, n_heads: int, **kw) -> GPTModelArgs:
-    return GPTModelArgs(
-        dim=dim, n_layers=n_layers, n_heads=n_heads, vocab_size=kw.pop("vocab_size", GPT_VOCAB_SIZE),
-        multiple_of=kw.pop("multiple_of", 256), **kw,
-    )
+    kw.setdefault("vocab_size", GPT_VOCAB_SIZE)
+    kw.setdefault("multiple_of", 256)
+    return GPTModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, **kw)
 
 
 #: flavor -> args. "debug" trains on a 2-core CPU; "tiny" is for tests; the rest are GPT-3's.

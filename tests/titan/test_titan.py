@@ -334,9 +334,11 @@ def test_torchrun_hooks_installed_and_counted_exactly(tmp_path):
     torchrun(
         REPO_ROOT / "recipes" / "debug_baseline.toml", dump, *short_run(4, validate=True),
         "--experimental.custom_import", "qcomm_test_double",
+        # 16 = 2 microbatches x 4 sequences x 2 ranks: the reference must count both
+        "--training.global_batch_size", "16",
     )
     s = _summary(dump)
-    assert s["installed"] and s["world_size"] == 2
+    assert s["installed"] and s["world_size"] == 2 and s["microbatches"] == 2
     for h in s["history"]:
         assert h["qcomm/installed"] == 1.0
         assert h["qcomm/weight_ratio_vs_unquantized"] == pytest.approx(1.0, rel=1e-12)
