@@ -1,0 +1,164 @@
+"""Run torchtitan 0.2.2 on CPU-only hosts (gloo), without editing torchtitan.
+
+Two things stop stock torchtitan on a machine without an accelerator:
+
+1. ``torchtitan.tools.utils`` picks ``device_type = _get_available_device_type() or "cuda"``
+   at import time, and several modules copy that value (and ``device_module = torch.cuda``)
+   into their own globals with ``from torchtitan.tools.utils import device_type``. With
+   "cuda" the trainer calls ``torch.cuda.set_device`` and dies. :func:`patch_torchtitan_for_cpu`
+   rebinds those globals to ``"cpu"`` and to :data:`CPU_DEVICE_MODULE`, a stand-in that provides
+   the ``torch.cuda`` functions torchtitan calls (``torch.cpu`` lacks ``get_device_name``,
+   ``get_device_properties``, ``memory_stats``, ...). It must run before ``Trainer.__init__``
+   reads ``utils.device_type``, which ``[experimental] custom_import`` guarantees. With
+   device_type "cpu", torchtitan's ``init_distributed`` picks gloo
+   (``Backend.default_device_backend_map["cpu"]``) by itself.
+
+2. torchtitan sets FSDP's gradient divide factor to 1.0 (its loss is already divided by the
+   global token count), which FSDP2 turns into ``ReduceOp.PREMUL_SUM(1.0)``; gloo rejects
+   PREMUL_SUM. :func:`force_sum_reduction` calls ``set_force_sum_reduction_for_comms(True)`` on
+   every FSDP module, after which FSDP uses ``ReduceOp.SUM`` and, since the factor is 1.0,
+   divides by nothing: the same sum PREMUL_SUM(1.0) computes, so the math is unchanged (each
+   rank's loss is ``local_loss_sum / global_valid_tokens``, so the SUM of the ranks' gradients
+   is the gradient of the global mean loss). This part lives in the parallelize wrapper.
+
+Memory figures on CPU: ``memory_stats`` reports the process's peak resident set size
+(``ru_maxrss``, which cannot be reset) as both "active" and "reserved" peak, and the host's
+physical memory as capacity. MFU is meaningless on CPU (torchtitan assumes A100 peak flops).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+#: Set to "cpu" to run on CPU even where an accelerator exists (tests, debugging).
+FORCE_DEVICE_ENV = "FSDP_QCOMM_DEVICE"
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 40
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+class _CPUDeviceModule:
+    """The subset of the ``torch.cuda`` API torchtitan calls, answered for the host CPU."""
+
+    def __getattr__(self, name: str) -> Any:  # anything else: whatever torch.cpu has
+        return getattr(torch.cpu, name)
+
+    # device selection / sync -----------------------------------------------------------
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def synchronize(self, device: Any = None) -> None:
+        pass
+
+    # identification / memory -----------------------------------------------------------
+    def get_device_name(self, device: Any = None) -> str:
+        return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+    def get_device_properties(self, device: Any = None) -> SimpleNamespace:
+        return SimpleNamespace(
+            name=self.get_device_name(), total_memory=_host_memory_bytes()
+        )
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        peak = _peak_rss_bytes()
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    @property
+    def memory(self) -> SimpleNamespace:
+        def unsupported(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("memory snapshots are a CUDA feature; disable "
+                               "profiling.enable_memory_snapshot on CPU")
+
+        return SimpleNamespace(_record_memory_history=unsupported, _snapshot=unsupported)
+
+
+CPU_DEVICE_MODULE = _CPUDeviceModule()
+
+
+def cpu_fallback_needed() -> bool:
+    """True where torchtitan would wrongly pick "cuda" (no accelerator) or CPU is forced."""
+    if os.environ.get(FORCE_DEVICE_ENV, "").lower() == "cpu":
+        return True
+    from torch._utils import _get_available_device_type
+
+    return _get_available_device_type() is None
+
+
+def patch_torchtitan_for_cpu() -> bool:
+    """Rebind torchtitan's device globals to the CPU; returns True if it patched anything.
+
+    Safe to call twice. Modules imported later read the patched ``torchtitan.tools.utils``.
+    """
+    if not cpu_fallback_needed():
+        return False
+    from torchtitan.tools import utils
+
+    originals = (utils.device_type, utils.device_module)
+    if utils.device_type == "cpu" and utils.device_module is CPU_DEVICE_MODULE:
+        return False
+    utils.device_type, utils.device_module = "cpu", CPU_DEVICE_MODULE
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("torchtitan.") or mod is None or mod is utils:
+            continue
+        if getattr(mod, "device_type", None) == originals[0] and isinstance(
+            getattr(mod, "device_type", None), str
+        ):
+            mod.device_type = "cpu"
+        if getattr(mod, "device_module", None) is originals[1]:
+            mod.device_module = CPU_DEVICE_MODULE
+    # A default argument captured the old value at definition time.
+    from torchtitan.components import metrics
+
+    init = metrics.DeviceMemoryMonitor.__init__
+    if init.__defaults__ and init.__defaults__[0] != "cpu:0":
+        init.__defaults__ = ("cpu:0",)
+    return True
+
+
+def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
+    """``set_force_sum_reduction_for_comms(True)`` on every FSDP module; returns how many."""
+    from torch.distributed.fsdp import FSDPModule
+
+    n = 0
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+                n += 1
+    return n

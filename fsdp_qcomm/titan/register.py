@@ -1,0 +1,145 @@
+"""torchtitan 0.2.2 plug-in: ``[experimental] custom_import = "fsdp_qcomm.titan.register"``.
+
+Importing this module (torchtitan does it at the top of ``Trainer.__init__``, before it picks
+the device) does three things, none of which edits torchtitan's files:
+
+1. on hosts without an accelerator, points torchtitan at the CPU and gloo (``cpu.py``);
+2. adds the offline datasets ``pystdlib``, ``pystdlib_val``, ``text``, ``jsonl`` (``data.py``);
+3. registers the train spec ``gpt_qcomm`` (flavors in ``models.py``): llama3's model and
+   components, plus
+
+   * ``build_tokenizer_fn`` that accepts ``hf_assets_path = "fsdp_qcomm:pystdlib_bpe<N>"``;
+   * ``parallelize_fn`` = torchtitan's ``parallelize_llama``, then FSDP sum-reduction (gloo
+     needs it, see ``cpu.py``), then :func:`_install_qcomm` with the ``[qcomm]`` config;
+   * ``build_metrics_processor_fn`` that logs ``qcomm/*`` figures (``comm_stats.py``).
+
+Use it together with ``[job] custom_config_module = "fsdp_qcomm.titan.config"`` (the
+``[qcomm]`` section); without that module the spec runs the "baseline" preset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.components.validate import build_validator
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+from torchtitan.models.llama3 import parallelize_llama
+from torchtitan.models.llama3.model.model import Transformer
+from torchtitan.protocols import train_spec as train_spec_module
+from torchtitan.protocols.train_spec import TrainSpec
+from torchtitan.tools.logging import logger
+
+from fsdp_qcomm.titan import config as qcomm_config
+from fsdp_qcomm.titan import cpu, data
+from fsdp_qcomm.titan.comm_stats import (
+    ATTACHMENT_ATTR,
+    QCommAttachment,
+    build_qcomm_metrics_processor,
+)
+from fsdp_qcomm.titan.models import GPT_FLAVORS
+
+TRAIN_SPEC_NAME = "gpt_qcomm"
+
+
+# --------------------------------------------------------------------------- the hook call
+def _install_qcomm(model_parts: list[torch.nn.Module], qcomm_cfg) -> list | None:
+    """THE call site of ``fsdp_qcomm.enable`` -- rewire here once branch main provides it.
+
+    Installs the quantized collectives on every FSDP module of every model part and returns
+    one handle per part. TEMPORARY: while ``fsdp_qcomm.enable`` does not exist, logs a warning
+    and returns None (training then runs stock FSDP2 collectives and no measured figures are
+    logged). Any other failure propagates.
+    """
+    try:
+        from fsdp_qcomm import enable
+    except ImportError:
+        logger.warning(
+            "qcomm: fsdp_qcomm.enable is not available yet; training with stock FSDP2 "
+            "collectives (only reference communication figures will be logged)"
+        )
+        return None
+    return [enable(part, qcomm_cfg) for part in model_parts]
+
+
+# --------------------------------------------------------------------------- spec pieces
+def _fsdp_module_count(model: torch.nn.Module) -> int:
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def parallelize_gpt_qcomm(model: torch.nn.Module, parallel_dims, job_config) -> torch.nn.Module:
+    """torchtitan's llama3 parallelization, then FSDP sum-reduction, then the qcomm hooks.
+
+    Called once per model part (pipeline stages call it per stage). Parameters are still on
+    the meta device here: torchtitan materializes and initializes them afterwards.
+    """
+    model = parallelize_llama(model, parallel_dims, job_config)
+    section = qcomm_config.section_of(job_config)
+    if section is None:
+        logger.warning(
+            "qcomm: no [qcomm] section (set [job] custom_config_module = "
+            "'fsdp_qcomm.titan.config'); using the baseline preset"
+        )
+        section = qcomm_config.QComm()
+    qcfg = section.resolve()
+    n_fsdp = _fsdp_module_count(model)
+    att = QCommAttachment(config=qcfg, preset=section.preset, fsdp_modules=n_fsdp)
+    if n_fsdp == 0:
+        att.note = "no FSDP modules (single process or FSDP disabled): nothing to install"
+        logger.info(f"qcomm: {att.note}")
+    else:
+        # FSDP2 turns torchtitan's divide factor 1.0 into PREMUL_SUM(1.0), which gloo rejects;
+        # SUM with factor 1.0 is the same reduction. See cpu.py.
+        cpu.force_sum_reduction([model])
+        handles = _install_qcomm([model], qcfg)
+        if handles is None:
+            att.note = "fsdp_qcomm.enable unavailable"
+        else:
+            att.handle = handles[0]
+        logger.info(
+            f"qcomm: preset {section.preset!r} overrides {section.overrides()} on {n_fsdp} "
+            f"FSDP modules: {'installed' if att.handle is not None else 'NOT installed'}"
+        )
+    setattr(model, ATTACHMENT_ATTR, att)
+    return model
+
+
+def build_tokenizer(job_config) -> HuggingFaceTokenizer:
+    """torchtitan's HF tokenizer, also accepting ``fsdp_qcomm:pystdlib_bpe<N>`` paths."""
+    path = data.resolve_hf_assets_path(job_config.model.hf_assets_path)
+    return HuggingFaceTokenizer(path)
+
+
+def get_train_spec() -> TrainSpec:
+    return TrainSpec(
+        model_cls=Transformer,
+        model_args=GPT_FLAVORS,
+        parallelize_fn=parallelize_gpt_qcomm,
+        pipelining_fn=pipeline_llm,
+        build_optimizers_fn=build_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_text_dataloader,
+        build_tokenizer_fn=build_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+        build_validator_fn=build_validator,
+        build_metrics_processor_fn=build_qcomm_metrics_processor,
+        state_dict_adapter=None,
+    )
+
+
+def register() -> None:
+    """Apply the CPU patches, add the datasets and the train spec (idempotent)."""
+    if cpu.patch_torchtitan_for_cpu():
+        logger.info("qcomm: no accelerator: torchtitan patched to run on CPU with gloo")
+    data.register_datasets()
+    if TRAIN_SPEC_NAME not in train_spec_module._extra_train_specs:
+        train_spec_module.register_train_spec(TRAIN_SPEC_NAME, get_train_spec())
+
+
+register()
