@@ -80,9 +80,10 @@ class Case:
     make: Callable  # (rows, n, device, check) -> dict of inputs
     run: Callable  # (impl, inputs) -> tensor
     moved: Callable  # (inputs, result) -> bytes the kernel must read and write
+    timed: bool = True
 
 
-def _cases(torch, QuantSpec, RngKey, torch_codec) -> list[Case]:
+def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
     key = RngKey(seed=1, step=2, rank=3, bucket=4)
 
     def values(rows, n, dev, check, seed):
@@ -146,6 +147,20 @@ def _cases(torch, QuantSpec, RngKey, torch_codec) -> list[Case]:
                 list(d["chunks"].unbind(0)), d["n"], spec, hadamard, None)
         return Case(name, make, run, moved=lambda d, out: nbytes(d["chunks"]) + nbytes(out))
 
+    def dispatch_run(impl, d):
+        # Through the public API, which picks the kernels for CUDA tensors and the torch code
+        # otherwise: 3-D rows, Hadamard, a round trip accumulated into bf16.
+        data = codec.quantize(d["x"], s8, key, hadamard=True)
+        out = torch.zeros(d["x"].shape, dtype=torch.bfloat16, device=d["x"].device)
+        return codec.dequantize(data, d["x"].shape[-1], s8, hadamard=True, out=out,
+                                accumulate=True)
+
+    dispatch = Case(
+        "fsdp_qcomm.codec dispatch (check only)",
+        make=lambda rows, n, dev, check: {"x": values(rows, n, dev, check, 0).view(rows, 1, n)},
+        run=dispatch_run, moved=lambda d, out: 0, timed=False,
+    )
+
     s4 = QuantSpec(bits=4, group_size=128)
     s8 = QuantSpec(bits=8, group_size=128)
     w4 = QuantSpec(bits=4, group_size=2048)
@@ -160,6 +175,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec) -> list[Case]:
         dequant("dequantize 8b g128 +H32^-1 -> fp32", s8, hadamard=True),
         reduce("reduce_requantize k=8 8b->4b g128", 8, s8, spec_out=s4),
         reduce("reduce_dequantize k=4 4b g128 +H32^-1", 4, s4, hadamard=True),
+        dispatch,
     ]
 
 
@@ -228,6 +244,7 @@ def main() -> int:
         print("gpu_kernels_bench: could not import the kernels (is triton installed?)")
         return 1
     from fsdp_qcomm import QuantSpec
+    from fsdp_qcomm import codec
     from fsdp_qcomm.codec import RngKey, torch_codec
 
     tiles = sys.modules["fsdp_qcomm.kernels._common"]
@@ -238,7 +255,8 @@ def main() -> int:
         tiles.TILE = args.tile
 
     dev = "cpu" if args.interpret else "cuda"
-    cases = [c for c in _cases(torch, QuantSpec, RngKey, torch_codec) if args.only in c.name]
+    cases = [c for c in _cases(torch, QuantSpec, RngKey, torch_codec, codec)
+             if args.only in c.name]
     if dev == "cuda":
         free, total = torch.cuda.mem_get_info()
         # Largest case: x + ref + out (fp32) and an fp32 result, plus headroom.
@@ -275,6 +293,9 @@ def main() -> int:
             status = "ERROR"
             failures.append(f"{case.name}: check raised {type(e).__name__}: {e}")
             traceback.print_exc()
+        if not case.timed:
+            print(f"{case.name:44s} {status:>6s}", flush=True)
+            continue
         try:
             d = case.make(rows, n_big, dev, False)
             out = case.run(_K, d)
