@@ -18,6 +18,10 @@ from .rng import RngKey, uniform_rows
 
 _PACK_SHIFTS: dict[tuple[int, str], torch.Tensor] = {}
 
+# Same-width integer views of the scale dtypes: NaN scales are written as these bit patterns
+# (``wire.NAN_BITS``) because float casts of NaN differ between CPU paths and GPUs.
+_BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
 
 def _shifts(step: int, count: int, device: torch.device) -> torch.Tensor:
     k = (step, count, str(device))
@@ -112,7 +116,7 @@ def encode(v: torch.Tensor, spec: QuantSpec, key: Optional[RngKey]) -> torch.Ten
         mn = g.amin(-1)
         mx = g.amax(-1)
         bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
-        mins = mn.to(sdt).to(torch.float32)
+        mins = mn.to(sdt).to(torch.float32) + 0.0  # + 0.0 turns a -0 minimum into +0
         scale = ((mx - mins) / spec.qmax).to(sdt).to(torch.float32)
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         t = (g - mins[..., None]) / scale[..., None]
@@ -129,14 +133,17 @@ def encode(v: torch.Tensor, spec: QuantSpec, key: Optional[RngKey]) -> torch.Ten
     n8 = -(-n // 8) * 8
     codes = codes[:, :n8].clone()  # groups * gs >= n8 because gs is a multiple of 8
     codes[:, n:] = 0
-    nan = torch.full_like(scale, float("nan"))
-    scale = torch.where(bad, nan, scale)
+    nan = torch.tensor(wire.NAN_BITS[spec.scale_dtype], dtype=_BITS_DTYPE[sdt], device=v.device)
     sbytes = groups * sdt.itemsize
-    out[:, :sbytes] = scale.to(sdt).view(torch.uint8).view(rows, sbytes)
+
+    def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
+        s = torch.where(bad, nan, s.to(sdt).view(_BITS_DTYPE[sdt]))
+        return s.view(torch.uint8).view(rows, sbytes)
+
+    out[:, :sbytes] = _scale_bytes(scale)
     off = sbytes
     if mins is not None:
-        mins = torch.where(bad, nan, mins)
-        out[:, off:off + sbytes] = mins.to(sdt).view(torch.uint8).view(rows, sbytes)
+        out[:, off:off + sbytes] = _scale_bytes(mins)
         off += sbytes
     out[:, off:off + wire.code_bytes(n, spec)] = pack_codes(codes, spec.bits)
     return out

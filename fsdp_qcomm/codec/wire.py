@@ -18,7 +18,9 @@ nibble. Elements ``n .. ceil(n/8)*8 - 1`` are padding and encode as 0.
 
 A group holding a NaN or an infinity is sent with a NaN scale (and min), so every value of that
 group decodes as NaN: overflow stays visible to grad-norm checks instead of becoming finite
-garbage.
+garbage. That NaN is the bit pattern ``NAN_BITS[scale_dtype]`` and a zero minimum is stored as
++0, so the bytes are a function of the input alone (float casts of NaN and the sign of a zero
+minimum otherwise differ between CPU code paths and GPUs).
 
 Decoding: symmetric ``x = (u - (2^(b-1)-1)) * scale``; asymmetric ``x = u * scale + min``.
 """
@@ -29,6 +31,8 @@ from ..config import QuantSpec
 
 ROW_ALIGN = 4
 HADAMARD_BLOCK = 32
+# Quiet NaN bit patterns (as signed integers of the scale's width) of a non-finite group's scale.
+NAN_BITS = {"float32": 0x7FC00000, "bfloat16": 0x7FC0, "float16": 0x7E00}
 
 
 def _ceil_div(a: int, b: int) -> int:

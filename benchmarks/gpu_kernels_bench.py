@@ -1,0 +1,328 @@
+"""Benchmark of the codec's Triton kernels on a GPU: exactness first, then bandwidth.
+
+For every fused kernel (quantize with/without ref and Hadamard, dequantize with/without
+accumulate, reduce+requantize, reduce+dequantize+inverse Hadamard) it
+
+1. checks the kernel on CUDA against the torch codec run on CPU copies of the same inputs
+   (wire bytes equal; decoded floats equal bit for bit, NaNs at the same places), on rows of
+   odd length with NaN/Inf groups;
+2. times it on a large input (default 256M fp32 elements = 1 GiB; fewer if memory is short)
+   and prints the bandwidth it achieves (bytes it must read and write / time) next to the
+   device's copy bandwidth measured with ``torch.clone``; the target is >= 0.7x.
+
+Each case runs on its own: a failure is printed and the others still run. The exit status is
+1 if any check failed or crashed (``--strict``: also if a kernel is below the target).
+
+    python benchmarks/gpu_kernels_bench.py [--numel N] [--rows R] [--iters I]
+        [--check-numel M] [--only SUBSTRING] [--tile T] [--strict] [--interpret]
+
+Without CUDA it prints why and exits 0. ``--interpret`` runs a small version on the CPU under
+the Triton interpreter: a smoke test of this script, its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = 0.7
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--numel", type=int, default=256 * 1024 * 1024,
+                   help="elements of the timed input (default 256M = 1 GiB of fp32)")
+    p.add_argument("--rows", type=int, default=8, help="rows (destination ranks) of the input")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per kernel")
+    p.add_argument("--check-numel", type=int, default=1 << 20,
+                   help="elements of the exactness check inputs")
+    p.add_argument("--only", default="", help="run only cases whose name contains this")
+    p.add_argument("--tile", type=int, default=0,
+                   help="elements per program (a power of 2 >= 256; default: the kernels' own)")
+    p.add_argument("--strict", action="store_true", help="exit 1 if a kernel is below target")
+    p.add_argument("--interpret", action="store_true",
+                   help="CPU smoke test under the Triton interpreter (small sizes)")
+    return p.parse_args()
+
+
+def _load(interpret: bool):
+    """This checkout's fsdp_qcomm and its kernels/ folder as ``fsdp_qcomm.kernels``."""
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    sys.path.insert(0, str(ROOT))
+    import fsdp_qcomm  # noqa: F401
+
+    spec = importlib.util.spec_from_file_location(
+        "fsdp_qcomm.kernels", ROOT / "kernels" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "kernels")],
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fsdp_qcomm.kernels"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@dataclass
+class Case:
+    """One kernel configuration. ``run(impl, inputs)`` calls ``impl`` (the kernels module or
+    ``torch_codec``: same functions, same signatures) and returns its result."""
+
+    name: str
+    make: Callable  # (rows, n, device, check) -> dict of inputs
+    run: Callable  # (impl, inputs) -> tensor
+    moved: Callable  # (inputs, result) -> bytes the kernel must read and write
+    timed: bool = True
+
+
+def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
+    key = RngKey(seed=1, step=2, rank=3, bucket=4)
+
+    def values(rows, n, dev, check, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        x = torch.randn(rows, n, generator=g, device=dev)
+        if check and n > 300:
+            x[0, n // 3] = float("nan")
+            x[-1, n // 2] = float("inf")
+        return x
+
+    def encode(x, spec, k, hadamard, check):
+        # Checks decode bytes made by the torch codec; timed inputs are made by the kernel.
+        if check:
+            return torch_codec.quantize(x.cpu(), spec, k, None, hadamard).to(x.device)
+        return _K.quantize(x, spec, k, None, hadamard)
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    def quant(name, spec, dtype=torch.float32, ref=False, hadamard=False):
+        def make(rows, n, dev, check):
+            x = values(rows, n, dev, check, 0)
+            d = {"x": x.to(dtype), "ref": None}
+            if ref:
+                d["ref"] = (x + 0.01 * values(rows, n, dev, False, 1)).to(dtype)
+            return d
+
+        return Case(
+            name, make,
+            run=lambda impl, d: impl.quantize(d["x"], spec, key, d["ref"], hadamard),
+            moved=lambda d, out: nbytes(d["x"]) + (nbytes(d["ref"]) if ref else 0) + nbytes(out),
+        )
+
+    def dequant(name, spec, out_dtype=None, accumulate=False, hadamard=False):
+        def make(rows, n, dev, check):
+            d = {"data": encode(values(rows, n, dev, check, 0), spec, key, hadamard, check),
+                 "n": n, "out": None}
+            if out_dtype is not None:
+                d["out"] = values(rows, n, dev, False, 1).to(out_dtype)
+            return d
+
+        return Case(
+            name, make,
+            run=lambda impl, d: impl.dequantize(d["data"], d["n"], spec, hadamard, d["out"],
+                                                accumulate),
+            moved=lambda d, out: nbytes(d["data"]) + nbytes(out) * (2 if accumulate else 1),
+        )
+
+    def reduce(name, k, spec, spec_out=None, hadamard=False):
+        def make(rows, n, dev, check):
+            n = max(8, n // k)  # k chunks hold the input's elements together
+            blocks = [encode(values(rows, n, dev, check and j == 1, j), spec, key.fold(j),
+                             hadamard, check) for j in range(k)]
+            return {"chunks": torch.stack(blocks), "n": n}
+
+        if spec_out is not None:
+            run = lambda impl, d: impl.reduce_requantize(  # noqa: E731
+                list(d["chunks"].unbind(0)), d["n"], spec, spec_out, key)
+        else:
+            run = lambda impl, d: impl.reduce_dequantize(  # noqa: E731
+                list(d["chunks"].unbind(0)), d["n"], spec, hadamard, None)
+        return Case(name, make, run, moved=lambda d, out: nbytes(d["chunks"]) + nbytes(out))
+
+    def dispatch_run(impl, d):
+        # Through the public API, which picks the kernels for CUDA tensors and the torch code
+        # otherwise: 3-D rows, Hadamard, a round trip accumulated into bf16.
+        data = codec.quantize(d["x"], s8, key, hadamard=True)
+        out = torch.zeros(d["x"].shape, dtype=torch.bfloat16, device=d["x"].device)
+        return codec.dequantize(data, d["x"].shape[-1], s8, hadamard=True, out=out,
+                                accumulate=True)
+
+    dispatch = Case(
+        "fsdp_qcomm.codec dispatch (check only)",
+        make=lambda rows, n, dev, check: {"x": values(rows, n, dev, check, 0).view(rows, 1, n)},
+        run=dispatch_run, moved=lambda d, out: 0, timed=False,
+    )
+
+    s4 = QuantSpec(bits=4, group_size=128)
+    s8 = QuantSpec(bits=8, group_size=128)
+    w4 = QuantSpec(bits=4, group_size=2048)
+    q8 = QuantSpec(bits=8, group_size=1024, symmetric=False)
+    return [
+        quant("quantize 4b g128 sym stoch", s4),
+        quant("quantize 8b g128 sym stoch +H32", s8, hadamard=True),
+        quant("quantize 4b g2048 sym stoch x-ref (qWD)", w4, ref=True),
+        quant("quantize 8b g1024 asym stoch bf16 in", q8, dtype=torch.bfloat16),
+        dequant("dequantize 4b g2048 += fp32 (qWD)", w4, torch.float32, accumulate=True),
+        dequant("dequantize 8b g1024 asym -> bf16", q8, torch.bfloat16),
+        dequant("dequantize 8b g128 +H32^-1 -> fp32", s8, hadamard=True),
+        reduce("reduce_requantize k=8 8b->4b g128", 8, s8, spec_out=s4),
+        reduce("reduce_dequantize k=4 4b g128 +H32^-1", 4, s4, hadamard=True),
+        dispatch,
+    ]
+
+
+_K = None  # the kernels module (set in main; used to build large encoded inputs)
+
+
+def _same_bits(torch, got, want) -> Optional[str]:
+    """None if equal bit for bit (NaNs only need the same places), else what differs."""
+    got = got.cpu()
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"dtype/shape {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    if not got.is_floating_point():
+        bad = int((got != want).sum())
+        return None if bad == 0 else f"{bad} of {got.numel()} bytes differ"
+    ng, nw = torch.isnan(got), torch.isnan(want)
+    if not torch.equal(ng, nw):
+        return f"NaNs differ at {int((ng != nw).sum())} places"
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    bad = int((got.view(ints)[~ng] != want.view(ints)[~nw]).sum())
+    return None if bad == 0 else f"{bad} of {got.numel()} values differ"
+
+
+def _sync(torch, dev):
+    if dev != "cpu":
+        torch.cuda.synchronize()
+
+
+def _time(torch, dev, fn, iters: int) -> float:
+    """Median seconds of ``fn()`` after two warm-up calls (compilation, caches)."""
+    for _ in range(2):
+        fn()
+    _sync(torch, dev)
+    times = []
+    for _ in range(iters):
+        if dev == "cpu":
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        else:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    global _K
+    args = _args()
+    if args.interpret:
+        args.numel = min(args.numel, 1 << 16)
+        args.check_numel = min(args.check_numel, 1 << 13)
+        args.iters = min(args.iters, 1)
+    import torch
+
+    if not args.interpret and not torch.cuda.is_available():
+        print("gpu_kernels_bench: no CUDA device here; nothing to benchmark "
+              "(use --interpret for a CPU smoke test of this script).")
+        return 0
+    try:
+        _K = _load(args.interpret)
+    except Exception:
+        traceback.print_exc()
+        print("gpu_kernels_bench: could not import the kernels (is triton installed?)")
+        return 1
+    from fsdp_qcomm import QuantSpec
+    from fsdp_qcomm import codec
+    from fsdp_qcomm.codec import RngKey, torch_codec
+
+    tiles = sys.modules["fsdp_qcomm.kernels._common"]
+    if args.tile:
+        if args.tile < 256 or args.tile & (args.tile - 1):
+            print(f"--tile {args.tile}: must be a power of 2 >= 256")
+            return 1
+        tiles.TILE = args.tile
+
+    dev = "cpu" if args.interpret else "cuda"
+    cases = [c for c in _cases(torch, QuantSpec, RngKey, torch_codec, codec)
+             if args.only in c.name]
+    if dev == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        # Largest case: x + ref + out (fp32) and an fp32 result, plus headroom.
+        while args.numel > 1 << 20 and 5 * 4 * args.numel > free:
+            args.numel //= 2
+        print(f"device: {torch.cuda.get_device_name()}  free {free / 2**30:.1f} GiB  "
+              f"triton {__import__('triton').__version__}  torch {torch.__version__}")
+    rows = max(1, args.rows)
+    n_big = max(8, args.numel // rows)
+    print(f"timed input: {rows} x {n_big} = {rows * n_big / 2**20:.0f}M elements; "
+          f"checks: 3 x {args.check_numel // 3 | 1} with NaN/Inf; tile {tiles.TILE}")
+
+    # The device's copy bandwidth: read + write of the fp32 input.
+    x = torch.randn(rows, n_big, device=dev)
+    t_copy = _time(torch, dev, lambda: x.clone(), args.iters)
+    bw_copy = 2 * x.numel() * 4 / t_copy
+    print(f"torch.clone: {t_copy * 1e3:8.3f} ms  {bw_copy / 1e9:8.1f} GB/s (reference)")
+    del x
+
+    failures, slow = [], []
+    print(f"{'case':44s} {'check':>6s} {'ms':>9s} {'GB/s':>8s} {'x copy':>7s}")
+    n_chk = args.check_numel // 3 | 1  # odd: not a multiple of 8, 32 or any group
+    for case in cases:
+        status = "?"
+        try:
+            d = case.make(3, n_chk, dev, True)
+            d_cpu = {k: (v.cpu().clone() if hasattr(v, "cpu") else v) for k, v in d.items()}
+            diff = _same_bits(torch, case.run(_K, d), case.run(torch_codec, d_cpu))
+            status = "ok" if diff is None else "FAIL"
+            if diff is not None:
+                failures.append(f"{case.name}: {diff}")
+            del d, d_cpu
+        except Exception as e:  # report it and go on with the other cases
+            status = "ERROR"
+            failures.append(f"{case.name}: check raised {type(e).__name__}: {e}")
+            traceback.print_exc()
+        if not case.timed:
+            print(f"{case.name:44s} {status:>6s}", flush=True)
+            continue
+        try:
+            d = case.make(rows, n_big, dev, False)
+            out = case.run(_K, d)
+            t = _time(torch, dev, lambda: case.run(_K, d), args.iters)
+            bw = case.moved(d, out) / t
+            ratio = bw / bw_copy
+            if ratio < TARGET:
+                slow.append(f"{case.name}: {ratio:.2f}x")
+            print(f"{case.name:44s} {status:>6s} {t * 1e3:9.3f} {bw / 1e9:8.1f} {ratio:7.2f}"
+                  + ("" if ratio >= TARGET else "  < target"), flush=True)
+            del d, out
+        except Exception as e:
+            failures.append(f"{case.name}: timing raised {type(e).__name__}: {e}")
+            traceback.print_exc()
+            print(f"{case.name:44s} {status:>6s}  timing failed", flush=True)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+    print(f"\n{len(cases) - len({f.split(':')[0] for f in failures})}/{len(cases)} cases exact "
+          f"and timed; target >= {TARGET}x of copy bandwidth"
+          + (" (timings are meaningless under --interpret)" if args.interpret else ""))
+    for f in failures:
+        print("  FAILED", f)
+    for s in slow:
+        print("  below target", s)
+    return 1 if failures or (args.strict and slow) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

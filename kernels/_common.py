@@ -1,0 +1,402 @@
+"""Pieces shared by the codec kernels: row layout, RNG, bit packing, Hadamard, scales.
+
+Every helper mirrors one step of ``fsdp_qcomm.codec.torch_codec`` op for op, so the kernels
+write the same bytes (see ``fsdp_qcomm.codec.wire`` for the format). What keeps them
+bit-identical on a GPU, where the Triton interpreter alone would not show a difference:
+
+* divisions are ``tl.math.div_rn`` (IEEE round-to-nearest, like torch's ``/``); Triton's ``/``
+  on fp32 may lower to an approximate division;
+* kernels launch with ``enable_fp_fusion=False`` so ``a * b + c`` is not contracted into a
+  fused multiply-add (torch rounds the product first). Where it would matter: the asymmetric
+  decode ``code * scale + min``, which feeds dequantized outputs and the sums that
+  ``reduce_requantize`` re-encodes (an ulp there can flip a code). The encoder itself only
+  adds exact products (``k * 2^-24`` of the RNG, ``x * (1/32)``), so contraction could not
+  change its bytes;
+* kernels launch with ``enable_reflect_ftz=False``: libdevice's ``floor`` would otherwise flush
+  subnormals to zero (``floor(-1e-40)`` is -1 in torch, -0 with FTZ);
+* bfloat16 <-> float32 conversions are integer ops (round to nearest even), identical on GPUs
+  and in the interpreter, whose own float32 -> bfloat16 cast truncates;
+* NaN scales are written as the bit patterns ``wire.NAN_BITS`` (float casts of NaN give
+  different payloads on CPUs and GPUs), and a -0 minimum as +0;
+* the Hadamard transform is the same five butterfly stages with the same ``(a + b, a - b)``
+  pairs, and sums over received chunks run in order 0..k-1 starting from chunk 0.
+
+NaNs produced by arithmetic in decoded values can carry other payloads than torch's; they are
+still NaN at the same places.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codec import wire
+from ..config import QuantSpec
+
+# Elements one program handles; groups larger than this loop over sub-tiles. With 8 warps that
+# is 8 elements a thread: ~60-90 registers and no spills on sm_90 (from the compiled code, not
+# yet timed on a GPU; benchmarks/gpu_kernels_bench.py --tile tries others).
+TILE = 2048
+# Scale dtypes by the code the kernels use as a constexpr.
+_SCALE_KIND = {"float32": 0, "bfloat16": 1, "float16": 2}
+_BITS_VIEW = {"float32": torch.int32, "bfloat16": torch.int16, "float16": torch.int16}
+_NAN_F32 = tl.constexpr(wire.NAN_BITS["float32"])
+_NAN_BF16 = tl.constexpr(wire.NAN_BITS["bfloat16"])
+_NAN_F16 = tl.constexpr(wire.NAN_BITS["float16"])
+
+
+# ---- host side --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowLayout:
+    """Where scales, mins and codes of one wire row of ``n`` values sit (``wire`` format)."""
+
+    spec: QuantSpec
+    width: int  # bytes per row
+    groups: int
+    scale_words: int  # row width in units of the scale dtype
+    code_end: int  # byte offset just past the codes; zero padding follows
+
+    @classmethod
+    def of(cls, n: int, spec: QuantSpec) -> "RowLayout":
+        itemsize = spec.torch_scale_dtype.itemsize
+        width = wire.wire_bytes(n, spec)
+        off = wire.scale_section_bytes(n, spec)
+        return cls(
+            spec=spec, width=width, groups=wire.num_groups(n, spec),
+            scale_words=width // itemsize, code_end=off + wire.code_bytes(n, spec),
+        )
+
+    def constexprs(self, prefix: str = "") -> dict:
+        """The spec as the constexpr kernel arguments ``BITS, QMAX, SYM, SKIND, GS``."""
+        s = self.spec
+        return {
+            f"{prefix}BITS": s.bits, f"{prefix}QMAX": s.qmax, f"{prefix}SYM": s.symmetric,
+            f"{prefix}SKIND": _SCALE_KIND[s.scale_dtype], f"{prefix}GS": s.group_size,
+        }
+
+
+def scale_view(data: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The same bytes as integers of the scale's width (rows are 4-byte multiples)."""
+    return data.view(_BITS_VIEW[spec.scale_dtype])
+
+
+def aligned_rows(data: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``data`` as contiguous rows whose start allows the integer scale view."""
+    itemsize = spec.torch_scale_dtype.itemsize
+    if not data.is_contiguous() or data.storage_offset() % itemsize:
+        data = data.clone(memory_format=torch.contiguous_format)
+    return data
+
+
+def key_words(key, stochastic: bool) -> tuple[int, int]:
+    """RNG key words as signed int32 values (the kernels bitcast them back to uint32)."""
+    if not stochastic:
+        return 0, 0
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in key.words())
+
+
+def check_counter(rows: int, numel: int) -> None:
+    """The RNG counter ``row * numel + i`` is 32 bits wide (same check as the torch RNG)."""
+    if rows * numel > 1 << 32:
+        raise ValueError(
+            f"one quantization call covers {rows * numel} elements; the RNG counter allows "
+            f"{1 << 32}. Split the buffer into smaller calls (buckets)."
+        )
+
+
+def check_row_len(n: int, group_size: int) -> None:
+    """Indices inside a row (including a tile's overhang past its end) are int32."""
+    if n + 2 * max(group_size, TILE) >= 1 << 31:
+        raise ValueError(f"rows of {n} values are too long for the kernels' int32 indexing; "
+                         "split them into more rows (shards) of fewer than 2^31 - 2^16 values")
+
+
+def launch_opts(tile: int) -> dict:
+    """Launch options: no FMA contraction, no flush-to-zero (see above); warps by tile size."""
+    return {"enable_fp_fusion": False, "enable_reflect_ftz": False,
+            "num_warps": max(1, min(8, tile // 256))}
+
+
+def on_device(t: torch.Tensor):
+    """Launch on the tensor's GPU, not whichever is current (a no-op for CPU tensors)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def group_tiling(group_size: int) -> tuple[int, int, int]:
+    """(GS_P2, GPB, SUB): padded group width, groups per program, sub-tile of a large group."""
+    gs_p2 = triton.next_power_of_2(group_size)
+    if gs_p2 <= TILE:
+        return gs_p2, max(1, TILE // gs_p2), gs_p2
+    return gs_p2, 1, TILE
+
+
+# ---- device side: RNG -------------------------------------------------------------------------
+@triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 (wrapping multiplies), as ``codec.rng._mix32``."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def uniform(row, numel, i, k0, k1):
+    """u in [0, 1) for counter ``(row * numel + i) mod 2^32``; k0, k1 are int32 key words."""
+    c = tl.cast(row, tl.uint32) * tl.cast(numel, tl.uint32) + i.to(tl.uint32)
+    w0 = tl.cast(k0, tl.uint32, bitcast=True)
+    w1 = tl.cast(k1, tl.uint32, bitcast=True)
+    x = _mix32(_mix32(c ^ w0) ^ w1)
+    tl.static_assert(x.dtype == tl.uint32)
+    return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+# ---- device side: float conversions ----------------------------------------------------------
+# bfloat16 <-> float32 go through integer ops: the result is then the same on GPUs and in the
+# Triton interpreter (whose float32 -> bfloat16 cast truncates instead of rounding).
+@triton.jit
+def bf16_bits_to_f32(b):
+    """bfloat16 bits (int16) -> float32, exact."""
+    return (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16_bits(x):
+    """float32 -> bfloat16 bits (int16), round to nearest even; NaN -> 0x7FC0."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where(x != x, 0x7FC0, r)
+    return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def load_f32(ptr, mask):
+    """Load float32/bfloat16/float16 values as float32 (masked lanes 0)."""
+    v = tl.load(ptr, mask=mask, other=0.0)
+    if v.dtype == tl.bfloat16:
+        y = bf16_bits_to_f32(v.to(tl.int16, bitcast=True))
+    else:
+        y = v.to(tl.float32)
+    return y
+
+
+@triton.jit
+def store_f32(ptr, v, mask):
+    """Store float32 values into a float tensor of any dtype (bfloat16 rounded as above)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr, f32_to_bf16_bits(v).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+# ---- device side: scales ----------------------------------------------------------------------
+@triton.jit
+def round_scale(x, SKIND: tl.constexpr):
+    """fp32 -> scale dtype -> fp32 (round to nearest even)."""
+    if SKIND == 1:
+        y = bf16_bits_to_f32(f32_to_bf16_bits(x))
+    elif SKIND == 2:
+        y = x.to(tl.float16).to(tl.float32)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def scale_to_bits(x, bad, SKIND: tl.constexpr):
+    """fp32 scale (already representable) -> integer bits; ``bad`` groups get the NaN bits."""
+    if SKIND == 1:
+        b = f32_to_bf16_bits(x)
+        b = tl.where(bad != 0, tl.full(b.shape, _NAN_BF16, tl.int16), b)
+    elif SKIND == 2:
+        b = x.to(tl.float16).to(tl.int16, bitcast=True)
+        b = tl.where(bad != 0, tl.full(b.shape, _NAN_F16, tl.int16), b)
+    else:
+        b = x.to(tl.int32, bitcast=True)
+        b = tl.where(bad != 0, tl.full(b.shape, _NAN_F32, tl.int32), b)
+    return b
+
+
+@triton.jit
+def bits_to_scale(b, SKIND: tl.constexpr):
+    if SKIND == 1:
+        y = bf16_bits_to_f32(b)
+    elif SKIND == 2:
+        y = b.to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        y = b.to(tl.float32, bitcast=True)
+    return y
+
+
+# ---- device side: bit packing -----------------------------------------------------------------
+@triton.jit
+def pack8(codes, BITS: tl.constexpr):
+    """codes [A, B, 8] (int32, < 2^BITS) -> bytes [A, B, 8] of each 8-block's ``BITS`` bytes
+    (LSB-first bit stream; bytes >= BITS come out 0)."""
+    j = tl.arange(0, 8).to(tl.uint64)
+    word = tl.sum(codes.to(tl.uint64) << (j * BITS)[None, None, :], axis=2)  # disjoint bits
+    out = (word[:, :, None] >> (j * 8)[None, None, :]) & 0xFF
+    return out.to(tl.uint8)
+
+
+@triton.jit
+def unpack8(byts, BITS: tl.constexpr):
+    """bytes [B, 8] of each 8-block (bytes >= BITS loaded as 0) -> codes [B, 8] int32."""
+    j = tl.arange(0, 8).to(tl.uint64)
+    word = tl.sum(byts.to(tl.uint64) << (j * 8)[None, :], axis=1)
+    codes = (word[:, None] >> (j * BITS)[None, :]) & ((1 << BITS) - 1)
+    return codes.to(tl.int32)
+
+
+# ---- device side: Hadamard --------------------------------------------------------------------
+@triton.jit
+def _butterfly(x, M: tl.constexpr, H: tl.constexpr):
+    y = tl.reshape(x, [M, 16 // H, 2, H])
+    y = tl.permute(y, (0, 1, 3, 2))
+    a, b = tl.split(y)
+    z = tl.join(a + b, a - b)
+    z = tl.permute(z, (0, 1, 3, 2))
+    return tl.reshape(z, [M, 32])
+
+
+@triton.jit
+def hadamard32(x, M: tl.constexpr):
+    """Unnormalized Sylvester Hadamard on each row of x [M, 32] (``torch_codec.hadamard32``)."""
+    x = _butterfly(x, M, 1)
+    x = _butterfly(x, M, 2)
+    x = _butterfly(x, M, 4)
+    x = _butterfly(x, M, 8)
+    x = _butterfly(x, M, 16)
+    return x
+
+
+# ---- device side: decode and encode -----------------------------------------------------------
+@triton.jit
+def decode8(
+    row_b, row_s, e8, ok, G,
+    BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
+    GS: tl.constexpr,
+):
+    """Values of the 8-blocks ``e8`` [B] of one wire row -> fp32 [B, 8].
+
+    row_b: the row's first byte; row_s: the same row as scale-width integers; ok: [B] mask.
+    """
+    NSEC: tl.constexpr = 1 if SYM else 2
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
+    k = tl.arange(0, 8)
+    bmask = ok[:, None] & (k[None, :] < BITS)
+    byts = tl.load(row_b + G * (NSEC * SBYTES) + e8[:, None] * BITS + k[None, :], mask=bmask,
+                   other=0)
+    codes = unpack8(byts, BITS)
+    grp = (e8 * 8) // GS
+    scale = bits_to_scale(tl.load(row_s + grp, mask=ok, other=0), SKIND)
+    if SYM:
+        v = (codes - QMAX).to(tl.float32) * scale[:, None]
+    else:
+        mins = bits_to_scale(tl.load(row_s + G + grp, mask=ok, other=0), SKIND)
+        v = codes.to(tl.float32) * scale[:, None] + mins[:, None]
+    return v
+
+
+@triton.jit
+def group_stats(v, valid, SYM: tl.constexpr):
+    """Per-group (bad, lo, hi) over the last two axes of v [GPB, B, 8]: bad = any non-finite;
+    symmetric: hi = max |v|; asymmetric: lo, hi = min, max (non-finite lanes left out)."""
+    fin = tl.abs(v) < float("inf")  # False for NaN and +-inf
+    bad = tl.max(tl.max((valid & ~fin).to(tl.int32), axis=2), axis=1)
+    use = valid & fin
+    if SYM:
+        lo = tl.zeros_like(bad).to(tl.float32)
+        hi = tl.max(tl.max(tl.where(use, tl.abs(v), 0.0), axis=2), axis=1)
+    else:
+        lo = tl.min(tl.min(tl.where(use, v, float("inf")), axis=2), axis=1)
+        hi = tl.max(tl.max(tl.where(use, v, -float("inf")), axis=2), axis=1)
+    return bad, lo, hi
+
+
+@triton.jit
+def group_scales(lo, hi, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr):
+    """(scale, mins) of each group as the decoder will see them (rounded to the scale dtype)."""
+    if SYM:
+        scale = round_scale(tl.math.div_rn(hi, tl.full(hi.shape, QMAX, tl.float32)), SKIND)
+        mins = tl.zeros_like(scale)
+    else:
+        mins = round_scale(lo, SKIND) + 0.0  # + 0.0: a -0 minimum is stored as +0
+        scale = round_scale(tl.math.div_rn(hi - mins, tl.full(hi.shape, QMAX, tl.float32)),
+                            SKIND)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    return scale, mins
+
+
+@triton.jit
+def store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM: tl.constexpr,
+                 SKIND: tl.constexpr):
+    tl.store(row_s + grp, scale_to_bits(scale, bad, SKIND), mask=gmask)
+    if not SYM:
+        tl.store(row_s + G + grp, scale_to_bits(mins, bad, SKIND), mask=gmask)
+
+
+@triton.jit
+def encode_codes(
+    v, valid, i, e8, e8_ok, row, numel, row_b, G, scale, mins, bad, k0, k1,
+    BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
+    STOCH: tl.constexpr,
+):
+    """Round v [GPB, B, 8] against per-group scale/mins/bad [GPB] and store the packed codes.
+
+    i: element index in the row [GPB, B, 8]; e8: 8-block index [GPB, B]; e8_ok: which 8-blocks
+    hold at least one element of the row (partial blocks store zero codes past ``numel``).
+    """
+    NSEC: tl.constexpr = 1 if SYM else 2
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
+    s3 = scale[:, None, None]
+    if SYM:
+        t = tl.math.div_rn(v, s3)
+        lo = -QMAX
+        bias = QMAX
+    else:
+        t = tl.math.div_rn(v - mins[:, None, None], s3)
+        lo = 0
+        bias = 0
+    if STOCH:
+        t = t + uniform(row, numel, i, k0, k1)
+    else:
+        t = t + 0.5
+    q = tl.minimum(tl.maximum(tl.math.floor(t), lo), QMAX)
+    q = tl.where(bad[:, None, None] != 0, 0.0, q)  # a non-finite group sends the zero code
+    codes = tl.where(valid, q + bias, 0.0).to(tl.int32)  # padding past the row encodes as 0
+    byts = pack8(codes, BITS)
+    k = tl.arange(0, 8)
+    off = G * (NSEC * SBYTES) + e8[:, :, None] * BITS + k[None, None, :]
+    tl.store(row_b + off, byts, mask=e8_ok[:, :, None] & (k[None, None, :] < BITS))
+
+
+# ---- host side: received chunks ---------------------------------------------------------------
+def chunk_stack(chunks, spec: QuantSpec) -> tuple[torch.Tensor, int]:
+    """(first chunk, byte stride between chunks) for k equally shaped [R, W] wire blocks.
+
+    Chunks that are evenly spaced views of one buffer (the rows of a [k, R, W] receive buffer)
+    are read in place; anything else is stacked into one buffer first (a copy).
+    """
+    first = chunks[0]
+    k = len(chunks)
+    itemsize = spec.torch_scale_dtype.itemsize
+    if all(c.is_contiguous() for c in chunks) and first.storage_offset() % itemsize == 0:
+        if k == 1:
+            return first, 0
+        storage = first.untyped_storage().data_ptr()
+        step = chunks[1].data_ptr() - first.data_ptr()
+        if step % itemsize == 0 and all(
+            c.untyped_storage().data_ptr() == storage
+            and c.data_ptr() - first.data_ptr() == j * step
+            for j, c in enumerate(chunks)
+        ):
+            return first, step
+    stacked = torch.stack([c.contiguous() for c in chunks])
+    return stacked[0], stacked.stride(0)

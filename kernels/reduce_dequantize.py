@@ -1,0 +1,83 @@
+"""Fused reduce + dequantize + inverse Hadamard-32: the last hop of the gradient reduce-scatter.
+
+Decodes k received wire blocks of the same rows, sums them in fp32 in order 0..k-1 (starting
+from chunk 0, like the torch code), undoes the Hadamard rotation once and writes ``n`` values.
+Torch twin: ``torch_codec.reduce_dequantize``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codec import wire
+from ..config import QuantSpec
+from . import _common as C
+
+
+@triton.jit
+def _reduce_dequantize_kernel(
+    data_b, data_s, out_ptr, k, chunk_b, chunk_s, n, m, W, WS, G, out_stride, nblk,
+    BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
+    GS: tl.constexpr, BLK8: tl.constexpr, HADAMARD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // nblk
+    blk = pid - row * nblk
+    row64 = row.to(tl.int64)
+    e8 = blk * BLK8 + tl.arange(0, BLK8)
+    ok = e8 * 8 < m
+    row_b = data_b + row64 * W
+    row_s = data_s + row64 * WS
+    v = C.decode8(row_b, row_s, e8, ok, G, BITS, QMAX, SYM, SKIND, GS)
+    for c in range(1, k):
+        c64 = tl.cast(c, tl.int64)
+        v = v + C.decode8(row_b + c64 * chunk_b, row_s + c64 * chunk_s, e8, ok, G,
+                          BITS, QMAX, SYM, SKIND, GS)
+    if HADAMARD:
+        v = tl.reshape(C.hadamard32(tl.reshape(v, [BLK8 // 4, 32]), BLK8 // 4), [BLK8, 8])
+        v = v * (1.0 / 32)
+    i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
+    C.store_f32(out_ptr + row64 * out_stride + i, v, i < n)
+
+
+def reduce_dequantize(
+    chunks: Sequence[torch.Tensor],
+    n: int,
+    spec: QuantSpec,
+    hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """k wire blocks [R, W] -> [R, n] sum (fp32, or written into ``out``); same values as
+    ``torch_codec.reduce_dequantize``."""
+    if len(chunks) == 0:
+        raise ValueError("need at least one chunk to reduce")
+    R = chunks[0].shape[0]
+    m = wire.hadamard_len(n) if hadamard else n
+    lay = C.RowLayout.of(m, spec)
+    for c in chunks:
+        if tuple(c.shape) != (R, lay.width):
+            raise ValueError(f"chunk shape {tuple(c.shape)} is not ({R}, {lay.width}): {m} "
+                             f"values under {spec}")
+    dev = chunks[0].device
+    dst = out if out is not None else torch.empty(R, n, dtype=torch.float32, device=dev)
+    if R == 0 or n == 0:
+        return dst
+    C.check_row_len(m, spec.group_size)
+    o = dst if dst.stride(-1) == 1 else torch.empty_like(dst, memory_format=torch.contiguous_format)
+    first, step = C.chunk_stack(chunks, spec)
+    isz = spec.torch_scale_dtype.itemsize
+    blk8 = C.TILE // 8
+    nblk = triton.cdiv(triton.cdiv(n, 8), blk8)
+    with C.on_device(first):
+        _reduce_dequantize_kernel[(R * nblk,)](
+            first, C.scale_view(first, spec), o, len(chunks), step, step // isz, n, m, lay.width,
+            lay.scale_words, lay.groups, o.stride(0), nblk, **lay.constexprs(), BLK8=blk8,
+            HADAMARD=hadamard, **C.launch_opts(C.TILE),
+        )
+    if o is not dst:
+        dst.copy_(o)
+    return dst
