@@ -1,0 +1,1 @@
+"""Process-group level quantized collectives (no FSDP dependency)."""

@@ -1,0 +1,1 @@
+"""FSDP2 integration: custom AllGather / ReduceScatter classes and ``enable``."""
