@@ -492,6 +492,24 @@ def _misuse_and_lifecycle(rank, world):
     assert h.gather_modes() == {"plain": 2}  # forward + backward (root reshards: raf=True)
     assert any("fell back" in n and "uint8" in n for n in h.stats()["notes"]), h.stats()["notes"]
     h.disable()
+
+    # gloo cannot run the PREMUL_SUM FSDP uses for a divide factor other than the world size;
+    # enable forces SUM (FSDP divides afterwards) and disable restores the setting
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    fully_shard(lin)
+    lin.set_gradient_divide_factor(1.0)  # sum the gradients (torchtitan does this)
+    h = fsdp_qcomm.enable(lin, QCommConfig.preset("qwd"))
+    assert lin._get_fsdp_state()._fsdp_param_groups[0].force_sum_reduction_for_comms
+    assert any("PREMUL_SUM" in n for n in h.stats()["notes"])
+    x = torch.full((2, 4), float(rank + 1))
+    lin(x).sum().backward()
+    every = [torch.full((2, 4), float(r + 1)) for r in range(world)]
+    want = sum(e.sum(0) for e in every)  # d/dW of sum(xW^T) summed over ranks
+    got = lin.weight.grad.full_tensor()
+    assert torch.allclose(got, want.expand_as(got)), (got, want)
+    h.disable()
+    assert not lin._get_fsdp_state()._fsdp_param_groups[0].force_sum_reduction_for_comms
     return True
 
 
