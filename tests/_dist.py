@@ -27,7 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs: dict, q, timeout: float) -> None:
+def _worker(
+    fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs: dict, q, timeout: float
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -49,7 +51,9 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs:
         q.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any) -> list:
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any
+) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -59,7 +63,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
     try:
         for r in range(world_size):
             p = ctx.Process(
-                target=_worker, args=(fn, r, world_size, port, args, kwargs, q, timeout), daemon=True
+                target=_worker,
+                args=(fn, r, world_size, port, args, kwargs, q, timeout),
+                daemon=True,
             )
             p.start()
             procs.append(p)

@@ -332,7 +332,9 @@ class QwdAllGather:
         if input.dim() != 1 or input.numel() != self.numel:
             raise ValueError(f"input must be a flat shard of {self.numel} values")
         if input.dtype != self.ref.dtype:
-            raise TypeError(f"input dtype {input.dtype} differs from the reference's {self.ref.dtype}")
+            raise TypeError(
+                f"input dtype {input.dtype} differs from the reference's {self.ref.dtype}"
+            )
         own = self.own_slot()
         base = self._base()
         if self.world == 1:

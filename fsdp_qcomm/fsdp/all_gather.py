@@ -143,7 +143,10 @@ class QuantizedAllGather(AllGather):
             segs.append(math.prod(fp.padded_sharded_param_size))
         return tuple(segs), ""
 
-    def _fallback_reason(self, input_tensor: torch.Tensor, world: int) -> tuple[Optional[tuple[int, ...]], str]:
+    def _fallback_reason(
+        self, input_tensor: torch.Tensor, world: int
+    ) -> tuple[Optional[tuple[int, ...]], str]:
+        """The segments to quantize with, or None and why the gather must stay plain."""
         if self._scheme == "none" or world == 1:
             return None, ""
         if input_tensor.dtype not in _FLOAT_DTYPES:
@@ -172,7 +175,7 @@ class QuantizedAllGather(AllGather):
         q = self._qwd
         if q is not None and self._scheme == "qwd":
             numel = math.prod(int(s) for s in size)
-            if q.valid and numel == q.ref.numel() and dtype == q.ref.dtype and device == q.ref.device:
+            if q.valid and q.matches(numel // q.world, dtype, device) and numel % q.world == 0:
                 return q.ref.view(*size)
         return torch.empty(*size, dtype=dtype, device=device)
 
@@ -220,7 +223,9 @@ class QuantizedAllGather(AllGather):
                 output_tensor, input_tensor, self._spec, key, group,
                 segments=segs, async_op=async_op, on_done=self._record,
             )
-        return self._qwd_gather(output_tensor, input_tensor, group, segs, sig, unchanged_backward, async_op)
+        return self._qwd_gather(
+            output_tensor, input_tensor, group, segs, sig, unchanged_backward, async_op
+        )
 
     # ---- qWD -------------------------------------------------------------------------------
     def _qwd_gather(
@@ -234,7 +239,8 @@ class QuantizedAllGather(AllGather):
         async_op: bool,
     ) -> Optional[dist.Work]:
         q = self._qwd
-        if q is None or not q.matches(input.numel(), input.dtype, input.device) or q.group is not group:
+        stale = q is None or q.group is not group or q.segments != segs
+        if stale or not q.matches(input.numel(), input.dtype, input.device):
             q = self._qwd = QwdAllGather(
                 input.numel(), input.dtype, input.device, self._spec, group, segments=segs
             )

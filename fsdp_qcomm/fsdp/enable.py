@@ -18,6 +18,7 @@ previous setting.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -77,16 +78,17 @@ def _reduce_scatter_class() -> type:
 class QCommHandle:
     """What ``enable`` returns: statistics, a reset for qWD references, and ``disable``."""
 
-    def __init__(self, model: nn.Module, config: QCommConfig, installs: list[_Install], stats: CommStats) -> None:
+    def __init__(
+        self, model: nn.Module, config: QCommConfig, installs: list[_Install], stats: CommStats
+    ) -> None:
         self.config = config
         self._model = model
         self._installs = installs
         self._stats = stats
-        self._hooks: list[Any] = []
         self._enabled = True
+        self._tracker: Optional[_OptimizerTracker] = None
         if config.weight_scheme == "qwd":
-            self._hooks.append(register_optimizer_step_pre_hook(self._optimizer_pre))
-            self._hooks.append(register_optimizer_step_post_hook(self._optimizer_post))
+            self._tracker = _OptimizerTracker([i.all_gather for i in installs if i.all_gather])
 
     @property
     def enabled(self) -> bool:
@@ -130,9 +132,9 @@ class QCommHandle:
     def disable(self) -> None:
         """Put FSDP's previous collectives and reduction setting back and free qWD references."""
         self._check_enabled("disable")
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        if self._tracker is not None:
+            self._tracker.remove()
+            self._tracker = None
         for i in self._installs:
             i.module.set_custom_all_gather(i.prev_all_gather)
             i.module.set_custom_reduce_scatter(i.prev_reduce_scatter)
@@ -146,24 +148,50 @@ class QCommHandle:
         if not self._enabled:
             raise RuntimeError(f"QCommHandle.{what}(): this handle was already disabled")
 
-    def _param_ids(self, optimizer: torch.optim.Optimizer) -> set[int]:
-        return {id(p) for g in optimizer.param_groups for p in g["params"]}
-
-    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        ids = self._param_ids(optimizer)
-        for i in self._installs:
-            if i.all_gather is not None:
-                i.all_gather.optimizer_step_pre(ids)
-
-    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        ids = self._param_ids(optimizer)
-        for i in self._installs:
-            if i.all_gather is not None:
-                i.all_gather.optimizer_step_post(ids)
-
     def __repr__(self) -> str:
         state = "enabled" if self._enabled else "disabled"
         return f"QCommHandle({state}, {len(self._installs)} FSDP modules, {self.config})"
+
+
+class _OptimizerTracker:
+    """Global ``torch.optim`` step hooks telling qWD gathers which version bumps an optimizer
+    made. Holds the gathers weakly: they live as long as the model (FSDP references them), so
+    dropping the handle keeps tracking and does not keep a dead model alive."""
+
+    def __init__(self, gathers: list[QuantizedAllGather]) -> None:
+        self._refs = [weakref.ref(g) for g in gathers]
+        self._handles = [
+            register_optimizer_step_pre_hook(self._pre),
+            register_optimizer_step_post_hook(self._post),
+        ]
+
+    def _live(self) -> list[QuantizedAllGather]:
+        # (A tracker whose model is gone stays registered but idle: removing a hook from
+        # inside torch's loop over the hooks would break that loop.)
+        return [g for g in (r() for r in self._refs) if g is not None]
+
+    @staticmethod
+    def _ids(optimizer: torch.optim.Optimizer) -> set[int]:
+        return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        gathers = self._live()
+        if gathers:
+            ids = self._ids(optimizer)
+            for g in gathers:
+                g.optimizer_step_pre(ids)
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        gathers = self._live()
+        if gathers:
+            ids = self._ids(optimizer)
+            for g in gathers:
+                g.optimizer_step_post(ids)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 def _collect(model: nn.Module) -> list[_Install]:
@@ -223,7 +251,9 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     rank. Returns a ``QCommHandle``: ``stats()``, ``reset()``, ``disable()``.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"enable() takes the nn.Module passed to fully_shard, got {type(model).__name__}")
+        raise TypeError(
+            f"enable() takes the nn.Module passed to fully_shard, got {type(model).__name__}"
+        )
     if not isinstance(config, QCommConfig):
         raise TypeError(
             f"enable() takes a QCommConfig (for example QCommConfig.preset('sdp4bit')), got "
