@@ -2,6 +2,7 @@
 
 from .codec import RngKey, wire_bytes
 from .config import QCommConfig, QuantSpec
+from .fsdp.enable import QCommHandle, enable
 
-__all__ = ["QCommConfig", "QuantSpec", "RngKey", "wire_bytes"]
+__all__ = ["QCommConfig", "QCommHandle", "QuantSpec", "RngKey", "enable", "wire_bytes"]
 __version__ = "0.1.0"

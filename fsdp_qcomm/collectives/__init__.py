@@ -1,1 +1,1 @@
-"""Quantized collectives on process groups, usable without FSDP."""
+"""Process-group level quantized collectives (no FSDP dependency)."""

@@ -1,1 +1,1 @@
-"""FSDP2 hooks: custom all-gather / reduce-scatter classes and enable()."""
+"""FSDP2 integration: custom AllGather / ReduceScatter classes and ``enable``."""

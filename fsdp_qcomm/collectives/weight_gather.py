@@ -1,0 +1,387 @@
+"""Quantized weight all-gathers on flat buffers: direct (QSDP / ZeRO++ qwZ) and qWD (SDP4Bit).
+
+These functions speak plain ``torch.distributed`` and know nothing about FSDP, so they can be
+reused by any code that gathers one equally sized flat shard per rank. Layout conventions are
+those of ``all_gather_single``: rank ``r``'s shard of ``n`` values lands in
+``output[r*n:(r+1)*n]``, and the input may be a view of that slot (FSDP's in-place gather).
+
+Segments. A shard may be the concatenation of several tensors (FSDP packs every parameter of a
+module into one buffer). ``segments`` lists their lengths (identical on every rank); each
+segment is encoded as its own wire row so quantization groups never straddle two parameters
+(a LayerNorm scale next to a linear weight would otherwise share one absmax). The shard's wire
+bytes are the segments' wire rows back to back: ``sum(wire_bytes(s, spec) for s in segments)``.
+
+Randomness. Stochastic rounding of segment ``k`` uses ``key.fold(_WEIGHT_SALT + k)``, so the
+call's ``RngKey(seed, step, rank, bucket)`` fixes every bit, and weight keys never collide with
+gradient keys built from the same four numbers.
+
+Every rank, the sender included, decodes the very same bytes with the same code, so all ranks
+end with bit-identical weights. World size 1 sends nothing: the output is the input, exactly.
+
+Async calls return a ``dist.Work`` subclass whose ``wait()`` waits for the collective and then
+decodes (FSDP only waits on real ``dist.Work`` objects); blocking calls decode before returning
+and return ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..codec import RngKey, dequantize, quantize, wire_bytes
+from ..config import QuantSpec
+
+_WEIGHT_SALT = 1 << 40
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GatherOutcome:
+    """What one gather put on the wire, reported to ``on_done`` once the output is ready.
+
+    mode: "plain" (unquantized), "direct", "qwd_full" (full-precision reference reset),
+        "qwd_diff" (quantized differences), "qwd_reuse" (nothing sent), "local" (world size 1).
+    sent_bytes: bytes of the input handed to the process group (summed over its calls).
+    recv_bytes: bytes of the outputs the process group wrote.
+    elements: values in this rank's shard (what the bytes carry per rank).
+    baseline_bytes: what an unquantized all-gather of the shard would have sent.
+    """
+
+    mode: str
+    sent_bytes: int
+    recv_bytes: int
+    elements: int
+    baseline_bytes: int
+
+
+OnDone = Optional[Callable[[GatherOutcome], None]]
+
+
+class _DeferredWork(dist.Work):
+    """Waits on the collective, then runs the decode step once. A real ``dist.Work`` subclass:
+    FSDP silently skips waiting on anything else."""
+
+    def __init__(self, inner: dist.Work, finish: Callable[[], None]) -> None:
+        super().__init__()
+        self._inner: Optional[dist.Work] = inner
+        self._finish: Optional[Callable[[], None]] = finish
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._inner is not None:
+            self._inner.wait() if timeout == timedelta(0) else self._inner.wait(timeout)
+            self._inner = None
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner is None
+
+    def is_success(self) -> bool:
+        return self._inner is None
+
+
+def _launch(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    async_op: bool,
+    finish: Callable[[], None],
+) -> Optional[dist.Work]:
+    """One ``all_gather_single``, then ``finish`` (now or in the returned Work's wait)."""
+    work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+    if async_op:
+        return _DeferredWork(work, finish)
+    finish()
+    return None
+
+
+# ---- segments and their wire layout ---------------------------------------------------------
+def check_segments(segments: Optional[Sequence[int]], numel: int) -> tuple[int, ...]:
+    """Validate per-rank segment lengths (default: one segment of ``numel``)."""
+    if segments is None:
+        return (numel,)
+    segs = tuple(int(s) for s in segments)
+    if any(s < 0 for s in segs) or sum(segs) != numel:
+        raise ValueError(
+            f"segments {list(segs)} must be non-negative and sum to the shard size {numel}"
+        )
+    return segs
+
+
+def shard_wire_bytes(segments: Sequence[int], spec: QuantSpec) -> int:
+    """Bytes one rank sends for a shard made of ``segments`` (each segment is its own row)."""
+    return sum(wire_bytes(s, spec) for s in segments)
+
+
+def _segment_key(key: Optional[RngKey], k: int) -> Optional[RngKey]:
+    return None if key is None else key.fold(_WEIGHT_SALT + k)
+
+
+def encode_shard(
+    x: torch.Tensor,
+    segments: Sequence[int],
+    spec: QuantSpec,
+    key: Optional[RngKey],
+    *,
+    ref: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Encode a flat shard (or ``x - ref``) segment by segment into one uint8 wire buffer."""
+    out = torch.empty(shard_wire_bytes(segments, spec), dtype=torch.uint8, device=x.device)
+    off = woff = 0
+    for k, n in enumerate(segments):
+        w = wire_bytes(n, spec)
+        if n:
+            r = None if ref is None else ref[off:off + n]
+            out[woff:woff + w] = quantize(x[off:off + n], spec, _segment_key(key, k), ref=r)
+        off += n
+        woff += w
+    return out
+
+
+def decode_shards(
+    data: torch.Tensor,
+    segments: Sequence[int],
+    spec: QuantSpec,
+    out: torch.Tensor,
+    *,
+    accumulate: bool = False,
+) -> None:
+    """Decode ``data[world, W]`` (one wire buffer per rank) into ``out[world, n]`` (or add)."""
+    off = woff = 0
+    for n in segments:
+        w = wire_bytes(n, spec)
+        if n:
+            dequantize(
+                data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate
+            )
+        off += n
+        woff += w
+
+
+def _check_float(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{what} has dtype {t.dtype}; quantized gathers take float32/bfloat16/float16 "
+            "(use plain_all_gather for other dtypes)"
+        )
+
+
+def _world_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_shapes(output: torch.Tensor, input: torch.Tensor, world: int) -> int:
+    if input.dim() != 1 or output.dim() != 1:
+        raise ValueError("weight gathers take flat 1-D input and output buffers")
+    n = input.numel()
+    if output.numel() != world * n:
+        raise ValueError(f"output has {output.numel()} values; world {world} x shard {n} needed")
+    if output.dtype != input.dtype:
+        raise TypeError(f"output dtype {output.dtype} differs from input dtype {input.dtype}")
+    return n
+
+
+# ---- the gathers -----------------------------------------------------------------------------
+def plain_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    async_op: bool = False,
+    on_done: OnDone = None,
+) -> Optional[dist.Work]:
+    """An ordinary all-gather (any dtype) that reports its bytes like the quantized ones."""
+    world, _ = _world_rank(group)
+    n = _check_shapes(output, input, world)
+    nbytes = n * input.element_size()
+
+    def finish() -> None:
+        if on_done is not None:
+            on_done(GatherOutcome("plain", nbytes, world * nbytes, n, nbytes))
+
+    return _launch(output, input, group, async_op, finish)
+
+
+def direct_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    spec: QuantSpec,
+    key: Optional[RngKey],
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    segments: Optional[Sequence[int]] = None,
+    async_op: bool = False,
+    on_done: OnDone = None,
+) -> Optional[dist.Work]:
+    """Quantize this rank's shard, gather codes and scales, decode every rank's slot.
+
+    The own slot is overwritten by its decoded value too, so every rank computes with the same
+    weights. Error per element is below one quantization step (absmax of its group / qmax).
+    """
+    _check_float(input, "input")
+    world, _ = _world_rank(group)
+    n = _check_shapes(output, input, world)
+    segs = check_segments(segments, n)
+    base = n * input.element_size()
+    if world == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        if on_done is not None:
+            on_done(GatherOutcome("local", 0, 0, n, base))
+        return None
+    wire = encode_shard(input, segs, spec, key)
+    gathered = torch.empty(world * wire.numel(), dtype=torch.uint8, device=input.device)
+
+    def finish() -> None:
+        decode_shards(gathered.view(world, -1), segs, spec, output.view(world, n))
+        if on_done is not None:
+            on_done(GatherOutcome("direct", wire.numel(), gathered.numel(), n, base))
+
+    return _launch(gathered, wire, group, async_op, finish)
+
+
+class QwdAllGather:
+    """SDP4Bit's quantized weight differences for one flat buffer, and the reference they need.
+
+    Every rank holds ``ref`` (``world * n`` values, bit-identical on all ranks): the weights
+    everyone computes with. A gather sends ``quantize(x_shard - ref_own)``; every rank, the
+    owner included, adds the decoded differences to its copy of ``ref``. What the quantizer
+    drops stays in ``x - ref`` and is sent again next time (error feedback), so the gap to the
+    true weights stays at one quantization step of the latest difference instead of growing.
+
+    ``full=True`` (and the first gather) sends the shard at full precision instead and sets
+    ``ref`` to the exact weights. ``reuse()`` sends nothing and keeps ``ref``: for callers that
+    know the weights have not changed (FSDP's backward re-gather).
+
+    Memory: ``ref`` is one unsharded copy of the buffer, plus ``own_ref`` (one shard) because
+    the caller may gather in place, i.e. write the new shard into ``ref``'s own slot before the
+    call (that is how FSDP's all-gather input works); ``own_ref`` keeps the slot's old value.
+
+    Callers must make the same sequence of calls (full / diff / reuse) on every rank; the
+    decision is theirs, and nothing is exchanged to agree on it.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        spec: QuantSpec,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        segments: Optional[Sequence[int]] = None,
+    ) -> None:
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"qWD keeps a float reference; dtype {dtype} is not supported")
+        self.group = group
+        self.world, self.rank = _world_rank(group)
+        self.numel = int(numel)
+        self.spec = spec
+        self.segments = check_segments(segments, self.numel)
+        self.ref = torch.zeros(self.world * self.numel, dtype=dtype, device=device)
+        self.own_ref = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.valid = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of state this gather keeps alive (the reference and the own-slot copy)."""
+        return self.ref.nbytes + self.own_ref.nbytes
+
+    def matches(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (
+            numel == self.numel and dtype == self.ref.dtype and device == self.ref.device
+        )
+
+    def own_slot(self) -> torch.Tensor:
+        return self.ref.narrow(0, self.rank * self.numel, self.numel)
+
+    def invalidate(self) -> None:
+        """Forget the reference: the next ``__call__`` sends full precision."""
+        self.valid = False
+
+    def wire_bytes(self) -> int:
+        """Bytes each rank sends per difference gather."""
+        return shard_wire_bytes(self.segments, self.spec)
+
+    def _base(self) -> int:
+        return self.numel * self.ref.element_size()
+
+    def reuse(self, *, on_done: OnDone = None) -> None:
+        """Send nothing; ``ref`` already holds the weights (undoing any in-place write)."""
+        if not self.valid:
+            raise RuntimeError("qWD reuse() needs an established reference; gather first")
+        self.own_slot().copy_(self.own_ref)
+        if on_done is not None:
+            on_done(GatherOutcome("qwd_reuse", 0, 0, self.numel, self._base()))
+
+    def __call__(
+        self,
+        input: torch.Tensor,
+        key: Optional[RngKey],
+        *,
+        full: bool = False,
+        async_op: bool = False,
+        on_done: OnDone = None,
+    ) -> Optional[dist.Work]:
+        """Bring ``ref`` up to every rank's new shard ``input`` (``numel`` values)."""
+        if input.dim() != 1 or input.numel() != self.numel:
+            raise ValueError(f"input must be a flat shard of {self.numel} values")
+        if input.dtype != self.ref.dtype:
+            raise TypeError(
+                f"input dtype {input.dtype} differs from the reference's {self.ref.dtype}"
+            )
+        own = self.own_slot()
+        base = self._base()
+        if self.world == 1:
+            if input.data_ptr() != own.data_ptr():
+                own.copy_(input)
+            self.own_ref.copy_(own)
+            self.valid = True
+            if on_done is not None:
+                on_done(GatherOutcome("local", 0, 0, self.numel, base))
+            return None
+
+        if full or not self.valid:
+            if input.data_ptr() != own.data_ptr():
+                own.copy_(input)
+            self.valid = False  # until the gather lands
+
+            def finish_full() -> None:
+                self.own_ref.copy_(own)
+                self.valid = True
+                if on_done is not None:
+                    on_done(GatherOutcome("qwd_full", base, self.world * base, self.numel, base))
+
+            return _launch(self.ref, own, self.group, async_op, finish_full)
+
+        wire = encode_shard(input, self.segments, self.spec, key, ref=self.own_ref)
+        own.copy_(self.own_ref)  # the input may have been written into this slot
+        gathered = torch.empty(self.world * wire.numel(), dtype=torch.uint8, device=wire.device)
+
+        def finish_diff() -> None:
+            decode_shards(
+                gathered.view(self.world, -1), self.segments, self.spec,
+                self.ref.view(self.world, self.numel), accumulate=True,
+            )
+            self.own_ref.copy_(own)
+            if on_done is not None:
+                on_done(GatherOutcome("qwd_diff", wire.numel(), gathered.numel(), self.numel, base))
+
+        return _launch(gathered, wire, self.group, async_op, finish_diff)
+
+
+__all__ = [
+    "GatherOutcome",
+    "QwdAllGather",
+    "check_segments",
+    "decode_shards",
+    "direct_all_gather",
+    "encode_shard",
+    "plain_all_gather",
+    "shard_wire_bytes",
+]

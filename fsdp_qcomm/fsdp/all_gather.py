@@ -1,0 +1,282 @@
+"""FSDP2's all-gather, quantized: the ``AllGather`` subclass ``enable`` installs on each module.
+
+What FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_all_gather``) hands us: ``allocate`` is
+asked for the flat output (``world * n`` values in the all-gather dtype), FSDP copies this
+rank's shard into the output's own slot, then calls us with ``input_tensor`` = that slot. The
+shard is the module's parameters back to back, each padded on dim 0 to FSDP's padded shard
+size; those sizes (our segments) come from the module's ``FSDPParamGroup``. When the
+parameters have mixed dtypes FSDP sends raw uint8 bytes: we then run a plain gather and say so
+in ``CommStats.note``.
+
+qWD state machine, per module (all decisions use only facts that are the same on every rank
+of an SPMD program, so no rank ever sends a different-sized message than its peers):
+
+* first gather, after ``handle.reset()``, or when a parameter changed outside a
+  ``torch.optim`` optimizer step (load_state_dict, in-place init, swapped tensors): full
+  precision, which sets the reference to the exact weights;
+* backward re-gather (FSDP group in ``PRE_BACKWARD``) with the sharded parameters untouched
+  since the previous gather (same objects, storages and version counters): nothing is sent,
+  the reference is reused;
+* otherwise: quantized differences (error feedback keeps the gap bounded).
+
+"Changed outside the optimizer" is detected with the sharded parameters' version counters:
+global optimizer step hooks (installed by ``enable``) record the versions an optimizer step
+leaves behind; any other bump, a new parameter object or a new storage means the reference can
+no longer be trusted. Writes through ``.data`` bypass version counters; outside backward they
+are still picked up by the next difference (the difference is always ``x - ref``), they just
+are not re-sent at full precision.
+
+The allocated output of a qWD module *is* the reference (no second unsharded buffer); the own
+slot's previous value is kept in ``own_ref`` because FSDP writes the new shard over it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+from ..codec import RngKey
+from ..collectives.weight_gather import (
+    GatherOutcome,
+    QwdAllGather,
+    direct_all_gather,
+    plain_all_gather,
+)
+from ..config import QCommConfig
+from ..stats import CommStats
+
+KIND = "weight_allgather"
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_Sig = tuple  # (id(param), param._version, local._version, data._version, data.data_ptr())
+
+
+def _param_signature(fsdp_param: Any) -> _Sig:
+    p = fsdp_param.sharded_param
+    local = fsdp_param._sharded_local_tensor
+    data = fsdp_param._sharded_param_data
+    return (id(p), p._version, local._version, data._version, data.data_ptr())
+
+
+class QuantizedAllGather(AllGather):
+    """The all-gather of one FSDP module under ``config.weight_scheme``.
+
+    ``bucket`` (the module's index in ``enable``'s traversal) and a per-module call counter
+    make the ``RngKey(seed, counter, rank, bucket)`` of every quantization call.
+    """
+
+    def __init__(
+        self,
+        param_group: Any,
+        config: QCommConfig,
+        stats: CommStats,
+        bucket: int,
+        name: str,
+    ) -> None:
+        super().__init__()
+        self._pg = param_group
+        self._config = config
+        self._spec = config.weight_spec()
+        self._scheme = config.weight_scheme
+        self._stats = stats
+        self.bucket = bucket
+        self.name = name or "<root>"
+        self.modes: Counter = Counter()
+        self._qwd: Optional[QwdAllGather] = None
+        self._counter = 0
+        self._last_sig: Optional[tuple[_Sig, ...]] = None
+        self._expected: Optional[list[_Sig]] = None
+        self._outside = False
+        self._reset = False
+
+    # ---- state queries used by the handle ---------------------------------------------------
+    @property
+    def reference_bytes(self) -> int:
+        return self._qwd.nbytes if self._qwd is not None else 0
+
+    def reset(self) -> None:
+        """Next gather re-sends full precision (qWD); harmless for other schemes."""
+        self._reset = True
+
+    def release(self) -> None:
+        """Drop the qWD reference (on ``disable``)."""
+        self._qwd = None
+
+    def _signature(self) -> tuple[_Sig, ...]:
+        return tuple(_param_signature(fp) for fp in self._pg.fsdp_params)
+
+    def optimizer_step_pre(self, param_ids: set[int]) -> None:
+        """Before an optimizer step: parameters it covers must still be as last explained."""
+        if self._expected is None:
+            return
+        for i, fp in enumerate(self._pg.fsdp_params):
+            if id(fp.sharded_param) in param_ids and _param_signature(fp) != self._expected[i]:
+                self._outside = True
+
+    def optimizer_step_post(self, param_ids: set[int]) -> None:
+        """After an optimizer step: its version bumps are the optimizer's, not outside writes."""
+        if self._expected is None:
+            return
+        for i, fp in enumerate(self._pg.fsdp_params):
+            if id(fp.sharded_param) in param_ids:
+                self._expected[i] = _param_signature(fp)
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _segments(self) -> tuple[Optional[tuple[int, ...]], str]:
+        """Per-parameter shard sizes of the flat buffer, or None and why not."""
+        segs = []
+        for fp in self._pg.fsdp_params:
+            if fp.sharded_state != ShardedState.SHARDED:
+                return None, (
+                    "parameters are resharded to a smaller group after forward "
+                    "(reshard_after_forward=<int>)"
+                )
+            if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+                return None, "a parameter defines fsdp_pre_all_gather (tensor-subclass extension)"
+            segs.append(math.prod(fp.padded_sharded_param_size))
+        return tuple(segs), ""
+
+    def _fallback_reason(
+        self, input_tensor: torch.Tensor, world: int
+    ) -> tuple[Optional[tuple[int, ...]], str]:
+        """The segments to quantize with, or None and why the gather must stay plain."""
+        if self._scheme == "none" or world == 1:
+            return None, ""
+        if input_tensor.dtype not in _FLOAT_DTYPES:
+            return None, (
+                f"all-gather input dtype is {input_tensor.dtype} (parameters of mixed dtypes, or "
+                "not floating point)"
+            )
+        segs, why = self._segments()
+        if segs is None:
+            return None, why
+        if sum(segs) != input_tensor.numel():
+            return None, (
+                f"FSDP's all-gather buffer has {input_tensor.numel()} values per rank but the "
+                f"module's padded shards sum to {sum(segs)}"
+            )
+        return segs, ""
+
+    # ---- the Comm interface --------------------------------------------------------------
+    def allocate(
+        self,
+        size: Sequence[int | torch.SymInt],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        q = self._qwd
+        if q is not None and self._scheme == "qwd":
+            numel = math.prod(int(s) for s in size)
+            if q.valid and q.matches(numel // q.world, dtype, device) and numel % q.world == 0:
+                return q.ref.view(*size)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Optional[dist.Work]:
+        world = group.size()
+        segs, why = self._fallback_reason(input_tensor, world)
+        aliased = self._qwd is not None and output_tensor.data_ptr() == self._qwd.ref.data_ptr()
+        if segs is None:
+            if why:
+                self._stats.note(
+                    f"{self.name}: weight all-gather fell back to FSDP's plain gather "
+                    f"(weight_scheme={self._scheme!r} not applied): {why}"
+                )
+            done = self._record
+            if aliased:  # the reference was overwritten by exact weights: adopt them
+                q = self._qwd
+
+                def done(o: GatherOutcome, q=q) -> None:
+                    q.own_ref.copy_(q.own_slot())
+                    self._record(o)
+
+            return plain_all_gather(
+                output_tensor, input_tensor, group, async_op=async_op, on_done=done
+            )
+
+        rank = group.rank()
+        sig = self._signature()
+        unchanged_backward = (
+            self._pg._training_state == TrainingState.PRE_BACKWARD and sig == self._last_sig
+        )
+        if self._scheme == "direct":
+            # The backward re-gather of unchanged weights reuses the forward's key, so the
+            # backward computes with exactly the weights the forward used.
+            if not unchanged_backward or self._counter == 0:
+                self._counter += 1
+            self._last_sig = sig
+            key = RngKey(self._config.seed, self._counter, rank, self.bucket)
+            return direct_all_gather(
+                output_tensor, input_tensor, self._spec, key, group,
+                segments=segs, async_op=async_op, on_done=self._record,
+            )
+        return self._qwd_gather(
+            output_tensor, input_tensor, group, segs, sig, unchanged_backward, async_op
+        )
+
+    # ---- qWD -------------------------------------------------------------------------------
+    def _qwd_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        segs: tuple[int, ...],
+        sig: tuple[_Sig, ...],
+        unchanged_backward: bool,
+        async_op: bool,
+    ) -> Optional[dist.Work]:
+        q = self._qwd
+        stale = q is None or q.group is not group or q.segments != segs
+        if stale or not q.matches(input.numel(), input.dtype, input.device):
+            q = self._qwd = QwdAllGather(
+                input.numel(), input.dtype, input.device, self._spec, group, segments=segs
+            )
+        aliased = output.data_ptr() == q.ref.data_ptr()
+        on_done = self._record
+        if not aliased:
+            def on_done(o: GatherOutcome) -> None:
+                output.copy_(q.ref)
+                self._record(o)
+
+        outside = self._outside or (
+            self._expected is not None and any(s != e for s, e in zip(sig, self._expected))
+        )
+        full = self._reset or not q.valid or outside
+        if outside and q.valid and not self._reset:
+            self._stats.note(
+                f"{self.name}: parameters changed outside a torch.optim optimizer step (load, "
+                "in-place write, new tensors); qWD re-sent them at full precision"
+            )
+        self._last_sig = sig
+        self._expected = list(sig)
+        self._outside = False
+        self._reset = False
+        if unchanged_backward and not full:
+            q.reuse(on_done=on_done)
+            return None
+        self._counter += 1
+        key = RngKey(self._config.seed, self._counter, group.rank(), self.bucket)
+        return q(input, key, full=full, async_op=async_op, on_done=on_done)
+
+    def _record(self, o: GatherOutcome) -> None:
+        self.modes[o.mode] += 1
+        self._stats.record(
+            KIND, sent_bytes=o.sent_bytes, recv_bytes=o.recv_bytes, elements=o.elements,
+            baseline_bytes=o.baseline_bytes,
+        )
+
+
+__all__ = ["KIND", "QuantizedAllGather"]

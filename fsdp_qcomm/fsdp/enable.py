@@ -1,0 +1,289 @@
+"""``enable``: install quantized collectives on every FSDP2 module of a model, and undo it.
+
+FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` act on one module, so
+``enable`` walks ``model.modules()`` and installs one all-gather (and, if gradients are
+quantized, one reduce-scatter) per FSDP module, each with its own RNG bucket (the module's
+index in that walk, the same on every rank). Everything is validated before anything is
+installed, so a refused call leaves the model untouched.
+
+Reduction ops. FSDP passes its reduce-scatter AVG by default, and PREMUL_SUM(1/f) once a
+gradient divide factor ``f`` other than the world size is set; a PREMUL_SUM's factor cannot be
+read back from the op, and gloo rejects PREMUL_SUM outright. With
+``set_force_sum_reduction_for_comms(True)`` FSDP passes SUM and divides the reduced shard by
+``f`` (default: the data-parallel size) itself, which is the same average. So ``enable`` forces
+SUM on every module that gets the quantized reduce-scatter, and on gloo modules that already
+have such a factor (where FSDP's own reduce-scatter would fail); ``disable`` restores the
+previous setting.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ..config import QCommConfig
+from ..stats import CommStats
+from .all_gather import QuantizedAllGather
+
+
+class _Install:
+    """One FSDP module: what we installed and what to put back."""
+
+    def __init__(self, module: FSDPModule, group: Any, name: str, index: int) -> None:
+        self.module = module
+        self.group = group
+        self.name = name
+        self.index = index
+        self.prev_all_gather = group._all_gather_comm
+        self.prev_reduce_scatter = group._reduce_scatter_comm
+        self.prev_force_sum = bool(group.force_sum_reduction_for_comms)
+        self.all_gather: Optional[QuantizedAllGather] = None
+        self.force_sum = False
+
+
+def _is_ours(comm: Any) -> bool:
+    return type(comm).__module__.startswith("fsdp_qcomm.")
+
+
+def _needs_sum_for_gloo(group: Any) -> bool:
+    """FSDP would pass PREMUL_SUM (rejected by gloo) for this group's reduce-scatter."""
+    factor = group.gradient_divide_factor
+    if factor is None:
+        return False
+    pg = group.mesh_info.shard_process_group
+    return dist.get_backend(pg) == "gloo" and factor != pg.size()
+
+
+def _reduce_scatter_class() -> type:
+    try:
+        from .reduce_scatter import QuantizedReduceScatter
+    except ImportError as e:
+        raise RuntimeError(
+            "this fsdp_qcomm build has no quantized gradient reduce-scatter "
+            f"(fsdp_qcomm.fsdp.reduce_scatter failed to import: {e}); set "
+            "grad_scheme='none' (for example QCommConfig.preset('qwd')) to quantize weights only"
+        ) from e
+    return QuantizedReduceScatter
+
+
+class QCommHandle:
+    """What ``enable`` returns: statistics, a reset for qWD references, and ``disable``."""
+
+    def __init__(
+        self, model: nn.Module, config: QCommConfig, installs: list[_Install], stats: CommStats
+    ) -> None:
+        self.config = config
+        self._model = model
+        self._installs = installs
+        self._stats = stats
+        self._enabled = True
+        self._tracker: Optional[_OptimizerTracker] = None
+        if config.weight_scheme == "qwd":
+            self._tracker = _OptimizerTracker([i.all_gather for i in installs if i.all_gather])
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def module_names(self) -> list[str]:
+        """FSDP modules the hooks are installed on, in RNG-bucket order ("" is the root)."""
+        return [i.name for i in self._installs]
+
+    def stats(self) -> dict:
+        """Bytes, calls, elements and bits per element per collective kind, plus notes."""
+        return self._stats.snapshot()
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    def gather_modes(self) -> dict[str, int]:
+        """How many weight gathers ran in each mode (plain, direct, qwd_full, qwd_diff,
+        qwd_reuse, local), summed over modules."""
+        total: dict[str, int] = {}
+        for i in self._installs:
+            if i.all_gather is not None:
+                for k, v in i.all_gather.modes.items():
+                    total[k] = total.get(k, 0) + v
+        return dict(sorted(total.items()))
+
+    def reference_bytes(self) -> int:
+        """Memory this rank holds for qWD references (one unsharded copy of each qWD module's
+        parameters in the all-gather dtype, plus one shard)."""
+        return sum(i.all_gather.reference_bytes for i in self._installs if i.all_gather is not None)
+
+    def reset(self) -> None:
+        """Make the next weight gather of every module send full precision (call on every rank,
+        like any FSDP API): for example after changing weights in a way version counters miss."""
+        self._check_enabled("reset")
+        for i in self._installs:
+            if i.all_gather is not None:
+                i.all_gather.reset()
+
+    def disable(self) -> None:
+        """Put FSDP's previous collectives and reduction setting back and free qWD references."""
+        self._check_enabled("disable")
+        if self._tracker is not None:
+            self._tracker.remove()
+            self._tracker = None
+        for i in self._installs:
+            i.module.set_custom_all_gather(i.prev_all_gather)
+            i.module.set_custom_reduce_scatter(i.prev_reduce_scatter)
+            if i.force_sum:
+                i.module.set_force_sum_reduction_for_comms(i.prev_force_sum)
+            if i.all_gather is not None:
+                i.all_gather.release()
+        self._enabled = False
+
+    def _check_enabled(self, what: str) -> None:
+        if not self._enabled:
+            raise RuntimeError(f"QCommHandle.{what}(): this handle was already disabled")
+
+    def __repr__(self) -> str:
+        state = "enabled" if self._enabled else "disabled"
+        return f"QCommHandle({state}, {len(self._installs)} FSDP modules, {self.config})"
+
+
+class _OptimizerTracker:
+    """Global ``torch.optim`` step hooks telling qWD gathers which version bumps an optimizer
+    made. Holds the gathers weakly: they live as long as the model (FSDP references them), so
+    dropping the handle keeps tracking and does not keep a dead model alive."""
+
+    def __init__(self, gathers: list[QuantizedAllGather]) -> None:
+        self._refs = [weakref.ref(g) for g in gathers]
+        self._handles = [
+            register_optimizer_step_pre_hook(self._pre),
+            register_optimizer_step_post_hook(self._post),
+        ]
+
+    def _live(self) -> list[QuantizedAllGather]:
+        # (A tracker whose model is gone stays registered but idle: removing a hook from
+        # inside torch's loop over the hooks would break that loop.)
+        return [g for g in (r() for r in self._refs) if g is not None]
+
+    @staticmethod
+    def _ids(optimizer: torch.optim.Optimizer) -> set[int]:
+        return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        gathers = self._live()
+        if gathers:
+            ids = self._ids(optimizer)
+            for g in gathers:
+                g.optimizer_step_pre(ids)
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        gathers = self._live()
+        if gathers:
+            ids = self._ids(optimizer)
+            for g in gathers:
+                g.optimizer_step_post(ids)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _collect(model: nn.Module) -> list[_Install]:
+    """Every FSDP module under ``model`` with its single param group; refuses what we cannot
+    handle, naming the module."""
+    installs: list[_Install] = []
+    seen: set[int] = set()
+    found = False
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        found = True
+        label = name or "<root>"
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(
+                f"FSDP module {label!r} has {len(groups)} parameter groups (per-parameter meshes "
+                "from shard_placement_fn); fsdp_qcomm installs one collective per module and "
+                "supports one group. Shard those parameters in a separate fully_shard call."
+            )
+        if not groups:
+            continue  # no parameters of its own: FSDP never gathers for it
+        group = groups[0]
+        if id(group) in seen:  # fully_shard([a, b]): one group shared by several modules
+            continue
+        seen.add(id(group))
+        for comm in (group._all_gather_comm, group._reduce_scatter_comm):
+            if _is_ours(comm):
+                raise RuntimeError(
+                    f"fsdp_qcomm is already enabled on FSDP module {label!r}; call "
+                    "handle.disable() on the earlier handle before enabling again"
+                )
+        if group._use_post_forward_mesh:
+            raise ValueError(
+                f"FSDP module {label!r} uses reshard_after_forward=<int> (reshard to a smaller "
+                "group after forward), which fsdp_qcomm does not support; use True or False"
+            )
+        installs.append(_Install(module, group, name, len(installs)))
+    if not found:
+        raise ValueError(
+            f"no FSDP module found under {type(model).__name__}: call "
+            "torch.distributed.fsdp.fully_shard on its blocks and on the model before "
+            "fsdp_qcomm.enable(model, config)"
+        )
+    if not installs:
+        raise ValueError(
+            f"the FSDP modules under {type(model).__name__} manage no parameters; nothing to "
+            "quantize"
+        )
+    return installs
+
+
+def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
+    """Install ``config``'s quantized collectives on every FSDP2 module under ``model``.
+
+    Call after ``fully_shard`` (bottom-up, model last) and ``init_process_group``, on every
+    rank. Returns a ``QCommHandle``: ``stats()``, ``reset()``, ``disable()``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"enable() takes the nn.Module passed to fully_shard, got {type(model).__name__}"
+        )
+    if not isinstance(config, QCommConfig):
+        raise TypeError(
+            f"enable() takes a QCommConfig (for example QCommConfig.preset('sdp4bit')), got "
+            f"{type(config).__name__}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+    installs = _collect(model)
+    rs_cls = _reduce_scatter_class() if config.grad_scheme != "none" else None
+
+    stats = CommStats()
+    reduce_scatters: list[Any] = []
+    for i in installs:  # build everything first: a failing constructor installs nothing
+        i.all_gather = QuantizedAllGather(i.group, config, stats, i.index, i.name)
+        if rs_cls is not None:
+            reduce_scatters.append(rs_cls(config, stats, i.index))
+            i.force_sum = True
+        elif _needs_sum_for_gloo(i.group):
+            i.force_sum = True
+            stats.note(
+                f"{i.name or '<root>'}: gloo cannot run FSDP's PREMUL_SUM reduce-scatter "
+                "(gradient divide factor set); forced SUM reduction, FSDP divides afterwards"
+            )
+    for k, i in enumerate(installs):
+        i.module.set_custom_all_gather(i.all_gather)
+        if reduce_scatters:
+            i.module.set_custom_reduce_scatter(reduce_scatters[k])
+        if i.force_sum:
+            i.module.set_force_sum_reduction_for_comms(True)
+    return QCommHandle(model, config, installs, stats)
+
+
+__all__ = ["QCommHandle", "enable"]

@@ -1,0 +1,123 @@
+"""Run a function on N gloo ranks (CPU processes) and bring back results or tracebacks.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes with OMP_NUM_THREADS=1,
+joins them in a gloo group on a free local port, calls ``fn(rank, world_size, *args)`` on each
+and returns the list of return values (rank order). If any rank raises, the other ranks are
+killed and an AssertionError carries every failing rank's traceback; if a rank hangs (a
+mismatched collective), the run is killed after ``timeout`` seconds and the error says which
+ranks never finished. ``fn`` must be a module-level function (it is pickled by reference).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs: dict, q, timeout: float
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+        )
+        try:
+            result = fn(rank, world, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        q.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any
+) -> list:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads
+    procs = []
+    try:
+        for r in range(world_size):
+            p = ctx.Process(
+                target=_worker,
+                args=(fn, r, world_size, port, args, kwargs, q, timeout),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, payload = q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in results and r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {procs[r].exitcode} without a result"
+                if errors:
+                    break
+                continue
+            (results if ok else errors)[rank] = payload
+            if errors:
+                # Give the peers a moment to report their own failures, then stop.
+                time.sleep(0.5)
+                while True:
+                    try:
+                        rank, ok, payload = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    (results if ok else errors)[rank] = payload
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise AssertionError(f"{fn.__name__} failed on rank(s) {sorted(errors)}:\n{msg}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise AssertionError(
+            f"{fn.__name__}: rank(s) {missing} did not finish within {timeout:.0f} s "
+            "(a collective mismatch or deadlock?)"
+        )
+    return [results[r] for r in range(world_size)]
