@@ -11,7 +11,7 @@ on CPU, which is why it is not used.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -57,20 +57,84 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(counter: torch.Tensor, key: RngKey) -> torch.Tensor:
-    """fp32 uniforms in [0, 1) for int64 counters in [0, 2^32)."""
+    """fp32 uniforms in [0, 1) for int64 counters in [0, 2^32).
+
+    The reference formula, written for clarity in int64; the codec uses ``add_uniform_``.
+    """
     k0, k1 = key.words()
     x = _mix32(_mix32(counter ^ k0) ^ k1)
     return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def uniform_rows(rows: int, width: int, stride: int, key: RngKey, device) -> torch.Tensor:
-    """Uniforms for a [rows, width] block whose element (r, i) has counter r * stride + i."""
+# int32 forms of the multipliers: an int32 product wraps modulo 2^32 like uint32 does.
+_M1_I32 = MIX_M1
+_M2_I32 = MIX_M2 - (1 << 32)
+
+
+def _signed32(v: int) -> int:
+    v &= MASK32
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def _lsr_xor_(x: torch.Tensor, s: int, tmp: torch.Tensor) -> None:
+    """``x ^= x >>> s`` on int32 holding uint32 bits: arithmetic shift, then mask the sign fill."""
+    torch.bitwise_right_shift(x, s, out=tmp)
+    tmp &= (1 << (32 - s)) - 1
+    x ^= tmp
+
+
+def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    _lsr_xor_(x, 16, tmp)
+    x *= _M1_I32
+    _lsr_xor_(x, 15, tmp)
+    x *= _M2_I32
+    _lsr_xor_(x, 16, tmp)
+
+
+_ARANGE32: dict[int, torch.Tensor] = {}
+
+
+def _arange32(width: int, device) -> torch.Tensor:
+    k = (width, str(device))
+    a = _ARANGE32.get(k)
+    if a is None:
+        a = _ARANGE32[k] = torch.arange(width, dtype=torch.int32, device=device)
+    return a
+
+
+def row_starts(first: Sequence[int], device) -> torch.Tensor:
+    """[R, 1] int32 column: the counters of each row's first element, modulo 2^32."""
+    return torch.tensor([[_signed32(c)] for c in first], dtype=torch.int32, device=device)
+
+
+def add_uniform_(
+    t: torch.Tensor, starts: torch.Tensor, words: tuple[int, int], x: torch.Tensor,
+    tmp: torch.Tensor,
+) -> None:
+    """``t[r, i] += uniform(starts[r] + i, key)`` in place, in int32 with reused buffers.
+
+    ``t`` is fp32 [R, L]; ``starts`` comes from ``row_starts``; ``words`` is ``key.words()``;
+    ``x`` and ``tmp`` are int32 scratch of ``t``'s shape. Same bits as ``uniform``: wrapping
+    int32 arithmetic is uint32 arithmetic on the same bits, and the logical shifts are arithmetic
+    shifts with the sign fill masked off. About five times faster than the int64 reference: one
+    pass per operation, no allocations.
+    """
+    k0, k1 = words
+    torch.add(_arange32(t.shape[1], t.device), starts, out=x)  # counters; wraps past 2^32
+    x ^= _signed32(k0)
+    _mix32_(x, tmp)
+    x ^= _signed32(k1)
+    _mix32_(x, tmp)
+    torch.bitwise_right_shift(x, 8, out=tmp)
+    tmp &= 0xFFFFFF
+    # tmp * 2^-24 is exact in fp32, so this is exactly t + u, rounded once.
+    t.add_(tmp, alpha=1.0 / (1 << 24))
+
+
+def check_counter_range(rows: int, stride: int) -> None:
+    """A call's counters (row * stride + i) must fit the 32-bit counter space."""
     if rows * stride > MAX_COUNTER:
         raise ValueError(
             f"one quantization call covers {rows * stride} elements; the RNG counter allows "
             f"{MAX_COUNTER}. Split the buffer into smaller calls (buckets)."
         )
-    c = torch.arange(width, dtype=torch.int64, device=device)
-    c = c + (torch.arange(rows, dtype=torch.int64, device=device) * stride)[:, None]
-    # Padding lanes past the last row may run over 2^32; they wrap like uint32 does in Triton.
-    return uniform(c & MASK32, key)

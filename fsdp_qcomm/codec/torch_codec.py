@@ -8,13 +8,13 @@ fused multiply-adds, sums over received chunks in order 0..k-1) so both give the
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
 from ..config import QuantSpec
 from . import wire
-from .rng import RngKey, uniform_rows
+from .rng import RngKey, add_uniform_, check_counter_range, row_starts
 
 _PACK_SHIFTS: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -93,85 +93,266 @@ def _pad_cols(v: torch.Tensor, width: int, mode: str) -> torch.Tensor:
 
 
 # ---- encode / decode ------------------------------------------------------------------------
+# Both sides walk a row block in steps of whole groups, about _BLOCK elements each, so every
+# intermediate lives in reused, cache-sized scratch: a step is ~10 passes over L2-resident
+# buffers (~30 with stochastic rounding) instead of that many passes over main memory with a
+# fresh allocation each. Rows are batched into one step while they fit, which keeps small calls
+# (a few thousand elements) at a handful of torch ops. The partial last group of each row is a
+# step of its own on an edge-padded copy.
+_BLOCK = 1 << 16
+
+
+class _Step(NamedTuple):
+    r0: int
+    r1: int
+    g0: int
+    g1: int  # groups [g0, g1) of rows [r0, r1); g1 == g0 + 1 == num_groups for the tail
+
+
+def _steps(rows: int, n: int, gs: int) -> Iterator[_Step]:
+    full = n // gs
+    if full:
+        if rows * full * gs <= _BLOCK:
+            yield _Step(0, rows, 0, full)
+        else:
+            per = max(1, _BLOCK // gs)
+            for r in range(rows):
+                for g0 in range(0, full, per):
+                    yield _Step(r, r + 1, g0, min(full, g0 + per))
+    if n % gs:
+        yield _Step(0, rows, full, full + 1)
+
+
+class _Scratch:
+    """Reused per-call buffers, grown on demand (views of the first ``numel`` elements)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        b = self._bufs.get((name, dtype))
+        if b is None or b.numel() < numel:
+            b = self._bufs[(name, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+        return b[:numel]
+
+
+def _pack_into(codes: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
+    """``dst[...] = pack_codes(codes, bits)`` for uint8 codes [R, L], without temporaries for
+    the common widths (codes < 2^bits, so the shifted sums never carry)."""
+    if bits == 8:
+        dst.copy_(codes)
+    elif bits == 4:
+        c = codes.view(codes.shape[0], -1, 2)
+        torch.add(c[..., 0], c[..., 1], alpha=16, out=dst)
+    elif bits == 2:
+        c = codes.view(codes.shape[0], -1, 4)
+        torch.add(c[..., 0], c[..., 1], alpha=4, out=dst)
+        dst.add_(c[..., 2], alpha=16)
+        dst.add_(c[..., 3], alpha=64)
+    else:
+        dst.copy_(pack_codes(codes, bits))
+
+
 def encode(v: torch.Tensor, spec: QuantSpec, key: Optional[RngKey]) -> torch.Tensor:
     """fp32 [R, n] -> uint8 [R, wire_bytes(n)]."""
     rows, n = v.shape
-    out = torch.zeros(rows, wire.wire_bytes(n, spec), dtype=torch.uint8, device=v.device)
+    out = torch.empty(rows, wire.wire_bytes(n, spec), dtype=torch.uint8, device=v.device)
     if n == 0:
         return out
-    gs = spec.group_size
+    if spec.stochastic and key is None:
+        raise ValueError("stochastic rounding needs an RngKey; pass key=RngKey(...)")
+    if spec.stochastic:
+        check_counter_range(rows, n)
+    v = v.contiguous()
+    gs, bits = spec.group_size, spec.bits
     groups = wire.num_groups(n, spec)
-    # Replicate the last value into the partial group: it changes neither absmax nor min/max.
-    g = _pad_cols(v, groups * gs, "edge").view(rows, groups, gs)
     sdt = spec.torch_scale_dtype
+    bdt = _BITS_DTYPE[sdt]
+    ss = sdt.itemsize
+    code_off = wire.scale_section_bytes(n, spec)
+    cb = wire.code_bytes(n, spec)
+    out[:, code_off + cb:] = 0  # row alignment padding
+    words = key.words() if spec.stochastic else None
+    scratch = _Scratch(v.device)
+    full = n // gs
+    for st in _steps(rows, n, gs):
+        R, nb = st.r1 - st.r0, st.g1 - st.g0
+        if st.g0 < full:
+            g = v[st.r0:st.r1, st.g0 * gs:st.g1 * gs].view(R, nb, gs)
+        else:  # the partial last group, padded with its last value (changes no min/max)
+            g = _pad_cols(v[:, full * gs:], gs, "edge").view(R, 1, gs)
+        starts = None
+        if words is not None:
+            starts = row_starts([r * n + st.g0 * gs for r in range(st.r0, st.r1)], v.device)
+        codes, scale, mins = _encode_groups(g, spec, starts, words, scratch)
+        out[st.r0:st.r1, st.g0 * ss:st.g1 * ss].view(bdt).copy_(scale)
+        if mins is not None:
+            m0 = groups * ss
+            out[st.r0:st.r1, m0 + st.g0 * ss:m0 + st.g1 * ss].view(bdt).copy_(mins)
+        c0 = code_off + st.g0 * gs * bits // 8
+        if st.g0 < full:
+            _pack_into(codes, bits, out[st.r0:st.r1, c0:c0 + nb * gs * bits // 8])
+        else:
+            codes[:, n - full * gs:] = 0  # padding elements encode as 0
+            packed = scratch.get("packed", R * gs * bits // 8, torch.uint8).view(R, -1)
+            _pack_into(codes, bits, packed)
+            out[:, c0:code_off + cb] = packed[:, :code_off + cb - c0]
+    return out
+
+
+def _encode_groups(
+    g: torch.Tensor, spec: QuantSpec, starts: Optional[torch.Tensor],
+    words: Optional[tuple[int, int]], scratch: _Scratch,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Groups [R, nb, gs] -> (uint8 codes [R, nb*gs] in scratch, scale bits [R, nb], min bits
+    [R, nb] or None). Op for op the arithmetic of the Triton kernels."""
+    R, nb, gs = g.shape
+    sdt = spec.torch_scale_dtype
+    mn, mx = torch.aminmax(g, dim=-1)
     if spec.symmetric:
-        amax = g.abs().amax(-1)
-        bad = ~torch.isfinite(amax)
+        amax = torch.maximum(mx, mn.neg_())  # == |g|.amax(-1), NaN included
+        bad = torch.isfinite(amax).logical_not_()
         scale = (amax / spec.qmax).to(sdt).to(torch.float32)
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        t = g / scale[..., None]
-        lo, hi, bias = -spec.qmax, spec.qmax, spec.qmax
         mins = None
     else:
-        mn = g.amin(-1)
-        mx = g.amax(-1)
-        bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
+        bad = (torch.isfinite(mn) & torch.isfinite(mx)).logical_not_()
         mins = mn.to(sdt).to(torch.float32) + 0.0  # + 0.0 turns a -0 minimum into +0
         scale = ((mx - mins) / spec.qmax).to(sdt).to(torch.float32)
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        t = (g - mins[..., None]) / scale[..., None]
-        lo, hi, bias = 0, spec.qmax, 0
-    if spec.stochastic:
-        if key is None:
-            raise ValueError("stochastic rounding needs an RngKey; pass key=RngKey(...)")
-        t = t + uniform_rows(rows, groups * gs, n, key, v.device).view_as(t)
+    scale.masked_fill_(scale == 0, 1.0)
+    t = scratch.get("t", R * nb * gs, torch.float32).view(R, nb, gs)
+    if mins is None:
+        torch.div(g, scale[..., None], out=t)
     else:
-        t = t + 0.5
-    q = torch.floor(t).clamp_(lo, hi)
-    q = torch.where(bad[..., None], torch.zeros_like(q), q)  # NaN codes would be undefined
-    codes = (q + bias).view(rows, -1)
-    n8 = -(-n // 8) * 8
-    codes = codes[:, :n8].clone()  # groups * gs >= n8 because gs is a multiple of 8
-    codes[:, n:] = 0
-    nan = torch.tensor(wire.NAN_BITS[spec.scale_dtype], dtype=_BITS_DTYPE[sdt], device=v.device)
-    sbytes = groups * sdt.itemsize
+        torch.sub(g, mins[..., None], out=t)
+        t.div_(scale[..., None])
+    if starts is not None:
+        x = scratch.get("x", t.numel(), torch.int32).view(R, -1)
+        tmp = scratch.get("tmp", t.numel(), torch.int32).view(R, -1)
+        add_uniform_(t.view(R, -1), starts, words, x, tmp)
+    else:
+        t.add_(0.5)
+    t.floor_()
+    codes = scratch.get("codes", t.numel(), torch.uint8).view(R, -1)
+    any_bad = bool(bad.any())
+    if spec.symmetric:
+        t.clamp_(-spec.qmax, spec.qmax)
+        if any_bad:
+            t.masked_fill_(bad[..., None], 0.0)  # NaN codes would be undefined
+        codes.view(torch.int8).copy_(t.view(R, -1))
+        codes.add_(spec.qmax)  # two's complement + bias wraps to the unsigned code
+    else:
+        t.clamp_(0, spec.qmax)
+        if any_bad:
+            t.masked_fill_(bad[..., None], 0.0)
+        codes.copy_(t.view(R, -1))
+    bdt = _BITS_DTYPE[sdt]
 
-    def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
-        s = torch.where(bad, nan, s.to(sdt).view(_BITS_DTYPE[sdt]))
-        return s.view(torch.uint8).view(rows, sbytes)
+    def _bits(s: torch.Tensor) -> torch.Tensor:
+        b = s.to(sdt).view(bdt)
+        if any_bad:
+            b = torch.where(bad, torch.tensor(wire.NAN_BITS[spec.scale_dtype], dtype=bdt, device=b.device), b)
+        return b
 
-    out[:, :sbytes] = _scale_bytes(scale)
-    off = sbytes
-    if mins is not None:
-        out[:, off:off + sbytes] = _scale_bytes(mins)
-        off += sbytes
-    out[:, off:off + wire.code_bytes(n, spec)] = pack_codes(codes, spec.bits)
+    return codes, _bits(scale), (None if mins is None else _bits(mins))
+
+
+_LUTS: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def _lut(bits: int, bias: int, device: torch.device) -> torch.Tensor:
+    """[256, 8 // bits] fp32: the (code - bias) values of the codes packed in each byte."""
+    k = (bits, bias, str(device))
+    t = _LUTS.get(k)
+    if t is None:
+        b = torch.arange(256, dtype=torch.uint8, device=device)[:, None]
+        t = _LUTS[k] = (unpack_codes(b, bits) - bias).to(torch.float32)
+    return t
+
+
+def _code_values(data: torch.Tensor, count: int, spec: QuantSpec, scratch: _Scratch,
+                 name: str) -> torch.Tensor:
+    """Code bytes [R, count*bits/8] -> fp32 [R, count] of (code - bias) (symmetric bias is
+    qmax, asymmetric 0), exact: small integers."""
+    R, bits = data.shape[0], spec.bits
+    bias = spec.qmax if spec.symmetric else 0
+    vals = scratch.get(name, R * count, torch.float32)
+    if bits in (2, 4):
+        idx = scratch.get("idx", data.numel(), torch.int32).view_as(data)
+        idx.copy_(data)
+        torch.index_select(_lut(bits, bias, data.device), 0, idx.view(-1),
+                           out=vals.view(-1, 8 // bits))
+    else:
+        # 8 bits: a direct u8 -> f32 conversion beats a one-wide table gather.
+        vals.view(R, -1).copy_(data if bits == 8 else unpack_codes(data, bits))
+        if bias:
+            vals.sub_(bias)
+    return vals.view(R, count)
+
+
+class _Wire(NamedTuple):
+    """One wire block's per-row scales (and mins) as fp32 [R, G], read once per call."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    mins: Optional[torch.Tensor]
+
+
+def _read_wire(data: torch.Tensor, n: int, spec: QuantSpec) -> _Wire:
+    sdt = spec.torch_scale_dtype
+    sb = wire.num_groups(n, spec) * sdt.itemsize
+    scale = data[:, :sb].contiguous().view(sdt).to(torch.float32)
+    mins = None
+    if not spec.symmetric:
+        mins = data[:, sb:2 * sb].contiguous().view(sdt).to(torch.float32)
+    return _Wire(data, scale, mins)
+
+
+def _decode_step(w: _Wire, n: int, spec: QuantSpec, st: _Step, dst: torch.Tensor, add: bool,
+                 scratch: _Scratch) -> None:
+    """Decode ``st`` of ``w`` into ``dst`` (fp32 [R, count], ``+=`` when ``add``)."""
+    gs, bits = spec.group_size, spec.bits
+    code_off = wire.scale_section_bytes(n, spec)
+    c0 = code_off + st.g0 * gs * bits // 8
+    full = n // gs
+    R, nb = st.r1 - st.r0, st.g1 - st.g0
+    count = nb * gs if st.g0 < full else -(-(n - full * gs) // 8) * 8
+    vals = _code_values(w.data[st.r0:st.r1, c0:c0 + count * bits // 8], count, spec, scratch,
+                        "vals")
+    vals = vals[:, :dst.shape[1]].view(R, nb, -1)
+    scale = w.scale[st.r0:st.r1, st.g0:st.g1, None]
+    res = dst.view(R, nb, -1)
+    if add:  # x = decoded value, then dst += x: the same two roundings as the reference
+        x = scratch.get("sum", vals.numel(), torch.float32).view(R, nb, -1)
+        torch.mul(vals, scale, out=x)
+        if w.mins is not None:
+            x.add_(w.mins[st.r0:st.r1, st.g0:st.g1, None])
+        res.add_(x)
+    else:
+        torch.mul(vals, scale, out=res)
+        if w.mins is not None:
+            res.add_(w.mins[st.r0:st.r1, st.g0:st.g1, None])
+
+
+def _decode_sum(chunks: Sequence[torch.Tensor], n: int, spec: QuantSpec) -> torch.Tensor:
+    """Sum over chunks, in order, of their decoded fp32 [R, n] (one chunk: just decode)."""
+    rows = chunks[0].shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32, device=chunks[0].device)
+    if n == 0:
+        return out
+    ws = [_read_wire(c, n, spec) for c in chunks]
+    scratch = _Scratch(out.device)
+    gs = spec.group_size
+    for st in _steps(rows, n, gs):
+        dst = out[st.r0:st.r1, st.g0 * gs:min(n, st.g1 * gs)]
+        for j, w in enumerate(ws):
+            _decode_step(w, n, spec, st, dst, j > 0, scratch)
     return out
 
 
 def decode(data: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
     """uint8 [R, wire_bytes(n)] -> fp32 [R, n]."""
-    rows = data.shape[0]
-    if n == 0:
-        return torch.empty(rows, 0, dtype=torch.float32, device=data.device)
-    gs = spec.group_size
-    groups = wire.num_groups(n, spec)
-    sdt = spec.torch_scale_dtype
-    sbytes = groups * sdt.itemsize
-    scale = data[:, :sbytes].contiguous().view(sdt).to(torch.float32)
-    off = sbytes
-    mins = None
-    if not spec.symmetric:
-        mins = data[:, off:off + sbytes].contiguous().view(sdt).to(torch.float32)
-        off += sbytes
-    codes = unpack_codes(data[:, off:off + wire.code_bytes(n, spec)], spec.bits)
-    codes = _pad_cols(codes, groups * gs, "zero")[:, : groups * gs].view(rows, groups, gs)
-    if spec.symmetric:
-        x = (codes - spec.qmax).to(torch.float32) * scale[..., None]
-    else:
-        x = codes.to(torch.float32) * scale[..., None]
-        x = x + mins[..., None]
-    return x.view(rows, -1)[:, :n]
+    return _decode_sum([data], n, spec)
 
 
 # ---- fused forms used by the collectives ----------------------------------------------------
@@ -207,13 +388,6 @@ def dequantize(
     return _write(x, out, accumulate)
 
 
-def _sum_decoded(chunks: Sequence[torch.Tensor], n: int, spec: QuantSpec) -> torch.Tensor:
-    acc = decode(chunks[0], n, spec)
-    for c in chunks[1:]:
-        acc = acc + decode(c, n, spec)
-    return acc
-
-
 def reduce_requantize(
     chunks: Sequence[torch.Tensor],
     n: int,
@@ -223,7 +397,7 @@ def reduce_requantize(
 ) -> torch.Tensor:
     """Sum of k decoded wire blocks (in order) re-encoded with ``spec_out`` (hop 1 -> hop 2).
     ``n`` is the encoded row length (already Hadamard-padded where used)."""
-    return encode(_sum_decoded(chunks, n, spec_in), spec_out, key)
+    return encode(_decode_sum(chunks, n, spec_in), spec_out, key)
 
 
 def reduce_dequantize(
@@ -234,7 +408,7 @@ def reduce_dequantize(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sum of k decoded wire blocks, inverse Hadamard once, first ``n`` values (final hop)."""
-    acc = _sum_decoded(chunks, wire.hadamard_len(n) if hadamard else n, spec)
+    acc = _decode_sum(chunks, wire.hadamard_len(n) if hadamard else n, spec)
     if hadamard:
         acc = hadamard32(acc)[:, :n] * (1.0 / 32)
     return _write(acc, out, False)
