@@ -1,28 +1,35 @@
 """Communication figures for torchtitan's metrics logger.
 
 Each logging step, :class:`QCommMetricsProcessor` adds ``qcomm/*`` metrics (console, TensorBoard,
-W&B) computed from two sources:
+W&B) for this rank, computed from the cumulative counters of the ``fsdp_qcomm`` handles
+(``handle.stats()``), differenced between logging steps and divided by the optimizer steps in
+between (counted with a ``torch.optim`` step hook, so a resumed run divides correctly):
 
-* **measured**: the cumulative byte counters of the ``fsdp_qcomm`` handles
-  (``handle.stats()``), differenced between logging steps and divided by the steps in between;
-* **reference**: what stock FSDP2 would send per optimizer step *from this rank* for the same
-  model, sharding and dtypes, computed from the FSDP parameter groups (:func:`fsdp_reference`).
-  Per FSDP group of padded shard size ``s`` elements on ``W`` ranks, with ``m`` microbatches:
-  all-gather sends ``(W-1) * s`` elements in ``param_dtype``, ``m`` times in forward plus ``m``
-  times in backward if the group reshards after forward; reduce-scatter sends ``(W-1) * s``
-  elements in ``reduce_dtype``, ``m`` times. (This is what a ring or a direct exchange sends;
-  HSDP's replicate all-reduce is not counted.)
+* ``qcomm/weight_bytes_per_step``, ``qcomm/grad_bytes_per_step``: bytes this rank handed to the
+  process group (the library's ``sent_bytes``: weights = ``weight_allgather``; gradients =
+  ``grad_intra`` + ``grad_inter``, the two hops of the two-level scheme);
+* ``qcomm/{weight,grad}_baseline_bytes_per_step``: what FSDP2's own collectives would have been
+  handed for the same calls (``baseline_bytes``; the two gradient hops record the same
+  baseline for one reduce-scatter, so it is counted once, not summed);
+* ``qcomm/{weight,grad}_ratio_vs_unquantized`` = sent / baseline, and
+  ``qcomm/total_ratio_vs_unquantized``;
+* ``qcomm/{weight,grad}_bits_per_elem``: 8 x sent / elements FSDP would have sent (32.0 for a
+  plain fp32 exchange; a qWD backward re-gather that reuses the reference sends 0 bits, so the
+  weight figure averages forward and backward gathers);
+* ``qcomm/grad_{intra,inter}_bits_per_elem``: the code width of each gradient hop on the wire.
 
-From these: bytes/step (weights = all-gather side, grads = reduce-scatter side), bits per
-element ``8 * measured_bytes / reference_elements`` (so baseline fp32 reads 32.0 and 4-bit
-codes plus one fp32 scale per 2048 read ~4.016), and ratio ``measured / reference``. The
-figures are this rank's (ranks are symmetric under FSDP); no extra collective is issued.
+The byte convention is the library's: the bytes of the input tensor passed to the collective
+(for an all-gather this rank's shard, for a reduce-scatter all ``world`` rows). As an independent
+check, :func:`fsdp_reference` computes the same unquantized baseline per step from the FSDP
+parameter groups (``qcomm/ref_*_bytes_per_step``); the tests assert the two agree.
 
-Without handles (``fsdp_qcomm.enable`` unavailable, or a single process) only the reference
-figures and ``qcomm/installed = 0`` are logged: measured numbers are never made up.
+A collective the handles do not replace (the gradients under a ``grad_scheme="none"`` preset)
+runs FSDP's own code: it is not measured, its figures are not logged, and the total ratio
+counts it at its reference size (which is what stock FSDP2 sends).
 
 At ``close()`` rank 0 writes ``<dump_folder>/qcomm_summary.json`` (losses per logged step,
-reference and measured bytes, the resolved config), which the main job and the tests read.
+figures, the handles' final stats and gather modes, the resolved config), which the main job
+and the tests read.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def attachment_of(model_parts: Iterable[torch.nn.Module] | None) -> list[QCommAt
 # --------------------------------------------------------------------------- reference
 @dataclass
 class Reference:
-    """Unquantized FSDP2 traffic sent by one rank per optimizer step."""
+    """Unquantized FSDP2 collective input bytes of one rank per optimizer step."""
 
     weight_bytes: float = 0.0
     weight_elements: float = 0.0
@@ -93,8 +100,11 @@ def _dtype_size(dtype: torch.dtype) -> int:
 def fsdp_reference(model_parts: Iterable[torch.nn.Module], microbatches: int = 1) -> Reference:
     """Sum :class:`Reference` over every FSDP parameter group of ``model_parts``.
 
-    Reads FSDP2 internals (``_get_fsdp_state()._fsdp_param_group``); dtypes are final only
-    after FSDP's lazy init (the first forward), so call it after the first step.
+    Per group of padded shard size ``s`` elements on ``W`` ranks, with ``m`` microbatches: the
+    all-gather is handed ``s`` elements in ``param_dtype``, ``m`` times in forward plus ``m``
+    times in backward if the group reshards after forward; the reduce-scatter is handed
+    ``W * s`` elements in ``reduce_dtype``, ``m`` times. Reads FSDP2 internals; dtypes are final
+    only after FSDP's lazy init (the first forward), so call it after the first step.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -131,92 +141,115 @@ def _group_reference(group, microbatches: int) -> Reference:
         orig = getattr(fp, "orig_dtype", None) or fp.sharded_param.dtype
         pdt = getattr(fp, "param_dtype", None) or orig
         rdt = getattr(fp, "reduce_dtype", None) or pdt
-        elems = (world - 1) * numel
-        ref.weight_elements += gathers * elems
-        ref.weight_bytes += gathers * elems * _dtype_size(pdt)
-        ref.grad_elements += microbatches * elems
-        ref.grad_bytes += microbatches * elems * _dtype_size(rdt)
+        ref.weight_elements += gathers * numel
+        ref.weight_bytes += gathers * numel * _dtype_size(pdt)
+        ref.grad_elements += microbatches * world * numel
+        ref.grad_bytes += microbatches * world * numel * _dtype_size(rdt)
     return ref
 
 
 # --------------------------------------------------------------------------- measured
-_WEIGHT_WORDS = ("all_gather", "allgather", "gather", "weight", "param")
-_GRAD_WORDS = ("reduce_scatter", "reducescatter", "reduce", "grad", "all_to_all", "alltoall")
-_SENT_WORDS = ("bytes_sent", "sent", "send")
-_RECV_WORDS = ("bytes_received", "bytes_recv", "received", "recv")
+WEIGHT_KIND = "weight_allgather"
+GRAD_KINDS = ("grad_intra", "grad_inter")
+_FIELDS = ("calls", "sent_bytes", "recv_bytes", "elements", "baseline_bytes")
 
 
-def _flatten(d: Mapping, prefix: str = "") -> dict[str, float]:
+def split_stats(stats: Mapping) -> dict[str, float]:
+    """Cumulative counters of one ``handle.stats()`` snapshot, grouped for the figures.
+
+    Keys (present only for the kinds the handle recorded): ``weight_{calls,sent,recv,elements,
+    baseline}``; ``grad_{calls,sent,recv,baseline}`` with sent/recv summed over both hops and the
+    baseline counted once (every hop of one reduce-scatter records the same baseline, so the
+    larger of the two totals is the reduce-scatters' baseline); ``grad_intra_{sent,elements}``,
+    ``grad_inter_{sent,elements}``. Raises ValueError on a kind it does not know, so that a
+    new collective cannot silently go uncounted.
+    """
+    unknown = sorted(k for k in stats if k != "notes" and k != WEIGHT_KIND and k not in GRAD_KINDS)
+    if unknown:
+        raise ValueError(
+            f"handle.stats() has collective kinds {unknown} that fsdp_qcomm.titan.comm_stats "
+            f"does not know (known: {WEIGHT_KIND}, {', '.join(GRAD_KINDS)}); extend split_stats"
+        )
     out: dict[str, float] = {}
-    for k, v in d.items():
-        key = f"{prefix}/{k}" if prefix else str(k)
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, key))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = float(v)
+
+    def field(kind: str, name: str) -> float:
+        return float(stats[kind][name])
+
+    if WEIGHT_KIND in stats:
+        out["weight_calls"] = field(WEIGHT_KIND, "calls")
+        out["weight_sent"] = field(WEIGHT_KIND, "sent_bytes")
+        out["weight_recv"] = field(WEIGHT_KIND, "recv_bytes")
+        out["weight_elements"] = field(WEIGHT_KIND, "elements")
+        out["weight_baseline"] = field(WEIGHT_KIND, "baseline_bytes")
+    hops = [k for k in GRAD_KINDS if k in stats]
+    if hops:
+        out["grad_calls"] = max(field(k, "calls") for k in hops)
+        out["grad_sent"] = sum(field(k, "sent_bytes") for k in hops)
+        out["grad_recv"] = sum(field(k, "recv_bytes") for k in hops)
+        out["grad_baseline"] = max(field(k, "baseline_bytes") for k in hops)
+        for k in hops:
+            out[f"{k}_sent"] = field(k, "sent_bytes")
+            out[f"{k}_elements"] = field(k, "elements")
     return out
 
 
-def split_stats(stats: Mapping) -> dict[str, float] | None:
-    """Map one ``handle.stats()`` dict to cumulative ``{weights,grads}_{sent,received}`` bytes.
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in set(a) | set(b)}
 
-    ASSUMED FORMAT (to confirm when ``fsdp_qcomm.enable`` lands; this is the one place to
-    adapt): ``{kind: {"bytes_sent": int, "bytes_received": int, ...}}`` with cumulative
-    counters, ``kind`` naming the collective ("all_gather" -> weights; "reduce_scatter",
-    "all_to_all*", "grad*" -> grads). Flat keys like ``"all_gather_bytes_sent"`` work too.
-    Returns None if no counter could be classified.
+
+class StepCounter:
+    """Counts training steps by the training-mode forwards of the first model part.
+
+    torchtitan logs every ``log_freq`` steps and a resumed run starts at the checkpoint's step,
+    so the logged step numbers alone do not say how many steps the handles' counters cover.
+    Optimizer step hooks cannot count them either: loading a checkpoint's optimizer state runs
+    a dummy ``optimizer.step()`` (``torch.distributed.checkpoint``'s ``_init_optim_state``).
+    Each training step runs ``microbatches`` forwards with grad enabled in training mode;
+    validation runs in eval mode under ``no_grad`` and is not counted.
     """
-    out = {"weights_sent": 0.0, "weights_received": 0.0, "grads_sent": 0.0, "grads_received": 0.0}
-    found = False
-    for key, value in _flatten(stats).items():
-        k = key.lower()
-        direction = (
-            "received" if any(w in k for w in _RECV_WORDS)
-            else "sent" if any(w in k for w in _SENT_WORDS)
-            else None
-        )
-        if direction is None:
-            continue
-        if any(w in k for w in _GRAD_WORDS):
-            kind = "grads"
-        elif any(w in k for w in _WEIGHT_WORDS):
-            kind = "weights"
-        else:
-            continue
-        out[f"{kind}_{direction}"] += value
-        found = True
-    return out if found else None
+
+    def __init__(self, microbatches: int) -> None:
+        self.microbatches = max(1, microbatches)
+        self.forwards = 0
+        self._handle = None
+
+    def watch(self, model_parts: list[torch.nn.Module] | None) -> None:
+        if self._handle is None and model_parts:
+            self._handle = model_parts[0].register_forward_pre_hook(self._pre_forward)
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.forwards += 1
+
+    @property
+    def steps(self) -> int:
+        return self.forwards // self.microbatches
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
 
 class CommTracker:
     """Turns cumulative counters into per-step figures between two logging steps."""
 
     def __init__(self) -> None:
-        self.last_step = 0
-        self.last_counters: dict[str, float] | None = None
+        self.last_steps = 0  # optimizer steps counted at the previous interval's end
+        self.last_counters: dict[str, float] = {}
         self.total_counters: dict[str, float] = {}
         self.reference: Reference | None = None
-        self.warned = False
+        self.last_step = 0  # the training step of the last logging call
 
-    def read_counters(self, attachments: list[QCommAttachment]) -> dict[str, float] | None:
+    @staticmethod
+    def read_counters(attachments: list[QCommAttachment]) -> dict[str, float] | None:
+        handles = [a.handle for a in attachments if a.handle is not None]
+        if not handles:
+            return None
         total: dict[str, float] = {}
-        any_handle = False
-        for att in attachments:
-            if att.handle is None:
-                continue
-            any_handle = True
-            split = split_stats(att.handle.stats())
-            if split is None:
-                if not self.warned:
-                    logger.warning(
-                        "qcomm: handle.stats() returned no counters this module understands; "
-                        "see fsdp_qcomm.titan.comm_stats.split_stats"
-                    )
-                    self.warned = True
-                return None
-            for k, v in split.items():
-                total[k] = total.get(k, 0.0) + v
-        return total if any_handle else None
+        for h in handles:
+            total = _add(total, split_stats(h.stats()))
+        return total
 
     def rebase(self, model_parts: list[torch.nn.Module]) -> None:
         """Make the current counters the start of the next interval (drop traffic since)."""
@@ -226,13 +259,15 @@ class CommTracker:
             self.total_counters = counters
 
     def figures(
-        self, step: int, model_parts: list[torch.nn.Module], microbatches: int
+        self, step: int, optimizer_steps: int, model_parts: list[torch.nn.Module],
+        microbatches: int,
     ) -> dict[str, float]:
         attachments = attachment_of(model_parts)
         if self.reference is None:
             self.reference = fsdp_reference(model_parts, microbatches)
         ref = self.reference
-        steps = max(1, step - self.last_step)
+        steps = max(1, optimizer_steps - self.last_steps)
+        self.last_steps = optimizer_steps
         self.last_step = step
         out: dict[str, float] = {
             "qcomm/installed": float(any(a.handle is not None for a in attachments)),
@@ -242,29 +277,39 @@ class CommTracker:
         counters = self.read_counters(attachments)
         if counters is None:
             return out
-        prev = self.last_counters or {k: 0.0 for k in counters}
-        self.last_counters = counters
-        delta = {}
-        for k, v in counters.items():
-            d = v - prev.get(k, 0.0)
-            delta[k] = v if d < 0 else d  # a counter reset: count from zero
-        self.total_counters = counters
-        for kind, rb, re in (
+        prev = self.last_counters
+        self.last_counters = self.total_counters = counters
+        # a counter below its previous value was reset (handle.reset_stats()): count from zero
+        delta = {
+            k: (v - prev.get(k, 0.0) if v >= prev.get(k, 0.0) else v) / steps
+            for k, v in counters.items()
+        }
+        sent_total = base_total = 0.0
+        for kind, ref_bytes, ref_elems in (
             ("weight", ref.weight_bytes, ref.weight_elements),
             ("grad", ref.grad_bytes, ref.grad_elements),
         ):
-            sent = delta[f"{kind}s_sent"] / steps
+            if f"{kind}_sent" not in delta:  # FSDP's own collective: not measured
+                sent_total += ref_bytes
+                base_total += ref_bytes
+                continue
+            sent, base = delta[f"{kind}_sent"], delta[f"{kind}_baseline"]
+            sent_total += sent
+            base_total += base
             out[f"qcomm/{kind}_bytes_per_step"] = sent
-            out[f"qcomm/{kind}_recv_bytes_per_step"] = delta[f"{kind}s_received"] / steps
-            if re > 0:
-                out[f"qcomm/{kind}_bits_per_elem"] = 8.0 * sent / re
-            if rb > 0:
-                out[f"qcomm/{kind}_ratio_vs_unquantized"] = sent / rb
-        ref_total = ref.weight_bytes + ref.grad_bytes
-        if ref_total > 0:
-            out["qcomm/total_ratio_vs_unquantized"] = (
-                out["qcomm/weight_bytes_per_step"] + out["qcomm/grad_bytes_per_step"]
-            ) / ref_total
+            out[f"qcomm/{kind}_recv_bytes_per_step"] = delta[f"{kind}_recv"]
+            out[f"qcomm/{kind}_baseline_bytes_per_step"] = base
+            if base > 0:
+                out[f"qcomm/{kind}_ratio_vs_unquantized"] = sent / base
+                # elements FSDP would have sent: the baseline in the reference's dtype
+                itemsize = ref_bytes / ref_elems if ref_elems else 4.0
+                out[f"qcomm/{kind}_bits_per_elem"] = 8.0 * sent * itemsize / base
+        for hop in GRAD_KINDS:
+            elems = delta.get(f"{hop}_elements", 0.0)
+            if elems > 0:
+                out[f"qcomm/{hop}_bits_per_elem"] = 8.0 * delta[f"{hop}_sent"] / elems
+        if base_total > 0:
+            out["qcomm/total_ratio_vs_unquantized"] = sent_total / base_total
         return out
 
 
@@ -277,24 +322,35 @@ def _fmt_bytes(n: float) -> str:
 
 
 def format_figures(fig: Mapping[str, float]) -> str:
-    ref = (
-        f"ref W {_fmt_bytes(fig['qcomm/ref_weight_bytes_per_step'])}/step "
-        f"G {_fmt_bytes(fig['qcomm/ref_grad_bytes_per_step'])}/step"
-    )
-    if "qcomm/weight_bytes_per_step" not in fig:
-        return f"qcomm: not installed (reference only: {ref})"
+    """One console line: bytes per step, bits per element and ratio, per collective."""
+    if not fig.get("qcomm/installed"):
+        return (
+            "qcomm: not installed (FSDP2 reference: W "
+            f"{_fmt_bytes(fig['qcomm/ref_weight_bytes_per_step'])}/step G "
+            f"{_fmt_bytes(fig['qcomm/ref_grad_bytes_per_step'])}/step)"
+        )
     parts = []
     for kind, tag in (("weight", "W"), ("grad", "G")):
-        s = f"{tag} {_fmt_bytes(fig[f'qcomm/{kind}_bytes_per_step'])}/step"
+        if f"qcomm/{kind}_bytes_per_step" not in fig:
+            parts.append(f"{tag} FSDP's own")
+            continue
+        s = (
+            f"{tag} {_fmt_bytes(fig[f'qcomm/{kind}_bytes_per_step'])}/step of "
+            f"{_fmt_bytes(fig[f'qcomm/{kind}_baseline_bytes_per_step'])}"
+        )
         if f"qcomm/{kind}_bits_per_elem" in fig:
             s += f" {fig[f'qcomm/{kind}_bits_per_elem']:.2f}b/el"
+        hops = [
+            f"{hop[5:]} {fig[f'qcomm/{hop}_bits_per_elem']:.2f}b"
+            for hop in GRAD_KINDS if kind == "grad" and f"qcomm/{hop}_bits_per_elem" in fig
+        ]
+        if hops:
+            s += " (" + ", ".join(hops) + ")"
         if f"qcomm/{kind}_ratio_vs_unquantized" in fig:
             s += f" x{fig[f'qcomm/{kind}_ratio_vs_unquantized']:.3f}"
         parts.append(s)
     tot = fig.get("qcomm/total_ratio_vs_unquantized")
-    return "qcomm: " + "  ".join(parts) + (f"  total x{tot:.3f}" if tot is not None else "") + (
-        f"  ({ref})"
-    )
+    return "qcomm: " + "  ".join(parts) + (f"  total x{tot:.3f}" if tot is not None else "")
 
 
 # --------------------------------------------------------------------------- the processor
@@ -304,12 +360,26 @@ class QCommMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None) -> None:
         super().__init__(job_config, parallel_dims, tag)
         self.tracker = CommTracker()
+        self.microbatches = self._microbatches(job_config, parallel_dims)
+        self.step_counter = StepCounter(self.microbatches)
+        self.step_counter.watch(self.model_parts)
         self.history: list[dict[str, float]] = []
         self.validation: list[dict[str, float]] = []
         self.t_start = time.perf_counter()
         self.t_last = self.t_start
         self.step_last = 0
-        self.microbatches = self._microbatches(job_config, parallel_dims)
+        self.steps_counted_last = 0
+
+    @property
+    def model_parts(self) -> list[torch.nn.Module] | None:
+        return self.__dict__.get("_model_parts")
+
+    @model_parts.setter
+    def model_parts(self, parts: list[torch.nn.Module] | None) -> None:
+        # torchtitan's Trainer assigns the model parts after building the processor
+        self.__dict__["_model_parts"] = parts
+        if "step_counter" in self.__dict__:
+            self.step_counter.watch(parts)
 
     @staticmethod
     def _microbatches(job_config, parallel_dims) -> int:
@@ -322,10 +392,11 @@ class QCommMetricsProcessor(MetricsProcessor):
         return max(1, gbs // (lbs * degree))
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        fig = self.tracker.figures(step, self.model_parts or [], self.microbatches)
+        counted = self.step_counter.steps
+        fig = self.tracker.figures(step, counted, self.model_parts or [], self.microbatches)
         now = time.perf_counter()
-        step_time = (now - self.t_last) / max(1, step - self.step_last)
-        self.t_last, self.step_last = now, step
+        step_time = (now - self.t_last) / max(1, counted - self.steps_counted_last)
+        self.t_last, self.step_last, self.steps_counted_last = now, step, counted
         merged = dict(extra_metrics or {})
         merged.update(fig)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=merged)
@@ -353,8 +424,14 @@ class QCommMetricsProcessor(MetricsProcessor):
             "preset": atts[0].preset if atts else None,
             "qcomm_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg),
             "installed": any(a.handle is not None for a in atts),
-            "notes": sorted({a.note for a in atts if a.note}),
+            "notes": sorted(
+                {a.note for a in atts if a.note}
+                | {n for a in atts if a.handle is not None for n in a.handle.stats()["notes"]}
+            ),
             "fsdp_modules": sum(a.fsdp_modules for a in atts),
+            "hooked_modules": sum(
+                len(a.handle.module_names) for a in atts if a.handle is not None
+            ),
             "world_size": ref.world_size if ref else None,
             "microbatches": self.microbatches,
             "steps_logged": [h["step"] for h in self.history],
@@ -364,7 +441,12 @@ class QCommMetricsProcessor(MetricsProcessor):
             "reference_bytes_per_step": (
                 {"weights": ref.weight_bytes, "grads": ref.grad_bytes} if ref else None
             ),
-            "measured_cumulative_bytes": self.tracker.total_counters or None,
+            "measured_cumulative": self.tracker.total_counters or None,
+            "handle_stats": [a.handle.stats() for a in atts if a.handle is not None],
+            "gather_modes": _sum_counts(
+                a.handle.gather_modes() for a in atts if a.handle is not None
+            ),
+            "optimizer_steps": self.step_counter.steps,
             "last_step": self.step_last,
             "wall_time_s": time.perf_counter() - self.t_start,
         }
@@ -379,7 +461,16 @@ class QCommMetricsProcessor(MetricsProcessor):
                     json.dump(self.summary(), f, indent=2)
                 logger.info(f"qcomm: wrote {path}")
         finally:
+            self.step_counter.remove()
             super().close()
+
+
+def _sum_counts(dicts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
 
 
 def build_qcomm_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):

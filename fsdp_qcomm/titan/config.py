@@ -4,8 +4,8 @@ Use it with ``[job] custom_config_module = "fsdp_qcomm.titan.config"``. torchtit
 module's :class:`JobConfig` into its own, so ``[qcomm]`` parses like any built-in section:
 TOML values first, then CLI flags (``--qcomm.weight_bits 8``) win.
 
-The section is *generated* from the fields of ``QCommConfig`` (:func:`qcomm_config_class`), so
-it cannot drift from the library's configuration:
+The section is *generated* from the fields of ``fsdp_qcomm.config.QCommConfig``, so it cannot
+drift from the library's configuration:
 
 * ``preset`` (str, default ``"baseline"``) names ``QCommConfig.preset(name)``, a dataclass
   instance with a ``PRESETS`` mapping of known names;
@@ -35,19 +35,13 @@ from typing import Any, Literal, Optional, Union
 
 import tyro
 
+from fsdp_qcomm.config import QCommConfig
+
 SECTION = "qcomm"
 
 
 def qcomm_config_class() -> type:
-    """The dataclass the ``[qcomm]`` section mirrors.
-
-    ``fsdp_qcomm.config.QCommConfig`` when it can be imported; otherwise the placeholder in
-    ``_pending_config`` (TEMPORARY: remove the fallback once branch main provides the class).
-    """
-    try:
-        from fsdp_qcomm.config import QCommConfig
-    except ImportError:
-        from fsdp_qcomm.titan._pending_config import PendingQCommConfig as QCommConfig
+    """The dataclass the ``[qcomm]`` section mirrors: ``fsdp_qcomm.config.QCommConfig``."""
     return QCommConfig
 
 

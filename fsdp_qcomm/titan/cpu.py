@@ -15,11 +15,10 @@ Two things stop stock torchtitan on a machine without an accelerator:
 
 2. torchtitan sets FSDP's gradient divide factor to 1.0 (its loss is already divided by the
    global token count), which FSDP2 turns into ``ReduceOp.PREMUL_SUM(1.0)``; gloo rejects
-   PREMUL_SUM. :func:`force_sum_reduction` calls ``set_force_sum_reduction_for_comms(True)`` on
-   every FSDP module, after which FSDP uses ``ReduceOp.SUM`` and, since the factor is 1.0,
-   divides by nothing: the same sum PREMUL_SUM(1.0) computes, so the math is unchanged (each
-   rank's loss is ``local_loss_sum / global_valid_tokens``, so the SUM of the ranks' gradients
-   is the gradient of the global mean loss). This part lives in the parallelize wrapper.
+   PREMUL_SUM. ``fsdp_qcomm.enable`` (called by the parallelize wrapper in ``register.py``)
+   already switches such gloo modules, and every module with a quantized reduce-scatter, to
+   ``set_force_sum_reduction_for_comms(True)``: FSDP then passes ``ReduceOp.SUM`` and divides
+   by the factor 1.0, the same sum PREMUL_SUM(1.0) computes. Nothing here repeats that.
 
 Memory figures on CPU: ``memory_stats`` reports the process's peak resident set size
 (``ru_maxrss``, which cannot be reset) as both "active" and "reserved" peak, and the host's
@@ -149,16 +148,3 @@ def patch_torchtitan_for_cpu() -> bool:
     if init.__defaults__ and init.__defaults__[0] != "cpu:0":
         init.__defaults__ = ("cpu:0",)
     return True
-
-
-def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
-    """``set_force_sum_reduction_for_comms(True)`` on every FSDP module; returns how many."""
-    from torch.distributed.fsdp import FSDPModule
-
-    n = 0
-    for part in model_parts:
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-                n += 1
-    return n

@@ -58,7 +58,13 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def print_summary(summary: dict, out=sys.stdout) -> None:
+    """Loss first -> last, held-out losses, and bytes sent against unquantized FSDP2."""
     p = lambda *a: print(*a, file=out)  # noqa: E731
     loss = summary.get("loss") or []
     steps = summary.get("steps_logged") or []
@@ -70,33 +76,48 @@ def print_summary(summary: dict, out=sys.stdout) -> None:
         p(f"loss: step {steps[0]} {loss[0]:.4f} -> step {steps[-1]} {loss[-1]:.4f}")
     for v in summary.get("validation") or []:
         p(f"held-out loss at step {v['step']}: {v['loss']:.4f}")
-    ref = summary.get("reference_bytes_per_step") or {}
-    hist = [h for h in summary.get("history", []) if h["step"] > 1]  # step 1: first gather
+    for note in summary.get("notes") or []:
+        p(f"note: {note}")
     if not summary.get("installed"):
-        p("quantized communication: NOT INSTALLED (" + "; ".join(summary.get("notes") or [])
-          + "): the run used stock FSDP2 collectives, so no measured figures exist.")
+        ref = summary.get("reference_bytes_per_step") or {}
+        p("quantized communication: NOT INSTALLED: the run used stock FSDP2 collectives.")
         if ref:
             p(f"unquantized FSDP2 traffic per rank and step: weights {_fmt_bytes(ref['weights'])}, "
               f"grads {_fmt_bytes(ref['grads'])}")
         p("=" * 72)
         return
-    p("bytes sent per rank and step (mean over logged intervals after step 1) vs unquantized:")
+    hist = [h for h in summary.get("history", []) if h["step"] > 1]  # step 1: first gather
+    p("bytes sent per rank and step (mean of the logged intervals after step 1) vs what")
+    p("unquantized FSDP2 collectives would have been handed:")
     for kind in ("weight", "grad"):
-        vals = [h[f"qcomm/{kind}_bytes_per_step"] for h in hist
-                if f"qcomm/{kind}_bytes_per_step" in h]
-        if not vals:
+        sent = _mean([h.get(f"qcomm/{kind}_bytes_per_step") for h in hist])
+        if sent is None:
+            p(f"  {kind + 's':8s} FSDP's own collective (not quantized, not measured)")
             continue
-        mean = sum(vals) / len(vals)
-        r = ref.get(kind + "s", 0.0)
-        bits = [h.get(f"qcomm/{kind}_bits_per_elem") for h in hist]
-        bits = [b for b in bits if b is not None]
-        p(f"  {kind + 's':8s} {_fmt_bytes(mean):>12s}  vs {_fmt_bytes(r):>12s}"
-          + (f"  ratio {mean / r:.3f} ({r / mean:.2f}x less)" if r and mean else "")
-          + (f"  {sum(bits) / len(bits):.2f} bits/element" if bits else ""))
-    tot = [h.get("qcomm/total_ratio_vs_unquantized") for h in hist]
-    tot = [t for t in tot if t is not None]
-    if tot:
-        p(f"  total ratio vs unquantized: {sum(tot) / len(tot):.3f}")
+        base = _mean([h.get(f"qcomm/{kind}_baseline_bytes_per_step") for h in hist])
+        bits = _mean([h.get(f"qcomm/{kind}_bits_per_elem") for h in hist])
+        hops = [
+            f"{hop[5:]} hop {b:.2f}"
+            for hop in ("grad_intra", "grad_inter")
+            if kind == "grad" and (b := _mean([h.get(f"qcomm/{hop}_bits_per_elem") for h in hist]))
+        ]
+        p(f"  {kind + 's':8s} {_fmt_bytes(sent):>11s} vs {_fmt_bytes(base):>11s}"
+          + (f"  ratio {sent / base:.4f} ({base / sent:.2f}x less)" if base and sent else "")
+          + (f"  {bits:.3f} bits/element" if bits is not None else "")
+          + (f" ({', '.join(hops)} bits on the wire)" if hops else ""))
+    tot = _mean([h.get("qcomm/total_ratio_vs_unquantized") for h in hist])
+    if tot is not None:
+        p(f"  total ratio vs unquantized: {tot:.4f}")
+    cum = summary.get("measured_cumulative") or {}
+    n = summary.get("optimizer_steps") or 0
+    sent = cum.get("weight_sent", 0.0) + cum.get("grad_sent", 0.0)
+    base = cum.get("weight_baseline", 0.0) + cum.get("grad_baseline", 0.0)
+    if n and base:
+        p(f"whole run ({n} steps, first full-precision gathers and held-out passes included): "
+          f"sent {_fmt_bytes(sent)} vs {_fmt_bytes(base)} (ratio {sent / base:.4f})")
+    if summary.get("gather_modes"):
+        p("weight gathers by mode: " + ", ".join(
+            f"{k} {v}" for k, v in summary["gather_modes"].items()))
     p("=" * 72)
 
 

@@ -130,7 +130,15 @@ steps = 10
 [checkpoint]
 enable = false
 
-{_qcomm_block(scheme)}"""
+{_qcomm_block(scheme)}{_DEBUG_NODES}"""
+
+
+_DEBUG_NODES = """\
+# 4 processes on one host laid out as 2 "nodes" x 2 ranks, so that two-level gradient
+# schemes run both hops (8-bit intra-node, 4-bit inter-node); drop it to use torchrun's
+# LOCAL_WORLD_SIZE (one node: the intra-node hop only)
+ranks_per_node = 2
+"""
 
 
 def render_paper(size: str, scheme: str) -> str:

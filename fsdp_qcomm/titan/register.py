@@ -9,8 +9,8 @@ the device) does three things, none of which edits torchtitan's files:
    components, plus
 
    * ``build_tokenizer_fn`` that accepts ``hf_assets_path = "fsdp_qcomm:pystdlib_bpe<N>"``;
-   * ``parallelize_fn`` = torchtitan's ``parallelize_llama``, then FSDP sum-reduction (gloo
-     needs it, see ``cpu.py``), then :func:`_install_qcomm` with the ``[qcomm]`` config;
+   * ``parallelize_fn`` = torchtitan's ``parallelize_llama``, then :func:`_install_qcomm`
+     (``fsdp_qcomm.enable``) with the ``[qcomm]`` config;
    * ``build_metrics_processor_fn`` that logs ``qcomm/*`` figures (``comm_stats.py``).
 
 Use it together with ``[job] custom_config_module = "fsdp_qcomm.titan.config"`` (the
@@ -47,22 +47,19 @@ TRAIN_SPEC_NAME = "gpt_qcomm"
 
 
 # --------------------------------------------------------------------------- the hook call
-def _install_qcomm(model_parts: list[torch.nn.Module], qcomm_cfg) -> list | None:
-    """THE call site of ``fsdp_qcomm.enable`` -- rewire here once branch main provides it.
+def _install_qcomm(model_parts: list[torch.nn.Module], qcomm_cfg) -> list:
+    """``fsdp_qcomm.enable(part, qcomm_cfg)`` on every model part; one handle per part.
 
-    Installs the quantized collectives on every FSDP module of every model part and returns
-    one handle per part. TEMPORARY: while ``fsdp_qcomm.enable`` does not exist, logs a warning
-    and returns None (training then runs stock FSDP2 collectives and no measured figures are
-    logged). Any other failure propagates.
+    Runs while the parameters are still on the meta device. That is safe: ``enable`` records
+    nothing about parameter values or storages; each qWD all-gather builds its reference on
+    its first gather (full precision), which comes after torchtitan's initialization (and
+    after a checkpoint load, which counts as a change outside the optimizer). ``enable`` also
+    forces FSDP's SUM reduction where it is needed (every module with a quantized
+    reduce-scatter, and gloo modules with torchtitan's divide factor 1.0), so nothing else here
+    touches that setting.
     """
-    try:
-        from fsdp_qcomm import enable
-    except ImportError:
-        logger.warning(
-            "qcomm: fsdp_qcomm.enable is not available yet; training with stock FSDP2 "
-            "collectives (only reference communication figures will be logged)"
-        )
-        return None
+    from fsdp_qcomm import enable
+
     return [enable(part, qcomm_cfg) for part in model_parts]
 
 
@@ -74,7 +71,7 @@ def _fsdp_module_count(model: torch.nn.Module) -> int:
 
 
 def parallelize_gpt_qcomm(model: torch.nn.Module, parallel_dims, job_config) -> torch.nn.Module:
-    """torchtitan's llama3 parallelization, then FSDP sum-reduction, then the qcomm hooks.
+    """torchtitan's llama3 parallelization, then the qcomm hooks (``fsdp_qcomm.enable``).
 
     Called once per model part (pipeline stages call it per stage). Parameters are still on
     the meta device here: torchtitan materializes and initializes them afterwards.
@@ -94,17 +91,10 @@ def parallelize_gpt_qcomm(model: torch.nn.Module, parallel_dims, job_config) -> 
         att.note = "no FSDP modules (single process or FSDP disabled): nothing to install"
         logger.info(f"qcomm: {att.note}")
     else:
-        # FSDP2 turns torchtitan's divide factor 1.0 into PREMUL_SUM(1.0), which gloo rejects;
-        # SUM with factor 1.0 is the same reduction. See cpu.py.
-        cpu.force_sum_reduction([model])
-        handles = _install_qcomm([model], qcfg)
-        if handles is None:
-            att.note = "fsdp_qcomm.enable unavailable"
-        else:
-            att.handle = handles[0]
+        att.handle = _install_qcomm([model], qcfg)[0]
         logger.info(
-            f"qcomm: preset {section.preset!r} overrides {section.overrides()} on {n_fsdp} "
-            f"FSDP modules: {'installed' if att.handle is not None else 'NOT installed'}"
+            f"qcomm: preset {section.preset!r} overrides {section.overrides()}: installed on "
+            f"{len(att.handle.module_names)} of {n_fsdp} FSDP modules"
         )
     setattr(model, ATTACHMENT_ATTR, att)
     return model
