@@ -8,6 +8,7 @@ a message naming the field, never later inside a collective.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional
 
@@ -16,6 +17,8 @@ import torch
 Rounding = Literal["nearest", "stochastic"]
 WeightScheme = Literal["none", "direct", "qwd"]
 GradScheme = Literal["none", "one_level", "two_level"]
+Levels = Literal["uniform", "learned"]
+_QSDP_STRING = re.compile(r"^W(\d+)G(\d+)(?:[-:_](uniform|learned))?$", re.IGNORECASE)
 
 _SCALE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -119,6 +122,13 @@ class QCommConfig:
     ranks_per_node: Optional[int] = None
     seed: int = 0
 
+    # QSDP's learned levels (``codec.levels``): "uniform" = the evenly spaced codes above;
+    # "learned" = a table of 2^bits levels fitted to the values sent, refreshed every
+    # ``levels_refresh_every`` calls of each module's collective and identical on all ranks.
+    weight_levels: Levels = "uniform"
+    grad_levels: Levels = "uniform"
+    levels_refresh_every: int = 100
+
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "baseline": {},
         # SDP4Bit: qWD 4-bit g2048 + TLq-HS (8-bit intra, 4-bit inter, g128, Hadamard).
@@ -161,10 +171,30 @@ class QCommConfig:
                 msg = str(e).replace("QuantSpec.", f"{owner}.{prefix}_")
                 msg = msg.replace(f"{owner}.{prefix}_scale_dtype", f"{owner}.scale_dtype")
                 raise ValueError(msg) from None
+        self._check_levels()
         if self.grad_hadamard and self.grad_scheme == "none":
             raise ValueError(
                 "QCommConfig.grad_hadamard=True needs a quantized gradient scheme; set "
                 "grad_scheme='one_level' or 'two_level'"
+            )
+
+    def _check_levels(self) -> None:
+        owner = "QCommConfig"
+        _check_choice(owner, "weight_levels", self.weight_levels, ("uniform", "learned"))
+        _check_choice(owner, "grad_levels", self.grad_levels, ("uniform", "learned"))
+        _check_int(owner, "levels_refresh_every", self.levels_refresh_every, 1)
+        if self.weight_levels == "learned" and self.weight_scheme != "direct":
+            raise ValueError(
+                f"QCommConfig.weight_levels='learned' needs weight_scheme='direct' (got "
+                f"{self.weight_scheme!r}): learned levels quantize the weights themselves"
+            )
+        if self.grad_levels == "learned" and (
+            self.grad_scheme != "one_level" or self.grad_hadamard
+        ):
+            raise ValueError(
+                "QCommConfig.grad_levels='learned' needs grad_scheme='one_level' and "
+                f"grad_hadamard=False (got grad_scheme={self.grad_scheme!r}, "
+                f"grad_hadamard={self.grad_hadamard}); learned levels are QSDP's one-hop scheme"
             )
 
     # ---- quantizers --------------------------------------------------------------------
@@ -197,10 +227,54 @@ class QCommConfig:
     def preset(cls, name: str, **overrides: Any) -> "QCommConfig":
         """A named configuration (``QCommConfig.PRESETS``), optionally with field overrides."""
         if name not in cls.PRESETS:
+            if isinstance(name, str) and _QSDP_STRING.match(name):
+                return cls.from_qsdp_string(name, **overrides)
             raise ValueError(
-                f"unknown QCommConfig preset {name!r}; known presets: {', '.join(cls.PRESETS)}"
+                f"unknown QCommConfig preset {name!r}; known presets: {', '.join(cls.PRESETS)}, "
+                "or a QSDP string such as 'W6G4' / 'W4G32-learned'"
             )
         return cls.from_dict({**cls.PRESETS[name], **overrides})
+
+    @classmethod
+    def from_qsdp_string(
+        cls, text: str, *, levels: Optional[Levels] = None, group_size: int = 1024,
+        **overrides: Any,
+    ) -> "QCommConfig":
+        """QSDP's ``W<bits>G<bits>`` settings, e.g. ``"W6G4"``, ``"W4G32"``, ``"W4G4-learned"``.
+
+        Weights: direct min-max stochastic quantization in buckets of ``group_size`` (1024).
+        Gradients: one-level min-max stochastic quantization, same buckets. ``32`` leaves that
+        side unquantized (scheme "none"). ``levels`` (or a ``-uniform`` / ``-learned`` suffix)
+        picks the level set of every quantized side.
+        """
+        m = _QSDP_STRING.match(text.strip()) if isinstance(text, str) else None
+        if m is None:
+            raise ValueError(
+                f"{text!r} is not a QSDP setting; write W<bits>G<bits> with bits 2..8 or 32 "
+                "(unquantized), optionally suffixed -uniform or -learned, e.g. 'W6G4-learned'"
+            )
+        wb, gb, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
+        for side, b in (("W", wb), ("G", gb)):
+            if b != 32 and not 2 <= b <= 8:
+                raise ValueError(
+                    f"{text!r}: {side}{b} is not supported; bits must be 2..8, or 32 for unquantized"
+                )
+        if levels is not None and suffix is not None and levels != suffix.lower():
+            raise ValueError(f"{text!r} says {suffix} levels but levels={levels!r} was passed")
+        lv = levels or (suffix.lower() if suffix else "uniform")
+        values: dict[str, Any] = {}
+        if wb != 32:
+            values.update(
+                weight_scheme="direct", weight_bits=wb, weight_group_size=group_size,
+                weight_symmetric=False, weight_rounding="stochastic", weight_levels=lv,
+            )
+        if gb != 32:
+            values.update(
+                grad_scheme="one_level", grad_inter_bits=gb, grad_intra_bits=gb,
+                grad_group_size=group_size, grad_symmetric=False, grad_rounding="stochastic",
+                grad_levels=lv,
+            )
+        return cls.from_dict({**values, **overrides})
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "QCommConfig":
@@ -220,4 +294,4 @@ class QCommConfig:
         return dataclasses.asdict(self)
 
 
-__all__ = ["QuantSpec", "QCommConfig", "Rounding", "WeightScheme", "GradScheme"]
+__all__ = ["QuantSpec", "QCommConfig", "Rounding", "WeightScheme", "GradScheme", "Levels"]

@@ -28,6 +28,10 @@ the bytes on the wire do not depend on the chunk count. Hop 1 of span ``c + 1`` 
 while span ``c`` is re-quantized and its hop 2 runs (asynchronous ``all_to_all_single`` on two
 different subgroups).
 
+Learned levels (QSDP, ``codec.levels``): ``levels=`` (a table identical on all ranks, see
+``collectives.level_sync``) encodes every row of the one-level scheme on that table; each wire
+row then starts with the table (``levels_wire_bytes``). Two-level and Hadamard are refused.
+
 Every rank quantizes its own row too and sends it to itself through the all-to-all, so the row
 for oneself is counted in the bytes sent and carries quantization noise like the others.
 
@@ -60,6 +64,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from .. import codec
 from ..codec import RngKey
+from ..codec import levels as _levels
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QCommConfig, QuantSpec
 from ..stats import CommStats
@@ -129,6 +134,7 @@ def reduce_scatter_quantized(
     *,
     op: Union[ReduceOp, "ReduceOp.RedOpType"] = ReduceOp.SUM,
     stats: Optional[CommStats] = None,
+    levels: Optional[torch.Tensor] = None,
 ) -> None:
     """Quantized ``reduce_scatter_single``: writes this rank's reduced shard into ``output``.
 
@@ -141,6 +147,11 @@ def reduce_scatter_quantized(
         raise ValueError(
             "QCommConfig.grad_scheme='none' does not quantize gradients; use "
             "dist.reduce_scatter_single, or set grad_scheme='one_level' or 'two_level'"
+        )
+    if levels is not None and (config.grad_scheme != "one_level" or config.grad_hadamard):
+        raise ValueError(
+            "learned levels (levels=) work with grad_scheme='one_level' without Hadamard; got "
+            f"grad_scheme={config.grad_scheme!r}, grad_hadamard={config.grad_hadamard}"
         )
     world = dist.get_world_size(group)
     m = output.numel()
@@ -183,7 +194,7 @@ def reduce_scatter_quantized(
             hop = _Hop(group, config.grad_inter_spec(), "grad_inter")
     else:
         hop = _Hop(group, config.grad_inter_spec(), _one_level_kind(group, config))
-    t = _one_hop(out, x, spans, hop, hadamard, key, finish)
+    t = _one_hop(out, x, spans, hop, hadamard, key, finish, levels)
     if stats is not None:
         stats.record(hop.kind, sent_bytes=t.sent, recv_bytes=t.recv, elements=world * m,
                      baseline_bytes=baseline)
@@ -240,25 +251,33 @@ def _write(out: torch.Tensor, res: torch.Tensor, finish: Finish) -> None:
     out.copy_(res.view(-1))
 
 
-def _one_hop(out, x, spans, hop: _Hop, hadamard: bool, key: RngKey, finish: Finish) -> _Tally:
+def _one_hop(out, x, spans, hop: _Hop, hadamard: bool, key: RngKey, finish: Finish,
+             levels: Optional[torch.Tensor] = None) -> _Tally:
     """Single all-to-all: row j of every span goes to group rank j; the transfer of span c
     overlaps quantizing span c + 1."""
     tally = _Tally()
     pending = None
     for c, (a, b) in enumerate(spans):
-        send = codec.quantize(x[:, a:b], hop.spec, key.fold(c).fold(1), hadamard=hadamard)
+        if levels is not None:
+            send = _levels.quantize_levels(x[:, a:b], hop.spec, levels, key.fold(c).fold(1))
+        else:
+            send = codec.quantize(x[:, a:b], hop.spec, key.fold(c).fold(1), hadamard=hadamard)
         work, recv = _a2a(send, hop.group, tally)
         if pending is not None:
-            _finish_last_hop(out, pending, hop.spec, hadamard, finish)
+            _finish_last_hop(out, pending, hop.spec, hadamard, finish, levels is not None)
         pending = (work, send, recv, a, b)
-    _finish_last_hop(out, pending, hop.spec, hadamard, finish)
+    _finish_last_hop(out, pending, hop.spec, hadamard, finish, levels is not None)
     return tally
 
 
-def _finish_last_hop(out, pending, spec: QuantSpec, hadamard: bool, finish: Finish) -> None:
+def _finish_last_hop(out, pending, spec: QuantSpec, hadamard: bool, finish: Finish,
+                     learned: bool = False) -> None:
     work, _send, recv, a, b = pending
     work.wait()
-    res = codec.reduce_dequantize(recv, b - a, spec, hadamard=hadamard)
+    if learned:
+        res = _levels.reduce_dequantize_levels(recv, b - a, spec)
+    else:
+        res = codec.reduce_dequantize(recv, b - a, spec, hadamard=hadamard)
     _write(out[a:b], res, finish)
 
 

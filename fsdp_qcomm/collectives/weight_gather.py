@@ -15,6 +15,11 @@ Randomness. Stochastic rounding of segment ``k`` uses ``key.fold(_WEIGHT_SALT + 
 call's ``RngKey(seed, step, rank, bucket)`` fixes every bit, and weight keys never collide with
 gradient keys built from the same four numbers.
 
+Learned levels (QSDP, ``codec.levels``): pass ``levels`` (a table identical on all ranks, see
+``collectives.level_sync``) to ``direct_all_gather`` / ``encode_shard`` and ``learned=True`` to
+``decode_shards`` / ``shard_wire_bytes``; every segment row then carries the table in front of
+its scales (``levels_wire_bytes``).
+
 Every rank, the sender included, decodes the very same bytes with the same code, so all ranks
 end with bit-identical weights. World size 1 sends nothing: the output is the input, exactly.
 
@@ -33,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import RngKey, dequantize, quantize, wire_bytes
+from ..codec.levels import dequantize_levels, levels_wire_bytes, quantize_levels
 from ..config import QuantSpec
 
 _WEIGHT_SALT = 1 << 40
@@ -113,9 +119,10 @@ def check_segments(segments: Optional[Sequence[int]], numel: int) -> tuple[int, 
     return segs
 
 
-def shard_wire_bytes(segments: Sequence[int], spec: QuantSpec) -> int:
+def shard_wire_bytes(segments: Sequence[int], spec: QuantSpec, learned: bool = False) -> int:
     """Bytes one rank sends for a shard made of ``segments`` (each segment is its own row)."""
-    return sum(wire_bytes(s, spec) for s in segments)
+    row = levels_wire_bytes if learned else wire_bytes
+    return sum(row(s, spec) for s in segments)
 
 
 def _segment_key(key: Optional[RngKey], k: int) -> Optional[RngKey]:
@@ -129,13 +136,22 @@ def encode_shard(
     key: Optional[RngKey],
     *,
     ref: Optional[torch.Tensor] = None,
+    levels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Encode a flat shard (or ``x - ref``) segment by segment into one uint8 wire buffer."""
-    out = torch.empty(shard_wire_bytes(segments, spec), dtype=torch.uint8, device=x.device)
+    """Encode a flat shard (or ``x - ref``) segment by segment into one uint8 wire buffer
+    (on the level table ``levels`` when given)."""
+    learned = levels is not None
+    if learned and ref is not None:
+        raise ValueError("learned levels encode the weights themselves; ref= is not supported")
+    out = torch.empty(
+        shard_wire_bytes(segments, spec, learned), dtype=torch.uint8, device=x.device
+    )
     off = woff = 0
     for k, n in enumerate(segments):
-        w = wire_bytes(n, spec)
-        if n:
+        w = levels_wire_bytes(n, spec) if learned else wire_bytes(n, spec)
+        if n and learned:
+            out[woff:woff + w] = quantize_levels(x[off:off + n], spec, levels, _segment_key(key, k))
+        elif n:
             r = None if ref is None else ref[off:off + n]
             out[woff:woff + w] = quantize(x[off:off + n], spec, _segment_key(key, k), ref=r)
         off += n
@@ -150,12 +166,18 @@ def decode_shards(
     out: torch.Tensor,
     *,
     accumulate: bool = False,
+    learned: bool = False,
 ) -> None:
-    """Decode ``data[world, W]`` (one wire buffer per rank) into ``out[world, n]`` (or add)."""
+    """Decode ``data[world, W]`` (one wire buffer per rank) into ``out[world, n]`` (or add);
+    ``learned``: the rows are learned-levels rows."""
     off = woff = 0
     for n in segments:
-        w = wire_bytes(n, spec)
-        if n:
+        w = levels_wire_bytes(n, spec) if learned else wire_bytes(n, spec)
+        if n and learned:
+            dequantize_levels(
+                data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate
+            )
+        elif n:
             dequantize(
                 data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate
             )
@@ -217,11 +239,14 @@ def direct_all_gather(
     segments: Optional[Sequence[int]] = None,
     async_op: bool = False,
     on_done: OnDone = None,
+    levels: Optional[torch.Tensor] = None,
 ) -> Optional[dist.Work]:
     """Quantize this rank's shard, gather codes and scales, decode every rank's slot.
 
     The own slot is overwritten by its decoded value too, so every rank computes with the same
     weights. Error per element is below one quantization step (absmax of its group / qmax).
+    ``levels``: encode on this learned level table (the same on all ranks) instead of uniform
+    codes; with stochastic rounding the decoded weights are unbiased either way.
     """
     _check_float(input, "input")
     world, _ = _world_rank(group)
@@ -234,11 +259,14 @@ def direct_all_gather(
         if on_done is not None:
             on_done(GatherOutcome("local", 0, 0, n, base))
         return None
-    wire = encode_shard(input, segs, spec, key)
+    wire = encode_shard(input, segs, spec, key, levels=levels)
     gathered = torch.empty(world * wire.numel(), dtype=torch.uint8, device=input.device)
 
     def finish() -> None:
-        decode_shards(gathered.view(world, -1), segs, spec, output.view(world, n))
+        decode_shards(
+            gathered.view(world, -1), segs, spec, output.view(world, n),
+            learned=levels is not None,
+        )
         if on_done is not None:
             on_done(GatherOutcome("direct", wire.numel(), gathered.numel(), n, base))
 

@@ -26,6 +26,14 @@ no longer be trusted. Writes through ``.data`` bypass version counters; outside 
 are still picked up by the next difference (the difference is always ``x - ref``), they just
 are not re-sent at full precision.
 
+Direct scheme (QSDP, ZeRO++ qwZ): every gather quantizes the current shard. The forward gather
+and the backward re-gather both send (QSDP gathers twice), but the backward re-gather of
+unchanged weights uses the forward's RNG key (and level table), so it sends the very same
+bytes and backward differentiates at exactly the quantized point forward used, which is what
+makes the gradient an unbiased estimate at that point. With ``weight_levels="learned"`` a
+``LevelSync`` refits the module's table from all ranks' shards every ``levels_refresh_every``
+forward gathers.
+
 The allocated output of a qWD module *is* the reference (no second unsharded buffer); the own
 slot's previous value is kept in ``own_ref`` because FSDP writes the new shard over it.
 """
@@ -43,6 +51,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from ..codec import RngKey
+from ..collectives.level_sync import LevelSync
 from ..collectives.weight_gather import (
     GatherOutcome,
     QwdAllGather,
@@ -95,6 +104,9 @@ class QuantizedAllGather(AllGather):
         self._expected: Optional[list[_Sig]] = None
         self._outside = False
         self._reset = False
+        self.levels: Optional[LevelSync] = None
+        if config.weight_levels == "learned":
+            self.levels = LevelSync(self._spec, config.levels_refresh_every)
 
     # ---- state queries used by the handle ---------------------------------------------------
     @property
@@ -219,9 +231,14 @@ class QuantizedAllGather(AllGather):
                 self._counter += 1
             self._last_sig = sig
             key = RngKey(self._config.seed, self._counter, rank, self.bucket)
+            levels = None
+            if self.levels is not None:
+                # each segment is its own wire row, so it is its own histogram row
+                rows = [input_tensor[a:a + n] for a, n in zip(_offsets(segs), segs) if n]
+                levels = self.levels.table(rows, group, self._counter, self._stats)
             return direct_all_gather(
                 output_tensor, input_tensor, self._spec, key, group,
-                segments=segs, async_op=async_op, on_done=self._record,
+                segments=segs, async_op=async_op, on_done=self._record, levels=levels,
             )
         return self._qwd_gather(
             output_tensor, input_tensor, group, segs, sig, unchanged_backward, async_op
@@ -277,6 +294,14 @@ class QuantizedAllGather(AllGather):
             KIND, sent_bytes=o.sent_bytes, recv_bytes=o.recv_bytes, elements=o.elements,
             baseline_bytes=o.baseline_bytes,
         )
+
+
+def _offsets(segs: Sequence[int]) -> list[int]:
+    out, a = [], 0
+    for n in segs:
+        out.append(a)
+        a += n
+    return out
 
 
 __all__ = ["KIND", "QuantizedAllGather"]

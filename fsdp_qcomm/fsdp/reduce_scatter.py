@@ -19,6 +19,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..codec import RngKey
 from ..collectives.grad_reduce import reduce_scatter_quantized
+from ..collectives.level_sync import LevelSync
 from ..config import QCommConfig
 from ..stats import CommStats
 
@@ -29,7 +30,9 @@ class QuantizedReduceScatter(ReduceScatter):
     ``bucket`` (the module's index) and a per-instance call counter key the stochastic
     rounding: call ``i`` of bucket ``b`` on global rank ``r`` uses
     ``RngKey(config.seed, i, r, b)``, so the same run twice sends the same bits. ``call_count``
-    is public so a resumed run can restore it.
+    is public so a resumed run can restore it. With ``grad_levels="learned"`` a ``LevelSync``
+    refits the gradient level table from all ranks' gradients every ``levels_refresh_every``
+    calls (``call_count`` is its step).
     """
 
     def __init__(self, config: QCommConfig, stats: CommStats, bucket: int) -> None:
@@ -44,6 +47,9 @@ class QuantizedReduceScatter(ReduceScatter):
         self.stats = stats
         self.bucket = bucket
         self.call_count = 0
+        self.levels = None
+        if config.grad_levels == "learned":
+            self.levels = LevelSync(config.grad_inter_spec(), config.levels_refresh_every)
 
     def allocate(
         self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype, device: torch.device
@@ -59,9 +65,15 @@ class QuantizedReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> None:
         key = RngKey(self.config.seed, self.call_count, dist.get_rank(), self.bucket)
+        levels = None
+        if self.levels is not None and group.size() > 1:
+            # rows as they are encoded: one per destination rank
+            rows = input_tensor.reshape(group.size(), -1)
+            levels = self.levels.table(rows, group, self.call_count, self.stats)
         self.call_count += 1
         reduce_scatter_quantized(
-            output_tensor, input_tensor, group, self.config, key, op=op, stats=self.stats
+            output_tensor, input_tensor, group, self.config, key, op=op, stats=self.stats,
+            levels=levels,
         )
         return None
 

@@ -1,0 +1,89 @@
+"""Learned level tables kept bit-identical on every rank of a process group.
+
+One ``LevelSync`` serves one collective of one module (its weights or its gradients). Every
+``refresh_every`` steps (and on first use) each rank builds an int64 histogram of the
+normalized values it is about to send (``codec.levels.histogram``, fp64, weighted by squared
+group scales), the histograms are summed with one ``all_reduce``, group rank 0 fits the table
+(``codec.levels.fit_levels``, fp64 numpy) and broadcasts its 2^b fp32 levels. Broadcasting
+rather than fitting everywhere keeps the tables bit-identical whatever the all-reduce's
+summation order or the machines' numpy builds do. Between refreshes the table is reused as is.
+
+Cost per refresh: ``bins`` fp64 weights all-reduced plus ``4 * 2^b`` bytes broadcast, recorded
+under the stats kind ``"levels_sync"`` (elements 0, baseline 0: pure overhead). Callers must
+refresh on every rank at the same steps (SPMD), like any collective.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..codec.levels import DEFAULT_BINS, LEVELS_DTYPE, fit_levels, histogram, num_levels
+from ..config import QuantSpec
+from ..stats import CommStats
+
+KIND = "levels_sync"
+
+
+class LevelSync:
+    """The current level table of one collective, refreshed every ``refresh_every`` steps."""
+
+    def __init__(self, spec: QuantSpec, refresh_every: int, bins: int = DEFAULT_BINS) -> None:
+        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1:
+            raise ValueError(f"refresh_every must be an int >= 1, got {refresh_every!r}")
+        self.spec = spec
+        self.refresh_every = refresh_every
+        self.bins = bins
+        self.levels: Optional[torch.Tensor] = None
+        self.refreshes = 0
+        self._step: Optional[int] = None
+
+    def due(self, step: int) -> bool:
+        return self.levels is None or (step != self._step and step % self.refresh_every == 0)
+
+    def table(
+        self,
+        x: Union[torch.Tensor, Sequence[torch.Tensor]],
+        group: Optional[dist.ProcessGroup],
+        step: int,
+        stats: Optional[CommStats] = None,
+    ) -> torch.Tensor:
+        """The table to encode ``x`` with at ``step``; refits it from every rank's ``x`` when
+        due (collective then). ``x``: rows ``[..., n]`` or a list of such blocks of different
+        lengths, grouped as they will be encoded (one wire row each)."""
+        if self.due(step):
+            self._refresh(x, group, stats)
+            self._step = step
+        assert self.levels is not None
+        return self.levels
+
+    def _refresh(
+        self,
+        x: Union[torch.Tensor, Sequence[torch.Tensor]],
+        group: Optional[dist.ProcessGroup],
+        stats: Optional[CommStats],
+    ) -> None:
+        blocks = [x] if isinstance(x, torch.Tensor) else list(x)
+        if not blocks:
+            raise ValueError("LevelSync needs at least one block of values to fit levels on")
+        dev = blocks[0].device
+        counts = torch.zeros(self.bins, dtype=torch.float64)
+        for b in blocks:
+            counts += histogram(b, self.spec, self.bins)
+        counts = counts.to(dev)
+        dist.all_reduce(counts, group=group)
+        if dist.get_rank(group) == 0:
+            levels = fit_levels(counts, self.spec).to(dev)
+        else:
+            levels = torch.empty(num_levels(self.spec), dtype=LEVELS_DTYPE, device=dev)
+        dist.broadcast(levels, group=group, group_src=0)
+        self.levels = levels
+        self.refreshes += 1
+        if stats is not None:
+            nbytes = counts.nbytes + levels.nbytes
+            stats.record(KIND, sent_bytes=nbytes, recv_bytes=nbytes, elements=0, baseline_bytes=0)
+
+
+__all__ = ["KIND", "LevelSync"]
