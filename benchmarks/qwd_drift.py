@@ -12,7 +12,10 @@ computes with (the unsharded parameters after the quantized gather) and the true
   update / (qmax - 1) forever: a ratio that creeps up would be drift.
 
 Writes ``<out>.csv`` (one row per step) and ``<out>.md`` (summary per window of 500 steps) and
-exits non-zero when the last window's maximum gap exceeds the 500-1000 window's (drift).
+exits non-zero on drift: the last window's mean or maximum gap (absolute or relative) more than
+10% above the 500-999 window's. The tolerance is for noise: window statistics of a bounded,
+stationary quantity move by a few percent (the relative gap also moves with max|w|), while a
+drifting reference grows without bound.
 
     OMP_NUM_THREADS=1 python benchmarks/qwd_drift.py --steps 2000 --out benchmarks/results/qwd_drift
 """
@@ -114,7 +117,7 @@ def _summary(rows: list, wall: float, modes: dict, args: argparse.Namespace) -> 
         "| mean update | mean loss |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    maxima = {}
+    maxima, means = {}, {}
     for lo in range(0, len(rows), win):
         w = rows[lo:lo + win]
         body = [r for r in w if r[0] > 0]  # step 0 is exact (full precision), no update yet
@@ -122,17 +125,24 @@ def _summary(rows: list, wall: float, modes: dict, args: argparse.Namespace) -> 
         gr = [r[3] for r in body]
         ratio = [r[5] for r in body]
         maxima[lo] = max(ga)
+        means[lo] = (sum(ga) / len(ga), sum(gr) / len(gr), max(gr))
         lines.append(
             f"| {lo}-{lo + len(w) - 1} | {max(ga):.3e} | {sum(ga) / len(ga):.3e} | "
             f"{max(gr):.3e} | {sum(gr) / len(gr):.3e} | {max(ratio):.3f} | "
             f"{sum(r[4] for r in body) / len(body):.3e} | {sum(r[1] for r in w) / len(w):.4f} |"
         )
     last = max(maxima)
-    ok = 500 in maxima and maxima[last] <= maxima[500]
+    ok = (
+        500 in maxima and maxima[last] <= 1.1 * maxima[500]
+        and all(a <= 1.1 * b for a, b in zip(means[last], means[500]))
+    )
     lines += [
         "",
-        f"verdict: {'no drift' if ok else 'DRIFT'} (max gap over steps {last}-{len(rows) - 1}: "
-        f"{maxima[last]:.3e}; over 500-999: {maxima.get(500, float('nan')):.3e})",
+        f"verdict: {'no drift' if ok else 'DRIFT'}: steps {last}-{len(rows) - 1} vs 500-999: "
+        f"mean gap_abs {means[last][0]:.3e} vs {means[500][0]:.3e}, mean gap_rel "
+        f"{means[last][1]:.3e} vs {means[500][1]:.3e}, max gap_abs {maxima[last]:.3e} vs "
+        f"{maxima[500]:.3e}, max gap_rel {means[last][2]:.3e} vs {means[500][2]:.3e} "
+        "(allowed: +10%)",
     ]
     return "\n".join(lines), ok
 

@@ -174,11 +174,7 @@ def _resume(rank, world, root, n_before, n_after):
     # restart at 0, so the stochastic rounding bits and the reference differ from A
     model_c, handle_c, opt_c = _build(_SDP4)
     _load(ckpt, model_c, opt_c)
-    seen, hooks = _gathered(model_c)
-    exact = {k: p.full_tensor().clone() for k, p in model_c.named_parameters()}
     got_c = [_train_step(model_c, opt_c, s, rank) for s in range(n_before, n_before + n_after)]
-    for h in hooks:
-        h.remove()
     assert handle_c.gather_modes()["qwd_full"] == units
     out["no_state"] = got_c
 
