@@ -101,6 +101,10 @@ class QCommConfig:
     Gradients (the reduce-scatter): ``grad_scheme`` "none", "one_level" (quantize once, one
     all-to-all, ``grad_inter_bits``) or "two_level" (``grad_intra_bits`` inside a node, then
     ``grad_inter_bits`` across nodes). ``grad_hadamard`` adds the 32-point Hadamard smoothing.
+
+    ``consistency_check_every`` (0 = off): every K-th forward weight gather of each FSDP module,
+    the ranks compare exact integer checksums of the weights they are about to compute with and
+    raise naming the first parameter that differs (one tiny all-gather per module and check).
     """
 
     weight_scheme: WeightScheme = "none"
@@ -121,6 +125,7 @@ class QCommConfig:
     scale_dtype: str = "float32"
     ranks_per_node: Optional[int] = None
     seed: int = 0
+    consistency_check_every: int = 0
 
     # QSDP's learned levels (``codec.levels``): "uniform" = the evenly spaced codes above;
     # "learned" = a table of 2^bits levels fitted to the values sent, refreshed every
@@ -160,15 +165,21 @@ class QCommConfig:
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int(owner, "grad_pipeline_chunks", self.grad_pipeline_chunks, 1, 64)
         _check_int(owner, "seed", self.seed, 0, 2**63 - 1)
+        _check_int(owner, "consistency_check_every", self.consistency_check_every, 0)
         if self.ranks_per_node is not None:
             _check_int(owner, "ranks_per_node", self.ranks_per_node, 1)
         # Building the specs validates bits, group sizes, rounding and scale dtype, and the
         # error is re-raised under the QCommConfig field name the user actually set.
-        for prefix, build in (("weight", self.weight_spec), ("grad", self._grad_specs)):
+        for prefix, build, bits in (
+            ("weight", self.weight_spec, "weight_bits"),
+            ("grad", self.grad_intra_spec, "grad_intra_bits"),
+            ("grad", self.grad_inter_spec, "grad_inter_bits"),
+        ):
             try:
                 build()
             except ValueError as e:
-                msg = str(e).replace("QuantSpec.", f"{owner}.{prefix}_")
+                msg = str(e).replace("QuantSpec.bits", f"{owner}.{bits}")
+                msg = msg.replace("QuantSpec.", f"{owner}.{prefix}_")
                 msg = msg.replace(f"{owner}.{prefix}_scale_dtype", f"{owner}.scale_dtype")
                 raise ValueError(msg) from None
         self._check_levels()

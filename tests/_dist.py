@@ -6,6 +6,9 @@ and returns the list of return values (rank order). If any rank raises, the othe
 killed and an AssertionError carries every failing rank's traceback; if a rank hangs (a
 mismatched collective), the run is killed after ``timeout`` seconds and the error says which
 ranks never finished. ``fn`` must be a module-level function (it is pickled by reference).
+Ranks listed in ``may_exit`` are allowed to die without a result (their entry is None): for
+tests that kill a rank on purpose and check what its peers do; ``pg_timeout`` (default
+``timeout``) is the process group's own timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
 
@@ -52,7 +55,8 @@ def _worker(
 
 
 def run_ranks(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any
+    fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
+    may_exit: tuple[int, ...] = (), pg_timeout: Optional[float] = None, **kwargs: Any
 ) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -64,7 +68,7 @@ def run_ranks(
         for r in range(world_size):
             p = ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, port, args, kwargs, q, timeout),
+                args=(fn, r, world_size, port, args, kwargs, q, pg_timeout or timeout),
                 daemon=True,
             )
             p.start()
@@ -86,6 +90,9 @@ def run_ranks(
             try:
                 rank, ok, payload = q.get(timeout=min(left, 1.0))
             except queue.Empty:
+                for r in may_exit:
+                    if not procs[r].is_alive() and r not in results and r not in errors:
+                        results[r] = None
                 dead = [r for r, p in enumerate(procs)
                         if not p.is_alive() and p.exitcode not in (0, None)
                         and r not in results and r not in errors]

@@ -36,6 +36,14 @@ forward gathers.
 
 The allocated output of a qWD module *is* the reference (no second unsharded buffer); the own
 slot's previous value is kept in ``own_ref`` because FSDP writes the new shard over it.
+
+Checkpoints (``checkpoint_state`` / ``load_checkpoint_state``, gathered by
+``QCommHandle.state_dict``): the RNG call counter, and for qWD this rank's shard of the reference
+(``own_ref``; the whole reference is every rank's ``own_ref`` back to back), one DTensor per
+parameter sharded like the parameter, so torch.distributed.checkpoint can reshard it. A loaded
+reference is re-assembled by one full-precision all-gather of the shards at the next gather,
+which then sends the usual difference: the resumed run computes with the bits the uninterrupted
+run would have used. Without a loaded reference the next gather sends the weights themselves.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from ..collectives.weight_gather import (
 )
 from ..config import QCommConfig
 from ..stats import CommStats
+from .consistency import check_consistent
 
 KIND = "weight_allgather"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -107,6 +116,10 @@ class QuantizedAllGather(AllGather):
         self.levels: Optional[LevelSync] = None
         if config.weight_levels == "learned":
             self.levels = LevelSync(self._spec, config.levels_refresh_every)
+        self._check_every = config.consistency_check_every
+        self._forward_gathers = 0
+        self._pending_ref: Optional[torch.Tensor] = None
+        self._names: Optional[list[str]] = None
 
     # ---- state queries used by the handle ---------------------------------------------------
     @property
@@ -120,6 +133,112 @@ class QuantizedAllGather(AllGather):
     def release(self) -> None:
         """Drop the qWD reference (on ``disable``)."""
         self._qwd = None
+        self._pending_ref = None
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def _param_names(self) -> list[str]:
+        """Qualified names of the module's parameters from the model root (FSDP's own
+        ``_param_fqn`` is only set at its lazy init, so checkpoint templates could not use it)."""
+        if self._names is None:
+            where = {}
+            prefix = "" if self.name == "<root>" else self.name + "."
+            for m in self._pg.modules:
+                for n, sub in m.named_modules():
+                    where.setdefault(id(sub), prefix + (n + "." if n else ""))
+            self._names = [
+                where.get(id(fp._module_info.module), f"{self.name}[{k}].")
+                + fp._module_info.param_name
+                for k, fp in enumerate(self._pg.fsdp_params)
+            ]
+        return self._names
+
+    def _reference_layout(self) -> Optional[tuple[torch.dtype, tuple[int, ...]]]:
+        """(all-gather dtype, segments) when this module's gathers are qWD gathers, else None."""
+        if self._scheme != "qwd":
+            return None
+        segs, _ = self._segments()
+        fps = self._pg.fsdp_params
+        if segs is None or not fps:
+            return None
+        mp_dtype = self._pg.mp_policy.param_dtype
+        dtypes = {mp_dtype or fp.sharded_param.dtype for fp in fps}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOAT_DTYPES:
+            return None  # mixed dtypes: FSDP gathers raw bytes, we gather plainly
+        return next(iter(dtypes)), segs
+
+    def _reference_views(self, flat: torch.Tensor, segs: tuple[int, ...]) -> dict[str, Any]:
+        """One DTensor per parameter viewing its unpadded values in a flat own-shard buffer,
+        placed like the sharded parameter (so DCP reshards it to another world size)."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, Any] = {}
+        off = 0
+        for name, fp, seg in zip(self._param_names(), self._pg.fsdp_params, segs):
+            p = fp.sharded_param
+            local_shape = p.to_local().shape
+            local = flat[off:off + math.prod(local_shape)].view(local_shape)
+            out[name] = DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                stride=p.stride(),
+            )
+            off += seg
+        return out
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """RNG call counter and, for qWD, this rank's shard of the reference (see the module
+        docstring). The tensors are views: save them before the next gather."""
+        state: dict[str, Any] = {"weight_calls": self._counter}
+        layout = self._reference_layout()
+        if layout is None:
+            return state
+        dtype, segs = layout
+        q = self._qwd
+        if self._pending_ref is not None:
+            flat, valid = self._pending_ref, 1
+        elif q is not None and q.valid and q.segments == segs and q.ref.dtype == dtype:
+            flat, valid = q.own_ref, 1
+        else:  # nothing gathered yet (or a template for loading): placeholders
+            device = self._pg.fsdp_params[0].sharded_param.device
+            flat, valid = torch.zeros(sum(segs), dtype=dtype, device=device), 0
+        state["reference_valid"] = valid
+        state["reference"] = self._reference_views(flat, segs)
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore the counter; adopt a saved qWD reference (re-assembled at the next gather), or
+        make the next gather send full precision when the checkpoint has none."""
+        self._counter = int(state["weight_calls"])
+        self._last_sig = None
+        self._forward_gathers = 0
+        self._pending_ref = None
+        layout = self._reference_layout()
+        ref = state.get("reference")
+        if layout is None or not state.get("reference_valid") or not ref:
+            self.reset()
+            return
+        dtype, segs = layout
+        names = self._param_names()
+        missing = [n for n in names if n not in ref]
+        if missing:
+            raise ValueError(
+                f"{self.name}: the checkpoint's qWD reference has no entry for {missing}; it was "
+                "saved from a different model. Load the matching checkpoint, or drop the "
+                "'reference' entries to resend full-precision weights"
+            )
+        device = self._pg.fsdp_params[0].sharded_param.device
+        flat = torch.zeros(sum(segs), dtype=dtype, device=device)
+        off = 0
+        for name, seg in zip(names, segs):
+            t = ref[name]
+            local = t.to_local() if hasattr(t, "to_local") else t
+            flat[off:off + local.numel()].copy_(local.reshape(-1))
+            off += seg
+        self._pending_ref = flat
+        self._reset = False
+        self._outside = False
+        self._expected = None
+        if self._qwd is not None:
+            self._qwd.invalidate()  # FSDP gets a fresh output buffer, not the stale reference
 
     def _signature(self) -> tuple[_Sig, ...]:
         return tuple(_param_signature(fp) for fp in self._pg.fsdp_params)
@@ -201,19 +320,20 @@ class QuantizedAllGather(AllGather):
         world = group.size()
         segs, why = self._fallback_reason(input_tensor, world)
         aliased = self._qwd is not None and output_tensor.data_ptr() == self._qwd.ref.data_ptr()
+        record = self._checked_record(output_tensor, segs, group)
         if segs is None:
             if why:
                 self._stats.note(
                     f"{self.name}: weight all-gather fell back to FSDP's plain gather "
                     f"(weight_scheme={self._scheme!r} not applied): {why}"
                 )
-            done = self._record
+            done = record
             if aliased:  # the reference was overwritten by exact weights: adopt them
                 q = self._qwd
 
                 def done(o: GatherOutcome, q=q) -> None:
                     q.own_ref.copy_(q.own_slot())
-                    self._record(o)
+                    record(o)
 
             return plain_all_gather(
                 output_tensor, input_tensor, group, async_op=async_op, on_done=done
@@ -238,10 +358,10 @@ class QuantizedAllGather(AllGather):
                 levels = self.levels.table(rows, group, self._counter, self._stats)
             return direct_all_gather(
                 output_tensor, input_tensor, self._spec, key, group,
-                segments=segs, async_op=async_op, on_done=self._record, levels=levels,
+                segments=segs, async_op=async_op, on_done=record, levels=levels,
             )
         return self._qwd_gather(
-            output_tensor, input_tensor, group, segs, sig, unchanged_backward, async_op
+            output_tensor, input_tensor, group, segs, sig, unchanged_backward, async_op, record
         )
 
     # ---- qWD -------------------------------------------------------------------------------
@@ -254,6 +374,7 @@ class QuantizedAllGather(AllGather):
         sig: tuple[_Sig, ...],
         unchanged_backward: bool,
         async_op: bool,
+        record: Any,
     ) -> Optional[dist.Work]:
         q = self._qwd
         stale = q is None or q.group is not group or q.segments != segs
@@ -262,15 +383,18 @@ class QuantizedAllGather(AllGather):
                 input.numel(), input.dtype, input.device, self._spec, group, segments=segs
             )
         aliased = output.data_ptr() == q.ref.data_ptr()
-        on_done = self._record
+        on_done = record
         if not aliased:
             def on_done(o: GatherOutcome) -> None:
                 output.copy_(q.ref)
-                self._record(o)
+                record(o)
 
         outside = self._outside or (
             self._expected is not None and any(s != e for s, e in zip(sig, self._expected))
         )
+        if self._pending_ref is not None:
+            input = self._restore_reference(q, input, aliased)
+            outside = unchanged_backward = False  # the loaded reference belongs to these weights
         full = self._reset or not q.valid or outside
         if outside and q.valid and not self._reset:
             self._stats.note(
@@ -287,6 +411,49 @@ class QuantizedAllGather(AllGather):
         self._counter += 1
         key = RngKey(self._config.seed, self._counter, group.rank(), self.bucket)
         return q(input, key, full=full, async_op=async_op, on_done=on_done)
+
+    def _restore_reference(
+        self, q: QwdAllGather, input: torch.Tensor, aliased: bool
+    ) -> torch.Tensor:
+        """Re-assemble a checkpointed reference: one full-precision all-gather of every rank's
+        saved shard into ``q.ref``. Returns the input (copied first if it lives in ``q.ref``)."""
+        pending, self._pending_ref = self._pending_ref, None
+        if aliased:
+            input = input.clone()
+        q.own_ref.copy_(pending)
+        dist.all_gather_single(q.ref, q.own_ref, group=q.group)
+        q.valid = True
+        base = q.numel * q.ref.element_size()
+        self.modes["qwd_restore"] += 1
+        self._stats.record(
+            KIND, sent_bytes=base, recv_bytes=q.world * base, elements=q.numel,
+            baseline_bytes=base,
+        )
+        return input
+
+    def _checked_record(
+        self, output: torch.Tensor, segs: Optional[tuple[int, ...]], group: dist.ProcessGroup
+    ) -> Any:
+        """``_record``, plus the consistency check when this forward gather is due one."""
+        if not self._check_every or group.size() == 1:
+            return self._record
+        if self._pg._training_state == TrainingState.PRE_BACKWARD:
+            return self._record
+        self._forward_gathers += 1
+        if (self._forward_gathers - 1) % self._check_every:
+            return self._record
+        world = group.size()
+        if segs is None:  # plain fallback (raw bytes or unknown layout): one checksum
+            segs, names = (output.numel() // world,), [f"{self.name} (all parameters)"]
+        else:
+            names = self._param_names()
+        where = f"forward gather #{self._forward_gathers} of FSDP module {self.name!r}"
+
+        def done(o: GatherOutcome) -> None:
+            self._record(o)
+            check_consistent(output, world, segs, names, group, where)
+
+        return done
 
     def _record(self, o: GatherOutcome) -> None:
         self.modes[o.mode] += 1

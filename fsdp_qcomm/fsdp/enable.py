@@ -14,6 +14,12 @@ read back from the op, and gloo rejects PREMUL_SUM outright. With
 SUM on every module that gets the quantized reduce-scatter, and on gloo modules that already
 have such a factor (where FSDP's own reduce-scatter would fail); ``disable`` restores the
 previous setting.
+
+Checkpoints. ``QCommHandle`` is a ``torch.distributed.checkpoint`` ``Stateful``: put it in the
+dict passed to ``dcp.save`` / ``dcp.load`` next to the model and optimizer state. It carries each
+module's RNG call counters (weights and gradients: stochastic rounding is keyed by them) and its
+qWD reference shard, so a resumed run draws the same random bits and computes with the same
+weights as a run that never stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ..collectives.topology import group_layout, known_ranks_per_node, resolve_ranks_per_node
 from ..config import QCommConfig
 from ..stats import CommStats
 from .all_gather import QuantizedAllGather
@@ -47,7 +54,12 @@ class _Install:
         self.prev_reduce_scatter = group._reduce_scatter_comm
         self.prev_force_sum = bool(group.force_sum_reduction_for_comms)
         self.all_gather: Optional[QuantizedAllGather] = None
+        self.reduce_scatter: Optional[Any] = None
         self.force_sum = False
+
+    @property
+    def label(self) -> str:
+        return self.name or "<root>"
 
 
 def _is_ours(comm: Any) -> bool:
@@ -120,6 +132,44 @@ class QCommHandle:
         """Memory this rank holds for qWD references (one unsharded copy of each qWD module's
         parameters in the all-gather dtype, plus one shard)."""
         return sum(i.all_gather.reference_bytes for i in self._installs if i.all_gather is not None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state, per FSDP module: ``weight_calls`` and ``grad_calls`` (RNG call
+        counters) and, for qWD, ``reference_valid`` and ``reference`` (this rank's shard of the
+        reference, one DTensor per parameter). Save it with torch.distributed.checkpoint (or
+        pass the handle itself, a ``Stateful``); the tensors are views of live buffers."""
+        self._check_enabled("state_dict")
+        modules: dict[str, Any] = {}
+        for i in self._installs:
+            state = i.all_gather.checkpoint_state() if i.all_gather is not None else {}
+            state["grad_calls"] = i.reduce_scatter.call_count if i.reduce_scatter else 0
+            modules[i.label] = state
+        return {"version": _STATE_VERSION, "modules": modules}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` saved (call on every rank, with the model and optimizer
+        loaded from the same checkpoint). The next gather of each qWD module re-assembles the
+        saved reference with one full-precision all-gather; modules saved without a reference
+        send full-precision weights. Either way no rank computes with stale weights."""
+        self._check_enabled("load_state_dict")
+        if state.get("version") != _STATE_VERSION or "modules" not in state:
+            raise ValueError(
+                f"not a QCommHandle state (version {state.get('version')!r}, expected "
+                f"{_STATE_VERSION}); pass what QCommHandle.state_dict() returned"
+            )
+        saved = state["modules"]
+        mine = [i.label for i in self._installs]
+        if sorted(saved) != sorted(mine):
+            raise ValueError(
+                f"the checkpoint's fsdp_qcomm state covers FSDP modules {sorted(saved)}, this "
+                f"model has {sorted(mine)}; apply fully_shard to the same modules as the run that "
+                "saved it"
+            )
+        for i in self._installs:
+            if i.all_gather is not None:
+                i.all_gather.load_checkpoint_state(saved[i.label])
+            if i.reduce_scatter is not None:
+                i.reduce_scatter.call_count = int(saved[i.label].get("grad_calls", 0))
 
     def reset(self) -> None:
         """Make the next weight gather of every module send full precision (call on every rank,
@@ -194,6 +244,25 @@ class _OptimizerTracker:
         self._handles.clear()
 
 
+_STATE_VERSION = 1
+
+
+def _check_topology(installs: list[_Install], config: QCommConfig) -> None:
+    """Quantized gradients need to know which ranks share a node (two-level routing, stats);
+    check the node size against every module's group now rather than in the first backward."""
+    if config.grad_scheme == "none":
+        return
+    rpn = known_ranks_per_node(config.ranks_per_node)
+    if rpn is None:
+        if config.grad_scheme == "two_level":
+            resolve_ranks_per_node(None)  # raises: names LOCAL_WORLD_SIZE / ranks_per_node
+        return
+    for i in installs:
+        layout = group_layout(i.group.mesh_info.shard_process_group, rpn)
+        if config.grad_scheme == "two_level" and not layout.regular:
+            raise ValueError(f"FSDP module {i.label!r}: {layout._irregular_message()}")
+
+
 def _collect(model: nn.Module) -> list[_Install]:
     """Every FSDP module under ``model`` with its single param group; refuses what we cannot
     handle, naming the module."""
@@ -262,6 +331,7 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
     installs = _collect(model)
+    _check_topology(installs, config)
     rs_cls = _reduce_scatter_class() if config.grad_scheme != "none" else None
 
     stats = CommStats()
@@ -280,7 +350,8 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     for k, i in enumerate(installs):
         i.module.set_custom_all_gather(i.all_gather)
         if reduce_scatters:
-            i.module.set_custom_reduce_scatter(reduce_scatters[k])
+            i.reduce_scatter = reduce_scatters[k]
+            i.module.set_custom_reduce_scatter(i.reduce_scatter)
         if i.force_sum:
             i.module.set_force_sum_reduction_for_comms(True)
     return QCommHandle(model, config, installs, stats)

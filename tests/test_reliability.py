@@ -1,0 +1,410 @@
+"""Reliability under FSDP2 + fsdp_qcomm: checkpoint/resume, the consistency guard, non-finite
+values, bad configuration, and a rank dying mid-step.
+
+All on gloo CPU ranks (tests/_dist.py). Checks are bit-level: losses of a resumed run equal the
+uninterrupted run's exactly, weights are compared by digest across ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+import fsdp_qcomm
+import fsdp_qcomm.fsdp.all_gather as ag_mod
+from fsdp_qcomm import QCommConfig
+
+from _dist import run_ranks
+
+
+# ---- a tiny model: sizes that are multiples of no group size -------------------------------
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 13, hidden: int = 37, layers: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _build(cfg: QCommConfig):
+    torch.manual_seed(0)
+    model = Net()
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    handle = fsdp_qcomm.enable(model, cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, handle, opt
+
+
+def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    x = torch.randn(6, 5, generator=g)
+    return x, x[:, :1].sin() + 0.3 * x[:, 1:2] * x[:, 2:3]
+
+
+def _loss(model: nn.Module, step: int, rank: int, poison: bool = False) -> torch.Tensor:
+    x, y = _data(step, rank)
+    if poison:
+        x[0, 0] = float("nan")
+    return F.mse_loss(model(x), y)
+
+
+def _train_step(model, opt, step, rank) -> float:
+    loss = _loss(model, step, rank)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _full_digests(model: nn.Module) -> dict[str, str]:
+    return {k: _digest(p.full_tensor()) for k, p in model.named_parameters()}
+
+
+def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Weights the next forward computes with, captured at each leaf's forward."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, nn.LayerNorm)):
+            def pre(m, args, name=name):
+                for p, t in m.named_parameters(recurse=False):
+                    seen[f"{name}.{p}"] = t.detach().clone()
+            hooks.append(mod.register_forward_pre_hook(pre))
+    return seen, hooks
+
+
+def _same_on_all_ranks(tensors: dict[str, torch.Tensor], what: str) -> None:
+    mine = {k: _digest(v) for k, v in sorted(tensors.items())}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for r, d in enumerate(every):
+        bad = [k for k in mine if d.get(k) != mine[k]]
+        assert d.keys() == mine.keys() and not bad, f"{what}: rank {r} differs on {bad}"
+
+
+def _units(model: nn.Module) -> list:
+    return [g for m in model.modules() if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups]
+
+
+def _save(path: str, model, opt, handle=None) -> None:
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if handle is not None:
+        state["qcomm"] = handle
+    dcp.save(state, checkpoint_id=path)
+
+
+def _load(path: str, model, opt, handle=None) -> None:
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if handle is not None:
+        state["qcomm"] = handle  # a Stateful: DCP calls state_dict() and load_state_dict()
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# ---- checkpoint and resume (4 ranks, 2 "nodes": qWD + TLq-HS) -------------------------------
+_SDP4 = QCommConfig.preset(
+    "sdp4bit", ranks_per_node=2, weight_group_size=32, grad_group_size=32, seed=5
+)
+
+
+def _resume(rank, world, root, n_before, n_after):
+    ckpt = os.path.join(root, "step")
+    # A: uninterrupted, with a checkpoint after n_before steps
+    model, handle, opt = _build(_SDP4)
+    ref = [_train_step(model, opt, s, rank) for s in range(n_before)]
+    _save(ckpt, model, opt, handle)
+    ref += [_train_step(model, opt, s, rank) for s in range(n_before, n_before + n_after)]
+    ref_final = _full_digests(model)
+    modes_a = handle.gather_modes()
+    units = len(_units(model))
+    assert modes_a == {"qwd_diff": units * (n_before + n_after - 1), "qwd_full": units,
+                       "qwd_reuse": (units - 1) * (n_before + n_after)}, modes_a  # root stays
+    # unsharded after forward, so only the blocks re-gather (from the reference) in backward
+    out = {"ref": ref}
+
+    # B: fresh process state (new model, fully_shard, enable), load, continue: bit-identical
+    model_b, handle_b, opt_b = _build(_SDP4)
+    _load(ckpt, model_b, opt_b, handle_b)
+    got = [_train_step(model_b, opt_b, s, rank) for s in range(n_before, n_before + n_after)]
+    assert got == ref[n_before:], (got, ref[n_before:])
+    assert _full_digests(model_b) == ref_final
+    modes_b = handle_b.gather_modes()
+    assert modes_b.get("qwd_restore") == units and "qwd_full" not in modes_b, modes_b
+    rs = [g._reduce_scatter_comm.call_count for g in _units(model_b)]
+    assert rs == [g._reduce_scatter_comm.call_count for g in _units(model)]  # counters resumed
+
+    # C: the same without the fsdp_qcomm state: the first gather is full precision, counters
+    # restart at 0, so the stochastic rounding bits and the reference differ from A
+    model_c, handle_c, opt_c = _build(_SDP4)
+    _load(ckpt, model_c, opt_c)
+    got_c = [_train_step(model_c, opt_c, s, rank) for s in range(n_before, n_before + n_after)]
+    assert handle_c.gather_modes()["qwd_full"] == units
+    out["no_state"] = got_c
+
+    # D: load into the already-trained handle of run A. Model + optimizer only: qWD sees
+    # parameters changed outside the optimizer and resends full precision (exact weights);
+    # with the fsdp_qcomm state: A's steps replay bit for bit.
+    _load(ckpt, model, opt)
+    seen, hooks = _gathered(model)
+    exact = {k: p.full_tensor().clone() for k, p in model.named_parameters()}
+    _train_step(model, opt, n_before, rank)
+    for h in hooks:
+        h.remove()
+    for k, v in exact.items():
+        assert torch.equal(seen[k], v), f"{k}: weights after a load are not the loaded ones"
+    assert handle.gather_modes()["qwd_full"] == 2 * units
+    _load(ckpt, model, opt, handle)
+    replay = [_train_step(model, opt, s, rank) for s in range(n_before, n_before + n_after)]
+    assert replay == ref[n_before:], (replay, ref[n_before:])
+    assert _full_digests(model) == ref_final
+    return out
+
+
+def test_checkpoint_resume_is_bit_identical_4_ranks_two_level(tmp_path):
+    n_before, n_after = 3, 3
+    out = run_ranks(_resume, 4, str(tmp_path), n_before, n_after)
+    for r in out:  # without the fsdp_qcomm state: close, but not the same bits
+        ref, no_state = r["ref"][n_before:], r["no_state"]
+        assert no_state != ref
+        assert max(abs(a - b) / abs(b) for a, b in zip(no_state, ref)) < 0.05
+
+
+# ---- the consistency guard ---------------------------------------------------------------------
+def _guard(rank, world):
+    calls = []
+    orig = ag_mod.check_consistent
+
+    def counting(flat, w, segs, names, group, where):
+        calls.append(where)
+        return orig(flat, w, segs, names, group, where)
+
+    ag_mod.check_consistent = counting
+    try:
+        # off by default: no check
+        model, handle, opt = _build(QCommConfig.preset("qwd", weight_group_size=32))
+        for s in range(2):
+            _train_step(model, opt, s, rank)
+        assert calls == []
+        handle.disable()
+        # every 3rd forward gather: steps 0 and 3 of 5, per module, nothing fires
+        cfg = QCommConfig.preset("qwd", weight_group_size=32, consistency_check_every=3)
+        model, handle, opt = _build(cfg)
+        units = len(_units(model))
+        for s in range(5):
+            _train_step(model, opt, s, rank)
+        assert len(calls) == 2 * units, calls
+        assert all("forward gather #1 " in c or "forward gather #4 " in c for c in calls)
+        # corrupt rank 1's copy of rank 0's slot of blocks.1.fc2.weight (one flipped mantissa
+        # bit; a one-ulp change would be rounded away by the next added difference)
+        g = model.blocks[1]._get_fsdp_state()._fsdp_param_groups[0]
+        q = g._all_gather_comm._qwd
+        names = g._all_gather_comm._param_names()
+        k = names.index("blocks.1.fc2.weight")
+        off = sum(math.prod(fp.padded_sharded_param_size) for fp in g.fsdp_params[:k])
+        if rank == 1:
+            q.ref[off:off + 1].view(torch.int32).bitwise_xor_(1 << 20)
+        # the next check (gather #7 = step 6) fires on every rank, naming the parameter
+        _train_step(model, opt, 5, rank)
+        with pytest.raises(RuntimeError, match=r"'blocks\.1\.fc2\.weight' differ between group "
+                                               r"rank 0 and group rank\(s\) \[1\]"):
+            _train_step(model, opt, 6, rank)
+    finally:
+        ag_mod.check_consistent = orig
+    return True
+
+
+def test_consistency_guard_silent_normally_fires_on_corruption():
+    run_ranks(_guard, 2)
+
+
+# ---- non-finite values --------------------------------------------------------------------------
+def _total_norm(model) -> torch.Tensor:
+    n = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return n.full_tensor() if hasattr(n, "full_tensor") else n
+
+
+def _nonfinite(rank, world, root):
+    cfg = _SDP4.replace(consistency_check_every=1)
+    model, handle, opt = _build(cfg)
+    units = len(_units(model))
+    # 1. a NaN input on one rank: its gradient reaches every rank's reduced shard (NaN scale
+    # on the wire), the grad norm is NaN everywhere, every rank skips the step together
+    losses, skipped = [], []
+    for s in range(6):
+        before = _full_digests(model)
+        loss = _loss(model, s, rank, poison=(s == 2 and rank == 3))
+        loss.backward()
+        norm = _total_norm(model)
+        if torch.isfinite(norm):
+            opt.step()
+        else:
+            skipped.append(s)
+            bad = any(not torch.isfinite(p.grad.to_local()).all() for p in model.parameters())
+            every = [None] * world
+            dist.all_gather_object(every, bad)
+            assert all(every), "every rank's reduced gradient shard should carry the NaN"
+            assert _full_digests(model) == before
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert skipped == [2]
+    assert all(math.isfinite(v) for i, v in enumerate(losses) if i != 2 or rank != 3), losses
+    # (the consistency guard ran at every forward gather and found the ranks identical)
+
+    # 2. a NaN weight update on one rank's shard: qWD sends NaN differences for that group, so
+    # every rank gets the same NaN weights (never a silent desync); recovery = load a checkpoint
+    ckpt = os.path.join(root, "before_nan")
+    _save(ckpt, model, opt, handle)
+    loss = _loss(model, 6, rank)
+    loss.backward()
+    w = model.blocks[0].fc1.weight
+    if rank == 0 and w.grad.to_local().numel():
+        w.grad.to_local().view(-1)[0] = float("nan")
+    opt.step()
+    opt.zero_grad()
+    seen, hooks = _gathered(model)
+    loss = _loss(model, 7, rank)
+    for h in hooks:
+        h.remove()
+    _same_on_all_ranks(seen, "weights after a NaN update on rank 0")
+    assert torch.isnan(seen["blocks.0.fc1.weight"]).any()
+    assert torch.isfinite(seen["blocks.0.fc2.weight"]).all()  # other parameters untouched
+    assert math.isnan(loss.item())
+    loss.backward()
+    opt.zero_grad()
+    _load(ckpt, model, opt, handle)
+    restored = handle.gather_modes().get("qwd_restore", 0)
+    seen, hooks = _gathered(model)
+    after = _train_step(model, opt, 8, rank)
+    for h in hooks:
+        h.remove()
+    assert handle.gather_modes()["qwd_restore"] == restored + units
+    assert math.isfinite(after) and all(torch.isfinite(v).all() for v in seen.values())
+    _same_on_all_ranks(seen, "weights after recovering from the checkpoint")
+    return True
+
+
+def test_nonfinite_gradient_skip_step_and_nan_update_stay_identical(tmp_path):
+    run_ranks(_nonfinite, 4, str(tmp_path))
+
+
+# ---- bad configuration and bad use --------------------------------------------------------------
+_BAD = [
+    ("weight_scheme", "qwd4"), ("grad_scheme", "two-level"), ("weight_bits", 1),
+    ("weight_bits", 9), ("weight_bits", 4.0), ("weight_group_size", 100),
+    ("weight_group_size", 0), ("weight_symmetric", 1), ("weight_rounding", "up"),
+    ("grad_intra_bits", 16), ("grad_inter_bits", 0), ("grad_group_size", 12),
+    ("grad_symmetric", "yes"), ("grad_rounding", "floor"), ("grad_hadamard", 1),
+    ("grad_pipeline_chunks", 0), ("grad_pipeline_chunks", 65), ("scale_dtype", "float64"),
+    ("ranks_per_node", 0), ("ranks_per_node", True), ("seed", -1),
+    ("consistency_check_every", -1), ("consistency_check_every", 1.5),
+]
+
+
+@pytest.mark.parametrize("field,value", _BAD, ids=[f"{f}={v!r}" for f, v in _BAD])
+def test_invalid_config_value_names_the_field(field, value):
+    base = {"grad_scheme": "two_level"} if field.startswith("grad_") else {}
+    with pytest.raises(ValueError, match=rf"QCommConfig\.{field}"):
+        QCommConfig(**{**base, field: value})
+
+
+def test_config_rejects_unknown_fields_and_presets():
+    with pytest.raises(ValueError, match=r"unknown QCommConfig field\(s\) \['weight_bit'\]"):
+        QCommConfig.from_dict({"weight_bit": 4})
+    with pytest.raises(ValueError, match="known presets"):
+        QCommConfig.preset("sdp8bit")
+    with pytest.raises(ValueError, match="grad_scheme='one_level' or 'two_level'"):
+        QCommConfig(grad_hadamard=True)
+
+
+def _misuse(rank, world):
+    # a node size that does not divide the world size: refused at enable, naming the fix
+    model = Net()
+    fully_shard(model)
+    groups = _units(model)
+    before = [g._all_gather_comm for g in groups]
+    with pytest.raises(ValueError, match="ranks_per_node=3 does not divide the world size 4"):
+        fsdp_qcomm.enable(model, QCommConfig.preset("tlq", ranks_per_node=3))
+    # two-level without any node information
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    with pytest.raises(ValueError, match="set QCommConfig.ranks_per_node"):
+        fsdp_qcomm.enable(model, QCommConfig.preset("sdp4bit"))
+    assert [g._all_gather_comm for g in groups] == before  # nothing installed
+    # a checkpoint from a differently sharded model
+    handle = fsdp_qcomm.enable(model, _SDP4)
+    with pytest.raises(ValueError, match="covers FSDP modules .* apply fully_shard"):
+        handle.load_state_dict({"version": 1, "modules": {"<root>": {}, "blocks.0": {}}})
+    with pytest.raises(ValueError, match="not a QCommHandle state"):
+        handle.load_state_dict({"model": {}})
+    handle.disable()
+    with pytest.raises(RuntimeError, match="already disabled"):
+        handle.state_dict()
+    return True
+
+
+def test_bad_node_size_and_bad_checkpoint_state_4_ranks():
+    run_ranks(_misuse, 4)
+
+
+# ---- a rank dies mid-step -----------------------------------------------------------------------
+_PG_TIMEOUT = 8.0
+
+
+def _dies(rank, world):
+    model, handle, opt = _build(QCommConfig.preset("sdp4bit", ranks_per_node=1))
+    _train_step(model, opt, 0, rank)
+    if rank == 1:  # in the middle of the next forward, between two FSDP gathers
+        model.blocks[1].register_forward_pre_hook(lambda m, a: os._exit(3))
+    t0 = time.monotonic()
+    try:
+        _train_step(model, opt, 1, rank)
+    except Exception as e:  # noqa: BLE001 - what matters is that it raises, and how fast
+        return time.monotonic() - t0, type(e).__name__, str(e)[:300]
+    return time.monotonic() - t0, None, "returned normally"
+
+
+def test_dead_rank_makes_peers_fail_within_timeout():
+    t0 = time.monotonic()
+    out = run_ranks(_dies, 3, timeout=60, pg_timeout=_PG_TIMEOUT, may_exit=(1,))
+    assert out[1] is None  # the killed rank
+    for r in (0, 2):
+        elapsed, kind, msg = out[r]
+        assert kind in ("RuntimeError", "DistBackendError"), f"rank {r}: {kind}: {msg}"
+        assert elapsed < _PG_TIMEOUT + 5.0, (r, elapsed, msg)
+    assert time.monotonic() - t0 < 60
