@@ -138,3 +138,13 @@ def check_counter_range(rows: int, stride: int) -> None:
             f"one quantization call covers {rows * stride} elements; the RNG counter allows "
             f"{MAX_COUNTER}. Split the buffer into smaller calls (buckets)."
         )
+
+
+def uniform_rows(rows: int, width: int, stride: int, key: RngKey, device) -> torch.Tensor:
+    """Uniforms for a [rows, width] block whose element (r, i) has counter r * stride + i."""
+    check_counter_range(rows, stride)
+    u = torch.zeros(rows, width, dtype=torch.float32, device=device)
+    x = torch.empty(rows, width, dtype=torch.int32, device=device)
+    add_uniform_(u, row_starts([r * stride for r in range(rows)], device), key.words(), x,
+                 torch.empty_like(x))
+    return u
