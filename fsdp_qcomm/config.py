@@ -222,9 +222,6 @@ class QCommConfig:
             rounding=self.grad_rounding, scale_dtype=self.scale_dtype,
         )
 
-    def _grad_specs(self) -> tuple[QuantSpec, QuantSpec]:
-        return self._grad_spec(self.grad_intra_bits), self._grad_spec(self.grad_inter_bits)
-
     def grad_intra_spec(self) -> QuantSpec:
         """Quantizer of the intra-node hop (two-level scheme)."""
         return self._grad_spec(self.grad_intra_bits)

@@ -40,6 +40,7 @@ from ..collectives.topology import group_layout, known_ranks_per_node, resolve_r
 from ..config import QCommConfig
 from ..stats import CommStats
 from .all_gather import QuantizedAllGather
+from .reduce_scatter import QuantizedReduceScatter
 
 
 class _Install:
@@ -73,18 +74,6 @@ def _needs_sum_for_gloo(group: Any) -> bool:
         return False
     pg = group.mesh_info.shard_process_group
     return dist.get_backend(pg) == "gloo" and factor != pg.size()
-
-
-def _reduce_scatter_class() -> type:
-    try:
-        from .reduce_scatter import QuantizedReduceScatter
-    except ImportError as e:
-        raise RuntimeError(
-            "this fsdp_qcomm build has no quantized gradient reduce-scatter "
-            f"(fsdp_qcomm.fsdp.reduce_scatter failed to import: {e}); set "
-            "grad_scheme='none' (for example QCommConfig.preset('qwd')) to quantize weights only"
-        ) from e
-    return QuantizedReduceScatter
 
 
 class QCommHandle:
@@ -332,7 +321,7 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
     installs = _collect(model)
     _check_topology(installs, config)
-    rs_cls = _reduce_scatter_class() if config.grad_scheme != "none" else None
+    rs_cls = QuantizedReduceScatter if config.grad_scheme != "none" else None
 
     stats = CommStats()
     reduce_scatters: list[Any] = []
