@@ -147,7 +147,7 @@ def _train_all(rank: int, world: int, a: argparse.Namespace) -> dict:
 
 def _table(res: dict) -> str:
     base = res["schemes"].get("baseline", {}).get("final_val")
-    lines = ["| scheme | preset | final val loss | vs baseline | train s |",
+    lines = ["| scheme | preset | final val loss | vs baseline | wall s (shared CPU) |",
              "|---|---|---|---|---|"]
     for label, rec in res["schemes"].items():
         diff = "-" if base is None or label == "baseline" else \

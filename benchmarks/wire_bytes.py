@@ -186,8 +186,8 @@ def _tables(res: dict, a: argparse.Namespace) -> tuple[str, dict]:
         summary[label] = {"weight": w, "grad": g, "total": total, "pg_total": pg_total,
                           "vs_bf16": total / ref["bf16_fp32"], "vs_fp32": total / ref["fp32_fp32"]}
         totals.append(f"| {label} | {w:,.0f} | {g:,.0f} | {total:,.0f} | "
-                      f"{total / ref['bf16_fp32']:.3f} ({ref['bf16_fp32'] / total:.1f}x less) | "
-                      f"{total / ref['fp32_fp32']:.3f} ({ref['fp32_fp32'] / total:.1f}x less) | "
+                      f"{total / ref['bf16_fp32']:.3f} (/{ref['bf16_fp32'] / total:.2f}) | "
+                      f"{total / ref['fp32_fp32']:.3f} (/{ref['fp32_fp32'] / total:.2f}) | "
                       f"{check} |")
     md = (f"Per rank and training step, {a.steps} steps after 1 warm-up; "
           f"{res['params'] / 1e6:.2f}M-param GPT, 4 ranks = 2 nodes x 2.\n\n"
@@ -208,6 +208,7 @@ def _link_table(cluster: dict) -> str:
     factor is what the baseline implies."""
     out = ["| link | scheme | veth bytes/step | modeled crossing bytes/step | veth / modeled | "
            "veth vs baseline |", "|---|---|---|---|---|---|"]
+    notes = []
     for rate, r in cluster["rates"].items():
         base = r["schemes"].get("baseline")
         rs_factor = None
@@ -232,10 +233,14 @@ def _link_table(cluster: dict) -> str:
                        f"{link / model:.3f} | {vb} |" if model else
                        f"| {rate} | {label} | {link:,.0f} | - | - | {vb} |")
         if rs_factor is not None:
-            out.append(f"\nFSDP's fp32 reduce-scatter (gloo) implied crossing factor at {rate}: "
-                       f"{rs_factor:.2f} x the bytes all ranks pass in (used for the baseline "
-                       "and for schemes that keep FSDP's reduce-scatter; so baseline's "
-                       "veth/modeled is 1 by construction).")
+            notes.append(f"{rate}: {rs_factor:.2f}")
+    if notes:
+        out.append("\nFSDP's fp32 reduce-scatter runs inside gloo, so its crossing factor (veth "
+                   "bytes per byte all ranks pass in) is the one the baseline implies: "
+                   + ", ".join(notes) + ". It is used for the baseline (whose veth/modeled is "
+                   "therefore 1 by construction) and for schemes that keep FSDP's "
+                   "reduce-scatter. 0.75 = 3 full gradient buffers per step over 2 node "
+                   "boundaries: the volume of a ring all-reduce, twice a ring reduce-scatter's.")
     return "\n".join(out)
 
 
