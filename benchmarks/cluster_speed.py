@@ -1,0 +1,406 @@
+"""Step time on an emulated two-node cluster whose network link is the bottleneck.
+
+Builds two "nodes" on this machine: network namespaces joined by a veth pair, each end shaped
+with ``tc ... tbf rate R`` (default 1 Gbit/s), a torchrun per namespace (``--nnodes 2
+--nproc_per_node 2``, rendezvous on the first node's veth address, ``GLOO_SOCKET_IFNAME`` = the
+veth). Inside a namespace both local ranks bind the same veth address, so their traffic takes
+the namespace's loopback; only inter-node traffic crosses the shaped link. One launch per link
+rate trains the same GPT under each scheme side by side (baseline = FSDP2's own collectives) and
+records, per scheme:
+
+* median step time and the speedup over baseline;
+* where the time goes (``_timing``): exposed communication, quantization (hook time minus the
+  communication inside hooks), the rest (compute, optimizer, framework);
+* the veth byte counters (``/sys/class/net/<veth>/statistics``) over the timed steps, next to
+  the package's own counters (``handle.stats()``), for the wire-bytes cross-check
+  (``benchmarks/wire_bytes.py --cluster-json`` turns this into its link table).
+
+Everything it creates (two namespaces, one veth pair, their qdiscs) carries this process's
+id and is removed on exit, error or Ctrl-C. Needs root, ``ip`` and ``tc``.
+
+    sudo OMP_NUM_THREADS=1 python benchmarks/cluster_speed.py [--rates 1gbit[,100mbit,10gbit]]
+        [--schemes baseline,sdp4bit,zeropp,qsdp] [--steps 5] [--warmup 2] [--batch 2]
+
+Writes ``results/cluster_speed/{table.md, results.json, breakdown.png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+ADDR0, ADDR1 = "10.77.0.1", "10.77.0.2"
+PORT = 29577
+
+#: label -> QCommConfig preset (None: FSDP2's own collectives)
+SCHEMES = {"baseline": None, "sdp4bit": "sdp4bit", "zeropp": "zeropp", "qsdp": "qsdp",
+           "qwd": "qwd", "tlq_hs": "tlq_hs", "qw4": "qw4", "tlq": "tlq"}
+DEFAULT_SCHEMES = "baseline,sdp4bit,zeropp,qsdp"
+
+
+def _args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="1gbit",
+                    help="comma-separated tc rates, e.g. 100mbit,1gbit,10gbit (default 1gbit)")
+    ap.add_argument("--schemes", default=DEFAULT_SCHEMES,
+                    help=f"comma-separated subset of {', '.join(SCHEMES)}")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per scheme")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per scheme")
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per link rate")
+    ap.add_argument("--out", default=str(REPO / "results" / "cluster_speed"))
+    # internal: the per-rank worker that torchrun starts inside a namespace
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ifname", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--json-out", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.schemes = [s.strip() for s in a.schemes.split(",") if s.strip()]
+    bad = [s for s in a.schemes if s not in SCHEMES]
+    if bad:
+        ap.error(f"unknown scheme(s) {bad}; choose from {list(SCHEMES)}")
+    a.rates = [r.strip() for r in a.rates.split(",") if r.strip()]
+    for r in a.rates:
+        _rate_bps(r, ap.error)
+    return a
+
+
+def _rate_bps(rate: str, error=None) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    if not m:
+        msg = f"link rate {rate!r} not understood; write it as tc does: 100mbit, 1gbit, 10gbit"
+        if error:
+            error(msg)
+        raise ValueError(msg)
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+# ---------------------------------------------------------------------------------------------
+# worker (one per rank, started by torchrun inside a namespace)
+# ---------------------------------------------------------------------------------------------
+def _veth_bytes(ifname: str) -> tuple[int, int]:
+    base = Path("/sys/class/net") / ifname / "statistics"
+    return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+
+
+def _worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(HERE))
+    import fsdp_qcomm
+    from _model import GPTShape, build_fsdp_gpt
+    from _timing import install
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ["LOCAL_RANK"])
+    rpn = int(os.environ["LOCAL_WORLD_SIZE"])
+    totals = install()
+    shape = GPTShape(a.vocab, a.dim, a.layers, a.heads, a.seq)
+    results = {"params": shape.params(), "world": world, "ranks_per_node": rpn, "schemes": {}}
+    for label in a.schemes:
+        model = build_fsdp_gpt(shape, a.seed)
+        handle = None
+        if SCHEMES[label] is not None:
+            cfg = fsdp_qcomm.QCommConfig.preset(SCHEMES[label], ranks_per_node=rpn, seed=a.seed)
+            handle = fsdp_qcomm.enable(model, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(a.seed * 1000 + rank)
+        steps, comm_in, comm_out, hook = [], [], [], []
+        before, pg0 = None, {}
+        for step in range(a.warmup + a.steps):
+            if step == a.warmup:
+                dist.barrier()
+                before = _veth_bytes(a.ifname) if local == 0 else (0, 0)
+                pg0 = dict(totals.bytes_outside)
+                if handle is not None:
+                    handle.reset_stats()
+            s0 = totals.snapshot()
+            t0 = time.perf_counter()
+            x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
+            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            s1 = totals.snapshot()
+            if step >= a.warmup:
+                steps.append(dt)
+                comm_in.append(s1["comm_in_hook"] - s0["comm_in_hook"])
+                comm_out.append(s1["comm_outside"] - s0["comm_outside"])
+                hook.append(s1["hook"] - s0["hook"])
+        dist.barrier()
+        after = _veth_bytes(a.ifname) if local == 0 else (0, 0)
+        mine = {
+            "rank": rank, "steps": steps, "comm_in_hook": comm_in, "comm_outside": comm_out,
+            "hook": hook, "pg_bytes_outside": {
+                k: v - pg0.get(k, 0) for k, v in totals.bytes_outside.items()
+                if k in ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
+                         "all_gather_into_tensor", "reduce_scatter_tensor")},
+            "veth_tx": after[0] - before[0], "veth_rx": after[1] - before[1],
+            "stats": ({k: v for k, v in handle.stats().items() if k != "notes"}
+                      if handle is not None else None),
+            "gather_modes": handle.gather_modes() if handle is not None else None,
+            "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
+            "numel": sum(p.numel() for p in model.parameters()),
+        }
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            results["schemes"][label] = _summarize(everyone, a.steps)
+            r = results["schemes"][label]
+            print(f"  {label}: median step {r['median_step_s']:.3f} s (comm "
+                  f"{r['comm_s']:.3f}, quant {r['quant_s']:.3f}, rest {r['rest_s']:.3f}); link "
+                  f"{r['link_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
+        if handle is not None:
+            handle.disable()
+        del model, opt
+    if rank == 0:
+        Path(a.json_out).write_text(json.dumps(results, indent=1))
+    # Everyone leaves together: a rank still tearing down its gloo pairs while node 0's
+    # torchrun (which hosts the store) exits aborts with "terminate called".
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _summarize(ranks: list[dict], n: int) -> dict:
+    med = statistics.median
+    # The step is as slow as its slowest rank: take the per-step max over ranks.
+    step = [max(r["steps"][i] for r in ranks) for i in range(n)]
+    mean = lambda key: statistics.fmean(med(r[key]) for r in ranks)  # noqa: E731
+    comm_in, comm_out, hook = mean("comm_in_hook"), mean("comm_outside"), mean("hook")
+    m = med(step)
+    stats: dict = {}
+    for r in ranks:
+        for kind, v in (r["stats"] or {}).items():
+            s = stats.setdefault(kind, {"calls": 0, "sent_bytes": 0, "recv_bytes": 0,
+                                        "elements": 0, "baseline_bytes": 0})
+            for f in s:
+                s[f] += v[f]
+    return {
+        "median_step_s": m, "step_s": step,
+        "comm_s": comm_in + comm_out, "quant_s": hook - comm_in,
+        "rest_s": max(0.0, statistics.fmean(med(r["steps"]) for r in ranks) - hook - comm_out),
+        "link_bytes_per_step": sum(r["veth_tx"] for r in ranks) / n,
+        "link_rx_bytes_per_step": sum(r["veth_rx"] for r in ranks) / n,
+        "stats_per_step_all_ranks": {k: {f: x / n for f, x in s.items()}
+                                     for k, s in stats.items()},
+        "pg_bytes_outside_per_step_all_ranks": {
+            k: sum(r["pg_bytes_outside"].get(k, 0) for r in ranks) / n
+            for k in sorted({k for r in ranks for k in r["pg_bytes_outside"]})},
+        "gather_modes": ranks[0]["gather_modes"],
+        "numel": ranks[0]["numel"], "shard_numel": [r["shard_numel"] for r in ranks],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# orchestrator (root, on the host)
+# ---------------------------------------------------------------------------------------------
+class _Cluster:
+    """Two namespaces and a shaped veth pair, named after this process, removed by ``close``."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns = (f"qc{tag}a", f"qc{tag}b")
+        self.veth = (f"qcv{tag}a", f"qcv{tag}b")
+        self.made: list[str] = []
+
+    @staticmethod
+    def _sh(*cmd: str) -> None:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
+
+    def up(self) -> None:
+        for ns in self.ns:
+            self._sh("ip", "netns", "add", ns)
+            self.made.append(ns)
+            self._sh("ip", "-n", ns, "link", "set", "lo", "up")
+        self._sh("ip", "link", "add", self.veth[0], "netns", self.ns[0], "type", "veth",
+                 "peer", "name", self.veth[1], "netns", self.ns[1])
+        for ns, dev, addr in zip(self.ns, self.veth, (ADDR0, ADDR1)):
+            self._sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            self._sh("ip", "-n", ns, "link", "set", dev, "up")
+
+    def shape(self, rate: str) -> None:
+        bps = _rate_bps(rate)
+        # Bucket: at least 64 KiB (one GSO super-packet) and 4 ms of traffic at the rate.
+        burst = max(64 * 1024, int(bps / 8 * 0.004))
+        for ns, dev in zip(self.ns, self.veth):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev,
+                            "root"], capture_output=True)
+            self._sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                     "rate", rate, "burst", str(burst), "latency", "100ms")
+
+    def close(self) -> None:
+        # Deleting a namespace deletes the veth end in it, and with it the pair and qdiscs.
+        while self.made:
+            ns = self.made.pop()
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _preflight() -> None:
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("it must run as root (it creates network namespaces): use sudo")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            problems.append(f"`{tool}` is not installed (iproute2)")
+    if problems:
+        sys.exit("cluster_speed.py cannot run here: " + "; ".join(problems))
+
+
+def _run_rate(cl: _Cluster, a: argparse.Namespace, rate: str, json_out: Path) -> dict:
+    cl.shape(rate)
+    procs = []
+    fwd = ["--schemes", ",".join(a.schemes), "--steps", str(a.steps), "--warmup", str(a.warmup),
+           "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
+           "--seq", str(a.seq), "--vocab", str(a.vocab), "--batch", str(a.batch),
+           "--seed", str(a.seed)]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    try:
+        for node, (ns, dev) in enumerate(zip(cl.ns, cl.veth)):
+            cmd = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}",
+                   sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--nproc_per_node", "2", "--node_rank", str(node), "--master_addr", ADDR0,
+                   "--master_port", str(PORT), str(Path(__file__).resolve()), "--worker",
+                   "--ifname", dev, "--json-out", str(json_out)] + fwd
+            log = None if node == 0 else open(json_out.with_suffix(".node1.log"), "w")
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log,
+                                          stderr=subprocess.STDOUT if log else None))
+        deadline = time.monotonic() + a.timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {rate} run did not finish within {a.timeout:.0f} s")
+            if any(p.poll() not in (None, 0) for p in procs):
+                raise RuntimeError(f"a torchrun exited with {[p.poll() for p in procs]} at "
+                                   f"{rate}; node 0's output is above, node 1's is in "
+                                   f"{json_out.with_suffix('.node1.log')}")
+            time.sleep(0.5)
+    finally:
+        for p in procs:  # only the process groups this script started
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"torchrun exit codes {[p.returncode for p in procs]} at {rate}")
+    return json.loads(json_out.read_text())
+
+
+def _tables(res: dict) -> str:
+    out = []
+    for rate, r in res["rates"].items():
+        sch = r["schemes"]
+        base = sch.get("baseline")
+        out.append(f"### link {rate}\n")
+        out.append("| scheme | median step s | speedup | comm s | quant s | compute+rest s | "
+                   "comm share | link MB/step |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for label, s in sch.items():
+            sp = f"{base['median_step_s'] / s['median_step_s']:.2f}x" if base else "-"
+            share = s["comm_s"] / s["median_step_s"]
+            out.append(f"| {label} | {s['median_step_s']:.3f} | {sp} | {s['comm_s']:.3f} | "
+                       f"{s['quant_s']:.3f} | {s['rest_s']:.3f} | {100 * share:.0f}% | "
+                       f"{s['link_bytes_per_step'] / 1e6:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _plot(res: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install matplotlib): no plot", file=sys.stderr)
+        return False
+    rates = list(res["rates"])
+    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        sch = res["rates"][rate]["schemes"]
+        labels = list(sch)
+        parts = [("comm_s", "exposed communication"), ("quant_s", "quantization"),
+                 ("rest_s", "compute + rest")]
+        bottom = [0.0] * len(labels)
+        for key, name in parts:
+            vals = [sch[l][key] for l in labels]
+            ax.bar(labels, vals, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.scatter(labels, [sch[l]["median_step_s"] for l in labels], color="k", zorder=3,
+                   label="median step")
+        ax.set(title=f"link {rate}", ylabel="seconds per step")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{res['params'] / 1e6:.1f}M-param GPT, 2 nodes x 2 ranks, batch "
+                 f"{res['args']['batch']}x{res['args']['seq']} per rank, fp32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    if a.worker:
+        _worker(a)
+        return 0
+    _preflight()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cl = _Cluster()
+    atexit.register(cl.close)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(f"cluster_speed.py: stopped by signal"))
+    t0 = time.perf_counter()
+    res: dict = {"rates": {}}
+    try:
+        cl.up()
+        for rate in a.rates:
+            print(f"link {rate}: {', '.join(a.schemes)} ({a.warmup}+{a.steps} steps each)",
+                  flush=True)
+            r = _run_rate(cl, a, rate, out / f"raw_{rate}.json")
+            res["params"] = r["params"]
+            res["rates"][rate] = r
+    finally:
+        cl.close()
+    res["wall_seconds"] = time.perf_counter() - t0
+    res["args"] = {k: v for k, v in vars(a).items() if k not in ("worker", "ifname", "json_out")}
+    md = (f"# Step time on an emulated 2-node cluster (veth + tc tbf)\n\n"
+          f"{res['params'] / 1e6:.2f}M-param GPT (dim {a.dim}, {a.layers} layers), fp32, "
+          f"batch {a.batch}x{a.seq} per rank, 2 nodes x 2 ranks (gloo), median of {a.steps} "
+          f"steps after {a.warmup} warm-up; comm = exposed (blocked) communication, quant = "
+          f"hook time minus the communication inside hooks.\n\n{_tables(res)}\n"
+          f"Wall time: {res['wall_seconds'] / 60:.1f} min.\n")
+    (out / "table.md").write_text(md)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    plotted = _plot(res, out / "breakdown.png")
+    print("\n" + md)
+    print(f"written: {out}/table.md, results.json" + (", breakdown.png" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
