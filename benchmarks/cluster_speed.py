@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     cl = _Cluster()
     atexit.register(cl.close)
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: sys.exit(f"cluster_speed.py: stopped by signal"))
+        signal.signal(sig, lambda *_: sys.exit("cluster_speed.py: stopped by signal"))
     t0 = time.perf_counter()
     res: dict = {"rates": {}}
     try:

@@ -38,7 +38,7 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
