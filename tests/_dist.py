@@ -8,12 +8,20 @@ mismatched collective), the run is killed after ``timeout`` seconds and the erro
 ranks never finished. ``fn`` must be a module-level function (it is pickled by reference).
 Ranks listed in ``may_exit`` are allowed to die without a result (their entry is None): for
 tests that kill a rank on purpose and check what its peers do; ``pg_timeout`` (default
-``timeout``) is the process group's own timeout.
+``timeout``) is the process group's own timeout; ``env`` adds environment variables (for
+example ``LOCAL_WORLD_SIZE``) in every rank.
+
+Processes come from a forkserver that imported torch once: a fresh interpreter per rank spends
+seconds importing torch on a loaded 2-core machine, a fork from the server milliseconds, and the
+server is a clean single-threaded process (unlike the pytest process, which is unsafe to fork).
+Results travel as plain pickle bytes: torch's queue would pass tensors as shared memory owned by
+a process that is about to exit.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -31,11 +39,12 @@ def free_port() -> int:
 
 
 def _worker(
-    fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs: dict, q, timeout: float
+    fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs: dict, q, timeout: float,
+    env: dict,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **env,
     )
     import torch
     import torch.distributed as dist
@@ -45,20 +54,23 @@ def _worker(
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
         )
-        try:
-            result = fn(rank, world, *args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-        q.put((rank, True, result))
+        payload = (rank, True, pickle.dumps(fn(rank, world, *args, **kwargs)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        q.put((rank, False, traceback.format_exc()))
+        # Report before tearing down the process group: the teardown makes the other ranks
+        # fail too, and their errors must not arrive first.
+        payload = (rank, False, traceback.format_exc())
+    q.put(payload)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
-    may_exit: tuple[int, ...] = (), pg_timeout: Optional[float] = None, **kwargs: Any
+    may_exit: tuple[int, ...] = (), pg_timeout: Optional[float] = None,
+    env: Optional[dict[str, str]] = None, **kwargs: Any
 ) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # effective when it first starts
     q = ctx.Queue()
     port = free_port()
     old = os.environ.get("OMP_NUM_THREADS")
@@ -68,7 +80,8 @@ def run_ranks(
         for r in range(world_size):
             p = ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, port, args, kwargs, q, pg_timeout or timeout),
+                args=(fn, r, world_size, port, args, kwargs, q, pg_timeout or timeout,
+                      dict(env or {})),
                 daemon=True,
             )
             p.start()
@@ -127,4 +140,4 @@ def run_ranks(
             f"{fn.__name__}: rank(s) {missing} did not finish within {timeout:.0f} s "
             "(a collective mismatch or deadlock?)"
         )
-    return [results[r] for r in range(world_size)]
+    return [None if results[r] is None else pickle.loads(results[r]) for r in range(world_size)]

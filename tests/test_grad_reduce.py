@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from _dist_grads import run
+from _dist import run_ranks
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.codec import RngKey, hadamard_len, wire_bytes
 from fsdp_qcomm.collectives.grad_reduce import (
@@ -297,7 +297,7 @@ def _collectives(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def coll() -> list[dict]:
-    return run(_collectives, 4, env={"LOCAL_WORLD_SIZE": "2"})
+    return run_ranks(_collectives, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=300)
 
 
 def _gather(coll, k):
@@ -482,7 +482,7 @@ def _six(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def six() -> list[dict]:
-    return run(_six, 6)
+    return run_ranks(_six, 6, timeout=300)
 
 
 def test_three_nodes(six):
@@ -663,7 +663,7 @@ def _fsdp(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp() -> list[dict]:
-    return run(_fsdp, 4)
+    return run_ranks(_fsdp, 4, timeout=300)
 
 
 @pytest.mark.parametrize("scheme", TRAIN_SCHEMES)
@@ -716,5 +716,6 @@ def _fails_on_rank_one(rank: int, world: int) -> int:
 
 
 def test_launcher_surfaces_rank_errors():
-    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2.*ArithmeticError: boom on purpose"):
-        run(_fails_on_rank_one, 2, timeout=60)
+    boom = r"(?s)--- rank 1 ---.*ArithmeticError: boom on purpose"
+    with pytest.raises(AssertionError, match=boom):
+        run_ranks(_fails_on_rank_one, 2, timeout=60)
