@@ -81,19 +81,11 @@ def _butterfly(src: torch.Tensor, dst: torch.Tensor, h: int) -> None:
     torch.sub(s[:, 0], s[:, 1], out=d[:, 1])
 
 
-def hadamard32(v: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Unnormalized Sylvester Hadamard on each 32-element block (butterflies, h = 1..16).
-
-    The caller pads rows to a multiple of 32. ``hadamard32(hadamard32(x)) == 32 * x``.
-    ``out`` (contiguous, ``v``'s shape; may be ``v`` itself) receives the result.
-    """
-    src = v.reshape(-1, 32)
-    if out is None:
-        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dst = out.view(-1, 32)
+def _hadamard_rows(src: torch.Tensor, dst: torch.Tensor, a_buf: torch.Tensor,
+                   b_buf: torch.Tensor) -> None:
+    """``dst = H32 src`` for [rows, 32] views; a_buf / b_buf: flat scratch of >= 32 * min(rows,
+    _HROWS) elements. ``dst`` may be ``src``."""
     rows = src.shape[0]
-    a_buf = torch.empty(32 * min(rows, _HROWS), dtype=v.dtype, device=v.device)
-    b_buf = torch.empty_like(a_buf)
     for r0 in range(0, rows, _HROWS):
         r1 = min(rows, r0 + _HROWS)
         a = a_buf[:32 * (r1 - r0)].view(32, -1)
@@ -105,6 +97,19 @@ def hadamard32(v: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Ten
         _butterfly(b, a, 8)
         _butterfly(a, b, 16)
         dst[r0:r1].copy_(b.t())
+
+
+def hadamard32(v: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Unnormalized Sylvester Hadamard on each 32-element block (butterflies, h = 1..16).
+
+    The caller pads rows to a multiple of 32. ``hadamard32(hadamard32(x)) == 32 * x``.
+    ``out`` (contiguous, ``v``'s shape; may be ``v`` itself) receives the result.
+    """
+    src = v.reshape(-1, 32)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    a_buf = torch.empty(32 * min(src.shape[0], _HROWS), dtype=v.dtype, device=v.device)
+    _hadamard_rows(src, out.view(-1, 32), a_buf, torch.empty_like(a_buf))
     return out
 
 
@@ -179,17 +184,54 @@ def _pack_into(codes: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
         dst.copy_(pack_codes(codes, bits))
 
 
+class _Source:
+    """The rows an encode quantizes: ``x`` (fp32 [R, n0]), or ``x - ref``, zero-padded to ``n``
+    columns and rotated by ``H32`` when ``hadamard``. Blocks are produced on demand into
+    scratch, so the transformed rows never exist in full: the same per-element ops as
+    subtracting, padding and rotating the whole row first."""
+
+    def __init__(self, x: torch.Tensor, ref: Optional[torch.Tensor], hadamard: bool):
+        self.x, self.ref, self.hadamard = x, ref, hadamard
+        self.rows, self.n0 = x.shape
+        self.n = wire.hadamard_len(self.n0) if hadamard else self.n0
+        self.plain = ref is None and not hadamard
+
+    def block(self, r0: int, r1: int, c0: int, c1: int, scratch: "_Scratch") -> torch.Tensor:
+        """Columns [c0, c1) of rows [r0, r1) (c0, c1 multiples of 32 or c1 == n)."""
+        if self.plain:
+            return self.x[r0:r1, c0:c1]
+        R, w = r1 - r0, c1 - c0
+        buf = scratch.get("src", R * w, torch.float32).view(R, w)
+        e = min(c1, self.n0)
+        if e > c0:
+            if self.ref is None:
+                buf[:, :e - c0].copy_(self.x[r0:r1, c0:e])
+            else:
+                torch.sub(self.x[r0:r1, c0:e], self.ref[r0:r1, c0:e], out=buf[:, :e - c0])
+        if e - c0 < w:
+            buf[:, max(0, e - c0):].zero_()
+        if self.hadamard:
+            hr = 32 * min(R * w // 32, _HROWS)
+            _hadamard_rows(buf.view(-1, 32), buf.view(-1, 32),
+                           scratch.get("ha", hr, torch.float32), scratch.get("hb", hr, torch.float32))
+        return buf
+
+
 def encode(v: torch.Tensor, spec: QuantSpec, key: Optional[RngKey]) -> torch.Tensor:
     """fp32 [R, n] -> uint8 [R, wire_bytes(n)]."""
-    rows, n = v.shape
-    out = torch.empty(rows, wire.wire_bytes(n, spec), dtype=torch.uint8, device=v.device)
+    return _encode(_Source(v.contiguous(), None, False), spec, key)
+
+
+def _encode(src: _Source, spec: QuantSpec, key: Optional[RngKey]) -> torch.Tensor:
+    rows, n = src.rows, src.n
+    dev = src.x.device
+    out = torch.empty(rows, wire.wire_bytes(n, spec), dtype=torch.uint8, device=dev)
     if n == 0:
         return out
     if spec.stochastic and key is None:
         raise ValueError("stochastic rounding needs an RngKey; pass key=RngKey(...)")
     if spec.stochastic:
         check_counter_range(rows, n)
-    v = v.contiguous()
     gs, bits = spec.group_size, spec.bits
     groups = wire.num_groups(n, spec)
     sdt = spec.torch_scale_dtype
@@ -199,17 +241,17 @@ def encode(v: torch.Tensor, spec: QuantSpec, key: Optional[RngKey]) -> torch.Ten
     cb = wire.code_bytes(n, spec)
     out[:, code_off + cb:] = 0  # row alignment padding
     words = key.words() if spec.stochastic else None
-    scratch = _Scratch(v.device)
+    scratch = _Scratch(dev)
     full = n // gs
     for st in _steps(rows, n, gs):
         R, nb = st.r1 - st.r0, st.g1 - st.g0
         if st.g0 < full:
-            g = v[st.r0:st.r1, st.g0 * gs:st.g1 * gs].view(R, nb, gs)
+            g = src.block(st.r0, st.r1, st.g0 * gs, st.g1 * gs, scratch).view(R, nb, gs)
         else:  # the partial last group, padded with its last value (changes no min/max)
-            g = _pad_cols(v[:, full * gs:], gs, "edge").view(R, 1, gs)
+            g = _pad_cols(src.block(0, rows, full * gs, n, scratch), gs, "edge").view(R, 1, gs)
         starts = None
         if words is not None:
-            starts = row_starts([r * n + st.g0 * gs for r in range(st.r0, st.r1)], v.device)
+            starts = row_starts([r * n + st.g0 * gs for r in range(st.r0, st.r1)], dev)
         codes, scale, mins = _encode_groups(g, spec, starts, words, scratch)
         out[st.r0:st.r1, st.g0 * ss:st.g1 * ss].view(bdt).copy_(scale)
         if mins is not None:
@@ -391,11 +433,15 @@ def quantize(
     """[R, n] -> wire rows. ``ref``: encode ``x - ref`` (qWD send). ``hadamard``: encode
     ``H32 x`` of the row zero-padded to ``hadamard_len(n)``."""
     v = x.to(torch.float32)
-    if ref is not None:
-        v = v - ref.to(torch.float32)
-    if hadamard:
-        v = hadamard32(_pad_cols(v, wire.hadamard_len(v.shape[1]), "zero"))
-    return encode(v.contiguous(), spec, key)
+    r = None if ref is None else ref.to(torch.float32)
+    if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
+        # Groups would cut 32-blocks, so rotate the whole padded row first.
+        if r is not None:
+            v = v - r
+        v, r, hadamard = hadamard32(_pad_cols(v, wire.hadamard_len(v.shape[1]), "zero")), None, False
+    if r is None and not hadamard:
+        v = v.contiguous()
+    return _encode(_Source(v, r, hadamard), spec, key)
 
 
 def dequantize(
