@@ -276,7 +276,10 @@ def _encode_groups(
     [R, nb] or None). Op for op the arithmetic of the Triton kernels."""
     R, nb, gs = g.shape
     sdt = spec.torch_scale_dtype
-    mn, mx = torch.aminmax(g, dim=-1)
+    # Two single reductions: CPU aminmax over a short last dim is ~10x slower than amax + amin.
+    # Same values (exact, NaN-propagating); a zero's sign cannot matter (zero scales become 1,
+    # a zero min is stored as +0).
+    mn, mx = torch.amin(g, dim=-1), torch.amax(g, dim=-1)
     if spec.symmetric:
         amax = torch.maximum(mx, mn.neg_())  # == |g|.amax(-1), NaN included
         bad = torch.isfinite(amax).logical_not_()
