@@ -404,20 +404,56 @@ def _decode_step(w: _Wire, n: int, spec: QuantSpec, st: _Step, dst: torch.Tensor
             res.add_(w.mins[st.r0:st.r1, st.g0:st.g1, None])
 
 
-def _decode_sum(chunks: Sequence[torch.Tensor], n: int, spec: QuantSpec) -> torch.Tensor:
-    """Sum over chunks, in order, of their decoded fp32 [R, n] (one chunk: just decode)."""
+def _decode_sum(
+    chunks: Sequence[torch.Tensor], n: int, spec: QuantSpec, *, hadamard: bool = False,
+    n_out: Optional[int] = None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """Sum over chunks, in order, of their decoded fp32 [R, n] (one chunk: just decode).
+
+    ``hadamard``: then apply ``H32 / 32`` and keep the first ``n_out`` values; done per step
+    on a cache-sized block (needs 32-aligned groups, see ``_fused_ok``). ``out``: fp32
+    [R, n_out] with contiguous rows to write (``accumulate``: add) into instead of a new tensor.
+    The per-element ops are those of decoding everything, then rotating, then scaling, then
+    adding.
+    """
+    n_out = n if n_out is None else n_out
     rows = chunks[0].shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32, device=chunks[0].device)
+    dev = chunks[0].device
+    target = out if out is not None else torch.empty(rows, n_out, dtype=torch.float32, device=dev)
     if n == 0:
-        return out
+        return target
     ws = [_read_wire(c, n, spec) for c in chunks]
-    scratch = _Scratch(out.device)
+    scratch = _Scratch(dev)
     gs = spec.group_size
     for st in _steps(rows, n, gs):
-        dst = out[st.r0:st.r1, st.g0 * gs:min(n, st.g1 * gs)]
+        R, c0, c1 = st.r1 - st.r0, st.g0 * gs, min(n, st.g1 * gs)
+        if not hadamard:
+            dst = target[st.r0:st.r1, c0:c1]
+            for j, w in enumerate(ws):
+                _decode_step(w, n, spec, st, dst, accumulate or j > 0, scratch)
+            continue
+        blk = scratch.get("hblk", R * (c1 - c0), torch.float32).view(R, c1 - c0)
         for j, w in enumerate(ws):
-            _decode_step(w, n, spec, st, dst, j > 0, scratch)
-    return out
+            _decode_step(w, n, spec, st, blk, j > 0, scratch)
+        hr = 32 * min(blk.numel() // 32, _HROWS)
+        _hadamard_rows(blk.view(-1, 32), blk.view(-1, 32), scratch.get("ha", hr, torch.float32),
+                       scratch.get("hb", hr, torch.float32))
+        e = min(n_out, c1)
+        if e <= c0:
+            continue
+        dst = target[st.r0:st.r1, c0:e]
+        if accumulate:
+            dst.add_(blk[:, :e - c0].mul_(1.0 / 32))
+        else:
+            torch.mul(blk[:, :e - c0], 1.0 / 32, out=dst)
+    return target
+
+
+def _fused_ok(spec: QuantSpec, hadamard: bool, out: Optional[torch.Tensor]) -> bool:
+    """Whether ``_decode_sum`` can rotate per step and write straight into ``out``."""
+    if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
+        return False
+    return out is None or (out.dtype == torch.float32 and out.stride(-1) == 1)
 
 
 def decode(data: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
@@ -456,7 +492,11 @@ def dequantize(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """Wire rows -> [R, n]. ``accumulate`` adds into ``out`` (qWD receive: ``ref += d``)."""
-    x = decode(data, wire.hadamard_len(n) if hadamard else n, spec)
+    m = wire.hadamard_len(n) if hadamard else n
+    if _fused_ok(spec, hadamard, out):
+        return _decode_sum([data], m, spec, hadamard=hadamard, n_out=n, out=out,
+                           accumulate=accumulate)
+    x = decode(data, m, spec)
     if hadamard:
         x = hadamard32(x)[:, :n] * (1.0 / 32)
     return _write(x, out, accumulate)
@@ -482,7 +522,10 @@ def reduce_dequantize(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sum of k decoded wire blocks, inverse Hadamard once, first ``n`` values (final hop)."""
-    acc = _decode_sum(chunks, wire.hadamard_len(n) if hadamard else n, spec)
+    m = wire.hadamard_len(n) if hadamard else n
+    if _fused_ok(spec, hadamard, out):
+        return _decode_sum(chunks, m, spec, hadamard=hadamard, n_out=n, out=out)
+    acc = _decode_sum(chunks, m, spec)
     if hadamard:
         acc = hadamard32(acc)[:, :n] * (1.0 / 32)
     return _write(acc, out, False)
