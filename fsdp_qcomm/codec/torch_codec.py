@@ -217,6 +217,32 @@ class _Source:
         return buf
 
 
+class _SumSource(_Source):
+    """The rows of ``reduce_requantize``: the in-order fp32 sum of k decoded wire blocks,
+    decoded per encode step into scratch instead of in full (same ops per element)."""
+
+    def __init__(self, chunks: Sequence[torch.Tensor], n: int, spec: QuantSpec):
+        self.x = chunks[0]
+        self.rows, self.n0, self.n = chunks[0].shape[0], n, n
+        self.plain = False
+        self.spec = spec
+        self.ws = [_read_wire(c, n, spec) for c in chunks]
+
+    def block(self, r0: int, r1: int, c0: int, c1: int, scratch: "_Scratch") -> torch.Tensor:
+        gs, n = self.spec.group_size, self.n
+        full = n // gs
+        buf = scratch.get("sum_src", (r1 - r0) * (c1 - c0), torch.float32).view(r1 - r0, -1)
+        g0, g1 = c0 // gs, min(full, c1 // gs)
+        parts = [] if g1 <= g0 else [_Step(r0, r1, g0, g1)]
+        if c1 == n and n % gs:
+            parts.append(_Step(r0, r1, full, full + 1))
+        for st in parts:
+            dst = buf[:, st.g0 * gs - c0:min(n, st.g1 * gs) - c0]
+            for j, w in enumerate(self.ws):
+                _decode_step(w, n, self.spec, st, dst, j > 0, scratch)
+        return buf
+
+
 def encode(v: torch.Tensor, spec: QuantSpec, key: Optional[RngKey]) -> torch.Tensor:
     """fp32 [R, n] -> uint8 [R, wire_bytes(n)]."""
     return _encode(_Source(v.contiguous(), None, False), spec, key)
@@ -511,6 +537,8 @@ def reduce_requantize(
 ) -> torch.Tensor:
     """Sum of k decoded wire blocks (in order) re-encoded with ``spec_out`` (hop 1 -> hop 2).
     ``n`` is the encoded row length (already Hadamard-padded where used)."""
+    if spec_out.group_size % spec_in.group_size == 0:
+        return _encode(_SumSource(chunks, n, spec_in), spec_out, key)
     return encode(_decode_sum(chunks, n, spec_in), spec_out, key)
 
 
