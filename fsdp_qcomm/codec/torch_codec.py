@@ -67,20 +67,50 @@ def unpack_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 # ---- Hadamard -------------------------------------------------------------------------------
-def hadamard32(v: torch.Tensor) -> torch.Tensor:
+# Blocks of _HROWS 32-element rows are transposed into a [32, rows] scratch so that each
+# butterfly stage is two contiguous, vectorized ops (rows i and i + h of the block) instead of
+# ops on strided pairs; the per-element arithmetic (a + b, a - b per stage, h = 1..16) is the
+# same, so the result is bit-identical. Two 512 KiB scratch buffers stay cache-resident.
+_HROWS = 4096
+
+
+def _butterfly(src: torch.Tensor, dst: torch.Tensor, h: int) -> None:
+    s = src.view(32 // (2 * h), 2, -1)
+    d = dst.view(32 // (2 * h), 2, -1)
+    torch.add(s[:, 0], s[:, 1], out=d[:, 0])
+    torch.sub(s[:, 0], s[:, 1], out=d[:, 1])
+
+
+def _hadamard_rows(src: torch.Tensor, dst: torch.Tensor, a_buf: torch.Tensor,
+                   b_buf: torch.Tensor) -> None:
+    """``dst = H32 src`` for [rows, 32] views; a_buf / b_buf: flat scratch of >= 32 * min(rows,
+    _HROWS) elements. ``dst`` may be ``src``."""
+    rows = src.shape[0]
+    for r0 in range(0, rows, _HROWS):
+        r1 = min(rows, r0 + _HROWS)
+        a = a_buf[:32 * (r1 - r0)].view(32, -1)
+        b = b_buf[:32 * (r1 - r0)].view(32, -1)
+        a.copy_(src[r0:r1].t())
+        _butterfly(a, b, 1)
+        _butterfly(b, a, 2)
+        _butterfly(a, b, 4)
+        _butterfly(b, a, 8)
+        _butterfly(a, b, 16)
+        dst[r0:r1].copy_(b.t())
+
+
+def hadamard32(v: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Unnormalized Sylvester Hadamard on each 32-element block (butterflies, h = 1..16).
 
     The caller pads rows to a multiple of 32. ``hadamard32(hadamard32(x)) == 32 * x``.
+    ``out`` (contiguous, ``v``'s shape; may be ``v`` itself) receives the result.
     """
-    shape = v.shape
-    x = v.reshape(-1, 32)
-    h = 1
-    while h < 32:
-        y = x.view(-1, 32 // (2 * h), 2, h)
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        x = torch.stack((a + b, a - b), dim=2).view(-1, 32)
-        h *= 2
-    return x.view(shape)
+    src = v.reshape(-1, 32)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    a_buf = torch.empty(32 * min(src.shape[0], _HROWS), dtype=v.dtype, device=v.device)
+    _hadamard_rows(src, out.view(-1, 32), a_buf, torch.empty_like(a_buf))
+    return out
 
 
 def _pad_cols(v: torch.Tensor, width: int, mode: str) -> torch.Tensor:
@@ -154,17 +184,80 @@ def _pack_into(codes: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
         dst.copy_(pack_codes(codes, bits))
 
 
+class _Source:
+    """The rows an encode quantizes: ``x`` (fp32 [R, n0]), or ``x - ref``, zero-padded to ``n``
+    columns and rotated by ``H32`` when ``hadamard``. Blocks are produced on demand into
+    scratch, so the transformed rows never exist in full: the same per-element ops as
+    subtracting, padding and rotating the whole row first."""
+
+    def __init__(self, x: torch.Tensor, ref: Optional[torch.Tensor], hadamard: bool):
+        self.x, self.ref, self.hadamard = x, ref, hadamard
+        self.rows, self.n0 = x.shape
+        self.n = wire.hadamard_len(self.n0) if hadamard else self.n0
+        self.plain = ref is None and not hadamard
+
+    def block(self, r0: int, r1: int, c0: int, c1: int, scratch: "_Scratch") -> torch.Tensor:
+        """Columns [c0, c1) of rows [r0, r1) (c0, c1 multiples of 32 or c1 == n)."""
+        if self.plain:
+            return self.x[r0:r1, c0:c1]
+        R, w = r1 - r0, c1 - c0
+        buf = scratch.get("src", R * w, torch.float32).view(R, w)
+        e = min(c1, self.n0)
+        if e > c0:
+            if self.ref is None:
+                buf[:, :e - c0].copy_(self.x[r0:r1, c0:e])
+            else:
+                torch.sub(self.x[r0:r1, c0:e], self.ref[r0:r1, c0:e], out=buf[:, :e - c0])
+        if e - c0 < w:
+            buf[:, max(0, e - c0):].zero_()
+        if self.hadamard:
+            hr = 32 * min(R * w // 32, _HROWS)
+            _hadamard_rows(buf.view(-1, 32), buf.view(-1, 32),
+                           scratch.get("ha", hr, torch.float32), scratch.get("hb", hr, torch.float32))
+        return buf
+
+
+class _SumSource(_Source):
+    """The rows of ``reduce_requantize``: the in-order fp32 sum of k decoded wire blocks,
+    decoded per encode step into scratch instead of in full (same ops per element)."""
+
+    def __init__(self, chunks: Sequence[torch.Tensor], n: int, spec: QuantSpec):
+        self.x = chunks[0]
+        self.rows, self.n0, self.n = chunks[0].shape[0], n, n
+        self.plain = False
+        self.spec = spec
+        self.ws = [_read_wire(c, n, spec) for c in chunks]
+
+    def block(self, r0: int, r1: int, c0: int, c1: int, scratch: "_Scratch") -> torch.Tensor:
+        gs, n = self.spec.group_size, self.n
+        full = n // gs
+        buf = scratch.get("sum_src", (r1 - r0) * (c1 - c0), torch.float32).view(r1 - r0, -1)
+        g0, g1 = c0 // gs, min(full, c1 // gs)
+        parts = [] if g1 <= g0 else [_Step(r0, r1, g0, g1)]
+        if c1 == n and n % gs:
+            parts.append(_Step(r0, r1, full, full + 1))
+        for st in parts:
+            dst = buf[:, st.g0 * gs - c0:min(n, st.g1 * gs) - c0]
+            for j, w in enumerate(self.ws):
+                _decode_step(w, n, self.spec, st, dst, j > 0, scratch)
+        return buf
+
+
 def encode(v: torch.Tensor, spec: QuantSpec, key: Optional[RngKey]) -> torch.Tensor:
     """fp32 [R, n] -> uint8 [R, wire_bytes(n)]."""
-    rows, n = v.shape
-    out = torch.empty(rows, wire.wire_bytes(n, spec), dtype=torch.uint8, device=v.device)
+    return _encode(_Source(v.contiguous(), None, False), spec, key)
+
+
+def _encode(src: _Source, spec: QuantSpec, key: Optional[RngKey]) -> torch.Tensor:
+    rows, n = src.rows, src.n
+    dev = src.x.device
+    out = torch.empty(rows, wire.wire_bytes(n, spec), dtype=torch.uint8, device=dev)
     if n == 0:
         return out
     if spec.stochastic and key is None:
         raise ValueError("stochastic rounding needs an RngKey; pass key=RngKey(...)")
     if spec.stochastic:
         check_counter_range(rows, n)
-    v = v.contiguous()
     gs, bits = spec.group_size, spec.bits
     groups = wire.num_groups(n, spec)
     sdt = spec.torch_scale_dtype
@@ -174,17 +267,17 @@ def encode(v: torch.Tensor, spec: QuantSpec, key: Optional[RngKey]) -> torch.Ten
     cb = wire.code_bytes(n, spec)
     out[:, code_off + cb:] = 0  # row alignment padding
     words = key.words() if spec.stochastic else None
-    scratch = _Scratch(v.device)
+    scratch = _Scratch(dev)
     full = n // gs
     for st in _steps(rows, n, gs):
         R, nb = st.r1 - st.r0, st.g1 - st.g0
         if st.g0 < full:
-            g = v[st.r0:st.r1, st.g0 * gs:st.g1 * gs].view(R, nb, gs)
+            g = src.block(st.r0, st.r1, st.g0 * gs, st.g1 * gs, scratch).view(R, nb, gs)
         else:  # the partial last group, padded with its last value (changes no min/max)
-            g = _pad_cols(v[:, full * gs:], gs, "edge").view(R, 1, gs)
+            g = _pad_cols(src.block(0, rows, full * gs, n, scratch), gs, "edge").view(R, 1, gs)
         starts = None
         if words is not None:
-            starts = row_starts([r * n + st.g0 * gs for r in range(st.r0, st.r1)], v.device)
+            starts = row_starts([r * n + st.g0 * gs for r in range(st.r0, st.r1)], dev)
         codes, scale, mins = _encode_groups(g, spec, starts, words, scratch)
         out[st.r0:st.r1, st.g0 * ss:st.g1 * ss].view(bdt).copy_(scale)
         if mins is not None:
@@ -209,7 +302,10 @@ def _encode_groups(
     [R, nb] or None). Op for op the arithmetic of the Triton kernels."""
     R, nb, gs = g.shape
     sdt = spec.torch_scale_dtype
-    mn, mx = torch.aminmax(g, dim=-1)
+    # Two single reductions: CPU aminmax over a short last dim is ~10x slower than amax + amin.
+    # Same values (exact, NaN-propagating); a zero's sign cannot matter (zero scales become 1,
+    # a zero min is stored as +0).
+    mn, mx = torch.amin(g, dim=-1), torch.amax(g, dim=-1)
     if spec.symmetric:
         amax = torch.maximum(mx, mn.neg_())  # == |g|.amax(-1), NaN included
         bad = torch.isfinite(amax).logical_not_()
@@ -334,20 +430,56 @@ def _decode_step(w: _Wire, n: int, spec: QuantSpec, st: _Step, dst: torch.Tensor
             res.add_(w.mins[st.r0:st.r1, st.g0:st.g1, None])
 
 
-def _decode_sum(chunks: Sequence[torch.Tensor], n: int, spec: QuantSpec) -> torch.Tensor:
-    """Sum over chunks, in order, of their decoded fp32 [R, n] (one chunk: just decode)."""
+def _decode_sum(
+    chunks: Sequence[torch.Tensor], n: int, spec: QuantSpec, *, hadamard: bool = False,
+    n_out: Optional[int] = None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """Sum over chunks, in order, of their decoded fp32 [R, n] (one chunk: just decode).
+
+    ``hadamard``: then apply ``H32 / 32`` and keep the first ``n_out`` values; done per step
+    on a cache-sized block (needs 32-aligned groups, see ``_fused_ok``). ``out``: fp32
+    [R, n_out] with contiguous rows to write (``accumulate``: add) into instead of a new tensor.
+    The per-element ops are those of decoding everything, then rotating, then scaling, then
+    adding.
+    """
+    n_out = n if n_out is None else n_out
     rows = chunks[0].shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32, device=chunks[0].device)
+    dev = chunks[0].device
+    target = out if out is not None else torch.empty(rows, n_out, dtype=torch.float32, device=dev)
     if n == 0:
-        return out
+        return target
     ws = [_read_wire(c, n, spec) for c in chunks]
-    scratch = _Scratch(out.device)
+    scratch = _Scratch(dev)
     gs = spec.group_size
     for st in _steps(rows, n, gs):
-        dst = out[st.r0:st.r1, st.g0 * gs:min(n, st.g1 * gs)]
+        R, c0, c1 = st.r1 - st.r0, st.g0 * gs, min(n, st.g1 * gs)
+        if not hadamard:
+            dst = target[st.r0:st.r1, c0:c1]
+            for j, w in enumerate(ws):
+                _decode_step(w, n, spec, st, dst, accumulate or j > 0, scratch)
+            continue
+        blk = scratch.get("hblk", R * (c1 - c0), torch.float32).view(R, c1 - c0)
         for j, w in enumerate(ws):
-            _decode_step(w, n, spec, st, dst, j > 0, scratch)
-    return out
+            _decode_step(w, n, spec, st, blk, j > 0, scratch)
+        hr = 32 * min(blk.numel() // 32, _HROWS)
+        _hadamard_rows(blk.view(-1, 32), blk.view(-1, 32), scratch.get("ha", hr, torch.float32),
+                       scratch.get("hb", hr, torch.float32))
+        e = min(n_out, c1)
+        if e <= c0:
+            continue
+        dst = target[st.r0:st.r1, c0:e]
+        if accumulate:
+            dst.add_(blk[:, :e - c0].mul_(1.0 / 32))
+        else:
+            torch.mul(blk[:, :e - c0], 1.0 / 32, out=dst)
+    return target
+
+
+def _fused_ok(spec: QuantSpec, hadamard: bool, out: Optional[torch.Tensor]) -> bool:
+    """Whether ``_decode_sum`` can rotate per step and write straight into ``out``."""
+    if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
+        return False
+    return out is None or (out.dtype == torch.float32 and out.stride(-1) == 1)
 
 
 def decode(data: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
@@ -366,11 +498,15 @@ def quantize(
     """[R, n] -> wire rows. ``ref``: encode ``x - ref`` (qWD send). ``hadamard``: encode
     ``H32 x`` of the row zero-padded to ``hadamard_len(n)``."""
     v = x.to(torch.float32)
-    if ref is not None:
-        v = v - ref.to(torch.float32)
-    if hadamard:
-        v = hadamard32(_pad_cols(v, wire.hadamard_len(v.shape[1]), "zero"))
-    return encode(v.contiguous(), spec, key)
+    r = None if ref is None else ref.to(torch.float32)
+    if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
+        # Groups would cut 32-blocks, so rotate the whole padded row first.
+        if r is not None:
+            v = v - r
+        v, r, hadamard = hadamard32(_pad_cols(v, wire.hadamard_len(v.shape[1]), "zero")), None, False
+    if r is None and not hadamard:
+        v = v.contiguous()
+    return _encode(_Source(v, r, hadamard), spec, key)
 
 
 def dequantize(
@@ -382,7 +518,11 @@ def dequantize(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """Wire rows -> [R, n]. ``accumulate`` adds into ``out`` (qWD receive: ``ref += d``)."""
-    x = decode(data, wire.hadamard_len(n) if hadamard else n, spec)
+    m = wire.hadamard_len(n) if hadamard else n
+    if _fused_ok(spec, hadamard, out):
+        return _decode_sum([data], m, spec, hadamard=hadamard, n_out=n, out=out,
+                           accumulate=accumulate)
+    x = decode(data, m, spec)
     if hadamard:
         x = hadamard32(x)[:, :n] * (1.0 / 32)
     return _write(x, out, accumulate)
@@ -397,6 +537,8 @@ def reduce_requantize(
 ) -> torch.Tensor:
     """Sum of k decoded wire blocks (in order) re-encoded with ``spec_out`` (hop 1 -> hop 2).
     ``n`` is the encoded row length (already Hadamard-padded where used)."""
+    if spec_out.group_size % spec_in.group_size == 0:
+        return _encode(_SumSource(chunks, n, spec_in), spec_out, key)
     return encode(_decode_sum(chunks, n, spec_in), spec_out, key)
 
 
@@ -408,7 +550,10 @@ def reduce_dequantize(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sum of k decoded wire blocks, inverse Hadamard once, first ``n`` values (final hop)."""
-    acc = _decode_sum(chunks, wire.hadamard_len(n) if hadamard else n, spec)
+    m = wire.hadamard_len(n) if hadamard else n
+    if _fused_ok(spec, hadamard, out):
+        return _decode_sum(chunks, m, spec, hadamard=hadamard, n_out=n, out=out)
+    acc = _decode_sum(chunks, m, spec)
     if hadamard:
         acc = hadamard32(acc)[:, :n] * (1.0 / 32)
     return _write(acc, out, False)

@@ -276,6 +276,11 @@ def _finish_last_hop(out, pending, spec: QuantSpec, hadamard: bool, finish: Fini
     work.wait()
     if learned:
         res = _levels.reduce_dequantize_levels(recv, b - a, spec)
+    elif out.dtype == torch.float32:  # sum straight into the output, then apply the op there
+        codec.reduce_dequantize(recv, b - a, spec, hadamard=hadamard, out=out[a:b])
+        if finish is not None:
+            finish(out[a:b])
+        return
     else:
         res = codec.reduce_dequantize(recv, b - a, spec, hadamard=hadamard)
     _write(out[a:b], res, finish)
