@@ -95,9 +95,9 @@ def _train_all(rank: int, world: int, a: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from _model import CharData, GPTShape, build_fsdp_gpt
 
     import fsdp_qcomm
-    from _model import CharData, GPTShape, build_fsdp_gpt
 
     data = CharData(a.data)
     shape = GPTShape(data.vocab, a.dim, a.layers, a.heads, a.seq)

@@ -106,9 +106,10 @@ def _worker(a: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(HERE))
-    import fsdp_qcomm
     from _model import GPTShape, build_fsdp_gpt
     from _timing import install
+
+    import fsdp_qcomm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -348,10 +349,10 @@ def _plot(res: dict, path: Path) -> bool:
                  ("rest_s", "compute + rest")]
         bottom = [0.0] * len(labels)
         for key, name in parts:
-            vals = [sch[l][key] for l in labels]
+            vals = [sch[lab][key] for lab in labels]
             ax.bar(labels, vals, bottom=bottom, label=name)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.scatter(labels, [sch[l]["median_step_s"] for l in labels], color="k", zorder=3,
+        ax.scatter(labels, [sch[lab]["median_step_s"] for lab in labels], color="k", zorder=3,
                    label="median step")
         ax.set(title=f"link {rate}", ylabel="seconds per step")
         ax.legend(fontsize=8)

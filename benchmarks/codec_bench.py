@@ -28,8 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_qcomm import QuantSpec  # noqa: E402
-from fsdp_qcomm import codec  # noqa: E402
+from fsdp_qcomm import (
+    QuantSpec,  # noqa: E402
+    codec,  # noqa: E402
+)
 from fsdp_qcomm.codec import RngKey  # noqa: E402
 
 CPU_TARGET, CUDA_TARGET = 0.25, 0.7
@@ -91,7 +93,8 @@ def main() -> int:
             add(f"quantize {bits}-bit {rounding}", timed(lambda: codec.quantize(x, spec, key)),
                 True)
             data = codec.quantize(x, spec, key)
-            add(f"dequantize {bits}-bit {rounding}", timed(lambda: codec.dequantize(data, n, spec)))
+            add(f"dequantize {bits}-bit {rounding}",
+                timed(lambda d=data: codec.dequantize(d, n, spec)))
             del data
     m = n // k
     s8 = QuantSpec(bits=8, group_size=a.group_size)

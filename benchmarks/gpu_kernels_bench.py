@@ -243,8 +243,7 @@ def main() -> int:
         traceback.print_exc()
         print("gpu_kernels_bench: could not import the kernels (is triton installed?)")
         return 1
-    from fsdp_qcomm import QuantSpec
-    from fsdp_qcomm import codec
+    from fsdp_qcomm import QuantSpec, codec
     from fsdp_qcomm.codec import RngKey, torch_codec
 
     tiles = sys.modules["fsdp_qcomm.kernels._common"]
@@ -271,7 +270,7 @@ def main() -> int:
 
     # The device's copy bandwidth: read + write of the fp32 input.
     x = torch.randn(rows, n_big, device=dev)
-    t_copy = _time(torch, dev, lambda: x.clone(), args.iters)
+    t_copy = _time(torch, dev, lambda x=x: x.clone(), args.iters)
     bw_copy = 2 * x.numel() * 4 / t_copy
     print(f"torch.clone: {t_copy * 1e3:8.3f} ms  {bw_copy / 1e9:8.1f} GB/s (reference)")
     del x
@@ -299,7 +298,7 @@ def main() -> int:
         try:
             d = case.make(rows, n_big, dev, False)
             out = case.run(_K, d)
-            t = _time(torch, dev, lambda: case.run(_K, d), args.iters)
+            t = _time(torch, dev, lambda c=case, d=d: c.run(_K, d), args.iters)
             bw = case.moved(d, out) / t
             ratio = bw / bw_copy
             if ratio < TARGET:

@@ -70,7 +70,9 @@ def main() -> None:
 
     stages = {
         "qwd encode_shard": lambda: encode_shard(x, segs, wspec, key, ref=ref),
-        "qwd decode_shards": lambda: decode_shards(gathered, segs, wspec, full_ref, accumulate=True),
+        "qwd decode_shards": lambda: decode_shards(
+            gathered, segs, wspec, full_ref, accumulate=True
+        ),
         "grad quantize(H, 8b)": lambda: codec.quantize(g, s1, key, hadamard=True),
         "grad reduce_requantize": lambda: codec.reduce_requantize(recv1, hl, s1, s2, key),
         "grad reduce_dequantize(H)": lambda: codec.reduce_dequantize(w2, n, s2, hadamard=True),
@@ -85,7 +87,7 @@ def main() -> None:
     print(f"{'total per step':28s} {total * 1e3:8.1f} ms  (shard {n}, {len(segs)} segments, "
           f"threads {torch.get_num_threads()})")
     if args.profile:
-        from torch.profiler import profile, ProfilerActivity
+        from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for name, fn in stages.items():

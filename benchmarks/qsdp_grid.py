@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from _dist import run_ranks  # noqa: E402
 
 CELLS = ["W32G32", "W8G8", "W6G4", "W5G4", "W4G4", "W4G32", "W3G32", "W2G32", "W8G3", "W8G2"]
@@ -197,14 +196,14 @@ def _report(rows: list, a: dict, out: Path) -> None:
     ]
     cells = list(dict.fromkeys(r["cell"] for r in rows))
     for c in cells:
-        u, l = by.get((c, "uniform")), by.get((c, "learned"))
+        u, lrn = by.get((c, "uniform")), by.get((c, "learned"))
         pu, pl = PAPER.get(c, (None, None))
         f = lambda r, k, fmt: (fmt.format(r[k]) if r else "")  # noqa: E731
         lines.append(
-            f"| {c} | {f(u, 'val_loss', '{:.4f}')} | {f(l, 'val_loss', '{:.4f}')} | "
-            f"{f(u, 'ppl', '{:.3f}')} | {f(l, 'ppl', '{:.3f}')} | "
+            f"| {c} | {f(u, 'val_loss', '{:.4f}')} | {f(lrn, 'val_loss', '{:.4f}')} | "
+            f"{f(u, 'ppl', '{:.3f}')} | {f(lrn, 'ppl', '{:.3f}')} | "
             f"{pu if pu else ''} / {pl if pl else '-'} | "
-            f"{f(u, 'total_bytes', '{:,.0f}')} | {f(l, 'total_bytes', '{:,.0f}')} |"
+            f"{f(u, 'total_bytes', '{:,.0f}')} | {f(lrn, 'total_bytes', '{:,.0f}')} |"
         )
     if base:
         lines += ["", f"Unquantized baseline (W32G32): val loss {base['val_loss']:.4f}, "

@@ -93,9 +93,9 @@ class _PgCounter:
 def _rank_fn(rank: int, world: int, a: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
+    from _model import GPTShape, build_fsdp_gpt
 
     import fsdp_qcomm
-    from _model import GPTShape, build_fsdp_gpt
 
     pg = _PgCounter()
     shape = GPTShape(a.vocab, a.dim, a.layers, a.heads, a.seq)
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
 
         labels = list(summary)
         fig, ax = plt.subplots(figsize=(8, 4))
-        ax.bar(labels, [summary[l]["vs_bf16"] for l in labels])
+        ax.bar(labels, [summary[lab]["vs_bf16"] for lab in labels])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set(ylabel="bytes / FSDP (bf16 W, fp32 G)", title="bytes sent per step vs FSDP2")
         fig.tight_layout()

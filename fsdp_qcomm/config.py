@@ -265,7 +265,8 @@ class QCommConfig:
         for side, b in (("W", wb), ("G", gb)):
             if b != 32 and not 2 <= b <= 8:
                 raise ValueError(
-                    f"{text!r}: {side}{b} is not supported; bits must be 2..8, or 32 for unquantized"
+                    f"{text!r}: {side}{b} is not supported; bits must be 2..8, "
+                    "or 32 for unquantized"
                 )
         if levels is not None and suffix is not None and levels != suffix.lower():
             raise ValueError(f"{text!r} says {suffix} levels but levels={levels!r} was passed")

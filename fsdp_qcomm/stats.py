@@ -61,7 +61,8 @@ class CommStats:
             self.notes.add(text)
 
     def snapshot(self) -> dict:
-        """``{kind: {calls, sent_bytes, ..., bits_per_element, ratio_vs_baseline}, "notes": [...]}``."""
+        """``{kind: {calls, sent_bytes, ..., bits_per_element, ratio_vs_baseline},
+        "notes": [...]}``."""
         with self._lock:
             out: dict = {k: v.as_dict() for k, v in sorted(self._kinds.items())}
             out["notes"] = sorted(self.notes)

@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp_qcomm import QCommConfig, QuantSpec
-from fsdp_qcomm import codec
+from fsdp_qcomm import QCommConfig, QuantSpec, codec
 from fsdp_qcomm.codec import RngKey, torch_codec, wire
 
 KEY = RngKey(seed=1, step=2, rank=3, bucket=4)
@@ -117,7 +116,8 @@ def test_stochastic_is_deterministic_per_key_and_independent_across_keys():
     x = torch.randn(2, 4096, generator=torch.Generator().manual_seed(1))
     a = codec.quantize(x, spec, KEY)
     assert torch.equal(a, codec.quantize(x, spec, KEY))
-    others = [KEY._replace(seed=9), KEY._replace(step=3), KEY._replace(rank=0), KEY._replace(bucket=5)]
+    others = [KEY._replace(seed=9), KEY._replace(step=3), KEY._replace(rank=0),
+              KEY._replace(bucket=5)]
     for k in others:
         b = codec.quantize(x, spec, k)
         assert not torch.equal(a, b)
@@ -204,7 +204,8 @@ def test_reduce_requantize_and_reduce_dequantize_match_unfused():
     s4 = QuantSpec(bits=4, group_size=128)
     k, n = 3, 320
     xs = torch.randn(k, 2, n)
-    hops = torch.stack([codec.quantize(xs[j], s8, KEY._replace(rank=j), hadamard=True) for j in range(k)])
+    hops = torch.stack([codec.quantize(xs[j], s8, KEY._replace(rank=j), hadamard=True)
+                        for j in range(k)])
     m = wire.hadamard_len(n)
     fused = codec.reduce_requantize(hops, m, s8, s4, KEY)
     acc = codec.dequantize(hops[0], m, s8)

@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_ranks
 from torch.distributed import ReduceOp
 
-from _dist import run_ranks
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.codec import RngKey, hadamard_len, wire_bytes
 from fsdp_qcomm.collectives.grad_reduce import (

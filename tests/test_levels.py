@@ -9,12 +9,11 @@ import hashlib
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_ranks
 
 from fsdp_qcomm import QCommConfig, QuantSpec
 from fsdp_qcomm.codec import RngKey, dequantize, quantize, wire_bytes
 from fsdp_qcomm.codec import levels as lv
-
-from _dist import run_ranks
 
 KEY = RngKey(3, 1, 0, 2)
 
@@ -75,7 +74,8 @@ def _mse(x, spec, levels=None):
     n = x.shape[-1]
     if levels is None:
         return (dequantize(quantize(x, spec, KEY), n, spec) - x).pow(2).mean().item()
-    return (lv.dequantize_levels(lv.quantize_levels(x, spec, levels, KEY), n, spec) - x).pow(2).mean().item()
+    y = lv.dequantize_levels(lv.quantize_levels(x, spec, levels, KEY), n, spec)
+    return (y - x).pow(2).mean().item()
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])

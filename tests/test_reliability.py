@@ -18,14 +18,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import fsdp_qcomm
 import fsdp_qcomm.fsdp.all_gather as ag_mod
 from fsdp_qcomm import QCommConfig
-
-from _dist import run_ranks
 
 
 # ---- a tiny model: sizes that are multiples of no group size -------------------------------

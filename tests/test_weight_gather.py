@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -26,8 +27,6 @@ from torch.distributed.tensor import Shard
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig, RngKey, wire_bytes
 from fsdp_qcomm.collectives import weight_gather as wg
-
-from _dist import run_ranks
 
 
 # ---- models ---------------------------------------------------------------------------------

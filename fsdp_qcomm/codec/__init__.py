@@ -63,7 +63,9 @@ def quantize(
     ``hadamard_len(n)``. ``key`` is required for stochastic rounding.
     """
     if spec.stochastic and key is None:
-        raise ValueError(f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
+        raise ValueError(
+            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)"
+        )
     rows = _rows(x, "x")
     r = None
     if ref is not None:
@@ -89,7 +91,9 @@ def dequantize(
     o = None
     if out is not None:
         if out.numel() != rows.shape[0] * n or out.shape[-1] != n:
-            raise ValueError(f"out shape {tuple(out.shape)} does not hold {rows.shape[0]} rows of {n}")
+            raise ValueError(
+                f"out shape {tuple(out.shape)} does not hold {rows.shape[0]} rows of {n}"
+            )
         o = out.view(-1, n)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out= (the tensor to add into)")
@@ -104,7 +108,9 @@ def _chunk_list(chunks: Chunks, n: int, spec: QuantSpec) -> list[torch.Tensor]:
     shape = seq[0].shape
     for c in seq:
         if c.shape != shape:
-            raise ValueError(f"all chunks must share one shape, got {tuple(shape)} and {tuple(c.shape)}")
+            raise ValueError(
+                f"all chunks must share one shape, got {tuple(shape)} and {tuple(c.shape)}"
+            )
     return [_check_wire(c, n, spec, "chunk") for c in seq]
 
 

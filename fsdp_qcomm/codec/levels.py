@@ -25,11 +25,12 @@ self-describing) and a table mismatch between ranks cannot corrupt a transfer; t
 ``levels_wire_bytes``. ``collectives.level_sync`` keeps the tables identical on all ranks.
 
 Fitting (``fit_levels``) works on a histogram of normalized values (``histogram``: fp64,
-each value weighted by its group's squared scale so the fit minimizes the error in value space). For stochastic rounding it minimizes the expected
-squared error ``sum_t c_t (t - L[k]) (L[k+1] - t)`` exactly by coordinate descent (each level's
-objective is convex and piecewise linear between bin centres, so its minimum is a bin centre
-found from prefix sums); QSDP reaches the same objective by gradient steps. For nearest rounding
-it runs Lloyd-Max (levels = centroids, boundaries = midpoints). Both start from the
+each value weighted by its group's squared scale so the fit minimizes the error in value
+space). For stochastic rounding it minimizes the expected squared error
+``sum_t c_t (t - L[k]) (L[k+1] - t)`` exactly by coordinate descent (each level's objective
+is convex and piecewise linear between bin centres, so its minimum is a bin centre found from
+prefix sums); QSDP reaches the same objective by gradient steps. For nearest rounding it runs
+Lloyd-Max (levels = centroids, boundaries = midpoints). Both start from the
 ``p^(1/3)`` companding quantiles, the high-resolution optimum, and run in fp64 numpy on the
 CPU. The result is mixed 1% with the uniform table so levels are strictly increasing.
 
@@ -126,7 +127,8 @@ def _groups(v: torch.Tensor, spec: QuantSpec):
         bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
         mins = mn.to(sdt).to(torch.float32) + 0.0  # + 0.0 turns a -0 minimum into +0
         scale = (mx - mins).to(sdt).to(torch.float32)
-        t = (g - mins[..., None]) / torch.where(scale == 0, torch.ones_like(scale), scale)[..., None]
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        t = (g - mins[..., None]) / safe[..., None]
     lo, hi = domain(spec)
     t = torch.where(bad[..., None], torch.zeros_like(t), t).clamp_(lo, hi)
     return t, scale, mins, bad
@@ -333,7 +335,9 @@ def quantize_levels(
     """Encode rows of ``x[..., n]`` on the level table ``levels``; uint8 ``[..., W]`` with
     ``W = levels_wire_bytes(n, spec)``. ``key`` is required for stochastic rounding."""
     if spec.stochastic and key is None:
-        raise ValueError(f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
+        raise ValueError(
+            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)"
+        )
     check_levels(levels, spec)
     rows = _rows(x, "x").to(torch.float32).contiguous()
     out = _encode(rows, spec, levels, key)
@@ -375,7 +379,10 @@ def reduce_dequantize_levels(
     acc = _decode(_wire_rows(seq[0], n, spec, "chunk"), n, spec)
     for c in seq[1:]:
         if c.shape != seq[0].shape:
-            raise ValueError(f"all chunks must share one shape, got {tuple(seq[0].shape)} and {tuple(c.shape)}")
+            raise ValueError(
+                "all chunks must share one shape, got "
+                f"{tuple(seq[0].shape)} and {tuple(c.shape)}"
+            )
         acc = acc + _decode(_wire_rows(c, n, spec, "chunk"), n, spec)
     return acc.view(*shape, n)
 

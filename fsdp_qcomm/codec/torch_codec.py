@@ -213,7 +213,8 @@ class _Source:
         if self.hadamard:
             hr = 32 * min(R * w // 32, _HROWS)
             _hadamard_rows(buf.view(-1, 32), buf.view(-1, 32),
-                           scratch.get("ha", hr, torch.float32), scratch.get("hb", hr, torch.float32))
+                           scratch.get("ha", hr, torch.float32),
+                           scratch.get("hb", hr, torch.float32))
         return buf
 
 
@@ -347,7 +348,8 @@ def _encode_groups(
     def _bits(s: torch.Tensor) -> torch.Tensor:
         b = s.to(sdt).view(bdt)
         if any_bad:
-            b = torch.where(bad, torch.tensor(wire.NAN_BITS[spec.scale_dtype], dtype=bdt, device=b.device), b)
+            nan_bits = torch.tensor(wire.NAN_BITS[spec.scale_dtype], dtype=bdt, device=b.device)
+            b = torch.where(bad, nan_bits, b)
         return b
 
     return codes, _bits(scale), (None if mins is None else _bits(mins))
@@ -503,7 +505,8 @@ def quantize(
         # Groups would cut 32-blocks, so rotate the whole padded row first.
         if r is not None:
             v = v - r
-        v, r, hadamard = hadamard32(_pad_cols(v, wire.hadamard_len(v.shape[1]), "zero")), None, False
+        v = hadamard32(_pad_cols(v, wire.hadamard_len(v.shape[1]), "zero"))
+        r, hadamard = None, False
     if r is None and not hadamard:
         v = v.contiguous()
     return _encode(_Source(v, r, hadamard), spec, key)

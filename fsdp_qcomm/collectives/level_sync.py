@@ -31,7 +31,8 @@ class LevelSync:
     """The current level table of one collective, refreshed every ``refresh_every`` steps."""
 
     def __init__(self, spec: QuantSpec, refresh_every: int, bins: int = DEFAULT_BINS) -> None:
-        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1:
+        bad_type = isinstance(refresh_every, bool) or not isinstance(refresh_every, int)
+        if bad_type or refresh_every < 1:
             raise ValueError(f"refresh_every must be an int >= 1, got {refresh_every!r}")
         self.spec = spec
         self.refresh_every = refresh_every

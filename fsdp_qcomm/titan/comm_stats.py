@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
-
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 

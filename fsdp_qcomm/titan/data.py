@@ -315,8 +315,7 @@ def _text_field(sample: dict) -> str:
 
 def register_datasets() -> None:
     """Add our entries to torchtitan's dataset table (idempotent)."""
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets import text_datasets
+    from torchtitan.hf_datasets import DatasetConfig, text_datasets
 
     def _needs_path(name: str):
         def loader(path: str):

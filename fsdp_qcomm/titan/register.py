@@ -20,7 +20,6 @@ Use it together with ``[job] custom_config_module = "fsdp_qcomm.titan.config"`` 
 from __future__ import annotations
 
 import torch
-
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers

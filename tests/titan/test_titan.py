@@ -7,19 +7,19 @@ baseline with gradient accumulation, validation and TensorBoard); everything els
 import dataclasses
 import json
 import math
+import shutil
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
-
-import shutil
 
 import pytest
 import torch
 from conftest import REPO_ROOT, torchrun
 
 from fsdp_qcomm.config import QCommConfig
-from fsdp_qcomm.titan import comm_stats, config as qconfig, data, recipes
+from fsdp_qcomm.titan import comm_stats, data, recipes
+from fsdp_qcomm.titan import config as qconfig
 from fsdp_qcomm.titan.models import GPT_FLAVORS, count_params
 
 CUSTOM = 'custom_config_module = "fsdp_qcomm.titan.config"'
