@@ -130,6 +130,10 @@ steps = 10
 [checkpoint]
 enable = false
 
+[debug]
+# fixed initial weights and data order: two runs of a recipe train identically
+seed = 0
+
 {_qcomm_block(scheme)}{_DEBUG_NODES}"""
 
 
