@@ -14,12 +14,11 @@ import torch
 
 from ..config import QuantSpec
 from . import torch_codec
+from ._checks import chunk_list, float_rows, out_rows, require_key, wire_rows
 from .rng import RngKey
 from .wire import bits_per_element, hadamard_len, wire_bytes
 
 Chunks = Union[torch.Tensor, Sequence[torch.Tensor]]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _impl(t: torch.Tensor):
@@ -30,23 +29,8 @@ def _impl(t: torch.Tensor):
     return torch_codec
 
 
-def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{what} must be float32/bfloat16/float16, got {x.dtype}")
-    if x.dim() == 0:
-        raise ValueError(f"{what} must have at least one dimension")
-    return x.reshape(-1, x.shape[-1])
-
-
 def _check_wire(data: torch.Tensor, n: int, spec: QuantSpec, what: str) -> torch.Tensor:
-    if data.dtype != torch.uint8:
-        raise TypeError(f"{what} must be uint8 wire bytes, got {data.dtype}")
-    expect = wire_bytes(n, spec)
-    if data.shape[-1] != expect:
-        raise ValueError(
-            f"{what} rows have {data.shape[-1]} bytes but {n} values under {spec} take {expect}"
-        )
-    return data.reshape(-1, expect)
+    return wire_rows(data, wire_bytes(n, spec), what, f"{n} values under {spec}")
 
 
 def quantize(
@@ -62,16 +46,13 @@ def quantize(
     Returns uint8 of shape ``x.shape[:-1] + (wire_bytes(m, spec),)`` with ``m = n`` or
     ``hadamard_len(n)``. ``key`` is required for stochastic rounding.
     """
-    if spec.stochastic and key is None:
-        raise ValueError(
-            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)"
-        )
-    rows = _rows(x, "x")
+    require_key(spec, key)
+    rows = float_rows(x, "x")
     r = None
     if ref is not None:
         if ref.shape != x.shape:
             raise ValueError(f"ref shape {tuple(ref.shape)} must equal x shape {tuple(x.shape)}")
-        r = _rows(ref, "ref")
+        r = float_rows(ref, "ref")
     out = _impl(x).quantize(rows, spec, key, r, hadamard)
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -88,30 +69,13 @@ def dequantize(
     """Decode wire rows into ``[..., n]`` fp32 (or into ``out``; ``accumulate`` adds)."""
     m = hadamard_len(n) if hadamard else n
     rows = _check_wire(data, m, spec, "data")
-    o = None
-    if out is not None:
-        if out.numel() != rows.shape[0] * n or out.shape[-1] != n:
-            raise ValueError(
-                f"out shape {tuple(out.shape)} does not hold {rows.shape[0]} rows of {n}"
-            )
-        o = out.view(-1, n)
-    if accumulate and out is None:
-        raise ValueError("accumulate=True needs out= (the tensor to add into)")
+    o = out_rows(out, rows.shape[0], n, accumulate)
     res = _impl(data).dequantize(rows, n, spec, hadamard, o, accumulate)
     return out if out is not None else res.view(*data.shape[:-1], n)
 
 
 def _chunk_list(chunks: Chunks, n: int, spec: QuantSpec) -> list[torch.Tensor]:
-    seq = list(chunks.unbind(0)) if isinstance(chunks, torch.Tensor) else list(chunks)
-    if not seq:
-        raise ValueError("need at least one chunk to reduce")
-    shape = seq[0].shape
-    for c in seq:
-        if c.shape != shape:
-            raise ValueError(
-                f"all chunks must share one shape, got {tuple(shape)} and {tuple(c.shape)}"
-            )
-    return [_check_wire(c, n, spec, "chunk") for c in seq]
+    return [_check_wire(c, n, spec, "chunk") for c in chunk_list(chunks)]
 
 
 def reduce_requantize(
@@ -123,8 +87,7 @@ def reduce_requantize(
     the Hadamard rotation is kept, since sums commute with it.
     """
     seq = _chunk_list(chunks, n, spec_in)
-    if spec_out.stochastic and key is None:
-        raise ValueError(f"{spec_out} rounds stochastically and needs key=RngKey(...)")
+    require_key(spec_out, key)
     shape = (chunks.shape[1:-1] if isinstance(chunks, torch.Tensor) else chunks[0].shape[:-1])
     out = _impl(seq[0]).reduce_requantize(seq, n, spec_in, spec_out, key)
     return out.view(*shape, out.shape[-1])
@@ -142,7 +105,7 @@ def reduce_dequantize(
     m = hadamard_len(n) if hadamard else n
     seq = _chunk_list(chunks, m, spec)
     shape = (chunks.shape[1:-1] if isinstance(chunks, torch.Tensor) else chunks[0].shape[:-1])
-    o = out.view(-1, n) if out is not None else None
+    o = out_rows(out, seq[0].shape[0], n)
     res = _impl(seq[0]).reduce_dequantize(seq, n, spec, hadamard, o)
     return out if out is not None else res.view(*shape, n)
 

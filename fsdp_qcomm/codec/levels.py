@@ -47,6 +47,7 @@ import torch
 
 from ..config import QuantSpec
 from . import wire
+from ._checks import chunk_list, float_rows, out_rows, require_key, wire_rows
 from .rng import RngKey, uniform_rows
 from .torch_codec import pack_codes, unpack_codes
 
@@ -309,24 +310,10 @@ def _decode(data: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
     return x.view(rows, -1)[:, :n]
 
 
-def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{what} must be float32/bfloat16/float16, got {x.dtype}")
-    if x.dim() == 0:
-        raise ValueError(f"{what} must have at least one dimension")
-    return x.reshape(-1, x.shape[-1])
-
-
 def _wire_rows(data: torch.Tensor, n: int, spec: QuantSpec, what: str) -> torch.Tensor:
-    if data.dtype != torch.uint8:
-        raise TypeError(f"{what} must be uint8 wire bytes, got {data.dtype}")
-    expect = levels_wire_bytes(n, spec)
-    if data.shape[-1] != expect:
-        raise ValueError(
-            f"{what} rows have {data.shape[-1]} bytes but {n} values with learned levels under "
-            f"{spec} take {expect}"
-        )
-    return data.reshape(-1, expect)
+    return wire_rows(
+        data, levels_wire_bytes(n, spec), what, f"{n} values with learned levels under {spec}"
+    )
 
 
 def quantize_levels(
@@ -334,12 +321,9 @@ def quantize_levels(
 ) -> torch.Tensor:
     """Encode rows of ``x[..., n]`` on the level table ``levels``; uint8 ``[..., W]`` with
     ``W = levels_wire_bytes(n, spec)``. ``key`` is required for stochastic rounding."""
-    if spec.stochastic and key is None:
-        raise ValueError(
-            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)"
-        )
+    require_key(spec, key)
     check_levels(levels, spec)
-    rows = _rows(x, "x").to(torch.float32).contiguous()
+    rows = float_rows(x, "x").to(torch.float32).contiguous()
     out = _encode(rows, spec, levels, key)
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -354,14 +338,10 @@ def dequantize_levels(
 ) -> torch.Tensor:
     """Decode learned-levels rows into ``[..., n]`` fp32 (or into ``out``; ``accumulate`` adds)."""
     rows = _wire_rows(data, n, spec, "data")
-    if accumulate and out is None:
-        raise ValueError("accumulate=True needs out= (the tensor to add into)")
+    o = out_rows(out, rows.shape[0], n, accumulate)
     x = _decode(rows, n, spec)
-    if out is None:
+    if o is None:
         return x.view(*data.shape[:-1], n)
-    if out.numel() != rows.shape[0] * n or out.shape[-1] != n:
-        raise ValueError(f"out shape {tuple(out.shape)} does not hold {rows.shape[0]} rows of {n}")
-    o = out.view(-1, n)
     o.copy_(o.to(torch.float32) + x if accumulate else x)
     return out
 
@@ -372,17 +352,10 @@ def reduce_dequantize_levels(
     spec: QuantSpec,
 ) -> torch.Tensor:
     """Decode k learned-levels blocks and sum them in fp32, in order 0..k-1."""
-    seq = list(chunks.unbind(0)) if isinstance(chunks, torch.Tensor) else list(chunks)
-    if not seq:
-        raise ValueError("need at least one chunk to reduce")
+    seq = chunk_list(chunks)
     shape = seq[0].shape[:-1]
     acc = _decode(_wire_rows(seq[0], n, spec, "chunk"), n, spec)
     for c in seq[1:]:
-        if c.shape != seq[0].shape:
-            raise ValueError(
-                "all chunks must share one shape, got "
-                f"{tuple(seq[0].shape)} and {tuple(c.shape)}"
-            )
         acc = acc + _decode(_wire_rows(c, n, spec, "chunk"), n, spec)
     return acc.view(*shape, n)
 

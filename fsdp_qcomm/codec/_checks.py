@@ -1,0 +1,65 @@
+"""Argument checks shared by the codec's public entry points (uniform and learned levels)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..config import QuantSpec
+from .rng import RngKey
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def float_rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    """``x[..., n]`` as ``[rows, n]``, refusing non-float and 0-d inputs."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{what} must be float32/bfloat16/float16, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{what} must have at least one dimension")
+    return x.reshape(-1, x.shape[-1])
+
+
+def wire_rows(data: torch.Tensor, expect: int, what: str, layout: str) -> torch.Tensor:
+    """``data[..., W]`` as ``[rows, W]`` after checking it is uint8 with ``W == expect``;
+    ``layout`` says what needs ``expect`` bytes (for the error message)."""
+    if data.dtype != torch.uint8:
+        raise TypeError(f"{what} must be uint8 wire bytes, got {data.dtype}")
+    if data.shape[-1] != expect:
+        raise ValueError(f"{what} rows have {data.shape[-1]} bytes but {layout} take {expect}")
+    return data.reshape(-1, expect)
+
+
+def require_key(spec: QuantSpec, key: Optional[RngKey]) -> None:
+    if spec.stochastic and key is None:
+        raise ValueError(
+            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)"
+        )
+
+
+def out_rows(
+    out: Optional[torch.Tensor], rows: int, n: int, accumulate: bool = False
+) -> Optional[torch.Tensor]:
+    """``out`` viewed as ``[rows, n]`` (None stays None); ``accumulate`` needs an ``out``."""
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out= (the tensor to add into)")
+        return None
+    if out.numel() != rows * n or out.shape[-1] != n:
+        raise ValueError(f"out shape {tuple(out.shape)} does not hold {rows} rows of {n}")
+    return out.view(-1, n)
+
+
+def chunk_list(chunks: Union[torch.Tensor, Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """k received blocks (a ``[k, ...]`` tensor or a sequence) of one common shape."""
+    seq = list(chunks.unbind(0)) if isinstance(chunks, torch.Tensor) else list(chunks)
+    if not seq:
+        raise ValueError("need at least one chunk to reduce")
+    shape = seq[0].shape
+    for c in seq:
+        if c.shape != shape:
+            raise ValueError(
+                f"all chunks must share one shape, got {tuple(shape)} and {tuple(c.shape)}"
+            )
+    return seq
