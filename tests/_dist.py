@@ -20,6 +20,7 @@ a process that is about to exit.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import queue
@@ -29,6 +30,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -141,3 +143,21 @@ def run_ranks(
             "(a collective mismatch or deadlock?)"
         )
     return [None if results[r] is None else pickle.loads(results[r]) for r in range(world_size)]
+
+
+def digest(t) -> str:
+    """SHA-1 of a tensor's raw bytes: equal digests mean bit-identical tensors (NaNs included)."""
+    raw = t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha1(raw).hexdigest()
+
+
+def same_on_all_ranks(tensors: dict, what: str) -> None:
+    """Inside a rank: assert every rank holds bit-identical tensors under the same names."""
+    import torch.distributed as dist
+
+    mine = {k: digest(v) for k, v in sorted(tensors.items())}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for r, d in enumerate(every):
+        bad = [k for k in mine if d.get(k) != mine[k]]
+        assert d.keys() == mine.keys() and not bad, f"{what}: rank {r} differs on {bad}"

@@ -7,7 +7,6 @@ uninterrupted run's exactly, weights are compared by digest across ranks.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import time
@@ -18,7 +17,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import digest as _digest
 from _dist import run_ranks
+from _dist import same_on_all_ranks as _same_on_all_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -85,9 +86,6 @@ def _train_step(model, opt, step, rank) -> float:
     return loss.item()
 
 
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
 
 def _full_digests(model: nn.Module) -> dict[str, str]:
     return {k: _digest(p.full_tensor()) for k, p in model.named_parameters()}
@@ -105,14 +103,6 @@ def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
             hooks.append(mod.register_forward_pre_hook(pre))
     return seen, hooks
 
-
-def _same_on_all_ranks(tensors: dict[str, torch.Tensor], what: str) -> None:
-    mine = {k: _digest(v) for k, v in sorted(tensors.items())}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    for r, d in enumerate(every):
-        bad = [k for k in mine if d.get(k) != mine[k]]
-        assert d.keys() == mine.keys() and not bad, f"{what}: rank {r} differs on {bad}"
 
 
 def _units(model: nn.Module) -> list:

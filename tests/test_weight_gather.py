@@ -9,7 +9,6 @@ unhooked run.
 from __future__ import annotations
 
 import gc
-import hashlib
 import importlib.util
 import math
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _dist import run_ranks
+from _dist import same_on_all_ranks as _same_on_all_ranks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -145,17 +145,6 @@ class _ByteCounter:
         dist.all_gather_single = self._orig
 
 
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _same_on_all_ranks(tensors: dict[str, torch.Tensor], what: str) -> None:
-    mine = {k: _digest(v) for k, v in sorted(tensors.items())}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    for r, d in enumerate(every):
-        bad = [k for k in mine if d.get(k) != mine[k]]
-        assert d.keys() == mine.keys() and not bad, f"{what}: rank {r} differs on {bad}"
 
 
 def _exact(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]:
