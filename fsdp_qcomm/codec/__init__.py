@@ -3,7 +3,8 @@
 Every function takes tensors of shape ``[..., n]`` whose leading dims are rows encoded
 independently (one per destination or source rank), and dispatches on the device: CUDA tensors
 run the Triton kernels in ``fsdp_qcomm.kernels``, everything else the torch implementation in
-``torch_codec``. Both write the same bytes.
+``torch_codec``, whose hot loops run fused in C (``cpu_native``) where a C compiler is
+available. All write the same bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..config import QuantSpec
-from . import torch_codec
+from . import cpu_native
 from ._checks import chunk_list, float_rows, out_rows, require_key, wire_rows
 from .rng import RngKey
 from .wire import bits_per_element, hadamard_len, wire_bytes
@@ -26,7 +27,7 @@ def _impl(t: torch.Tensor):
         from .. import kernels  # imported lazily: triton is only needed on GPUs
 
         return kernels
-    return torch_codec
+    return cpu_native
 
 
 def _check_wire(data: torch.Tensor, n: int, spec: QuantSpec, what: str) -> torch.Tensor:

@@ -1,0 +1,389 @@
+/* Fused CPU loops for the wire format of fsdp_qcomm/codec/wire.py.
+ *
+ * The same bytes as torch_codec.py and the Triton kernels, one pass per row window instead of
+ * one torch op per pass: source (x, x - ref, or the in-order sum of decoded wire rows), the
+ * 32-point Hadamard butterflies, per-group min/max, scale, counter-hash uniforms, floor, clamp
+ * and bit packing all happen on a cache-resident window. Every float operation is the one the
+ * torch code performs, in the same order, and the file is built with -ffp-contract=off (no
+ * fused multiply-adds), so results are bit-identical; tests/test_codec_native.py checks it.
+ *
+ * Only fp32 scales are handled here; fsdp_qcomm/codec/cpu_native.py falls back to the torch
+ * code for other scale dtypes. Built and loaded by cpu_native.py (plain C, no Python API).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MIX_M1 0x7FEB352Du
+#define MIX_M2 0x846CA68Bu
+#define NAN_BITS_F32 0x7FC00000u
+#define WINDOW 8192 /* elements per window (rounded to whole groups and 32-blocks) */
+
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= MIX_M1;
+    x ^= x >> 15;
+    x *= MIX_M2;
+    x ^= x >> 16;
+    return x;
+}
+
+static int64_t gcd64(int64_t a, int64_t b) {
+    while (b) {
+        int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+static int64_t lcm64(int64_t a, int64_t b) { return a / gcd64(a, b) * b; }
+
+/* Window length: a multiple of both group sizes and of 32 (Hadamard blocks), near WINDOW, so
+ * every window starts on a group of the input and of the output and on a 32-block. */
+static int64_t window_len(int64_t gs, int64_t gs_in) {
+    int64_t unit = lcm64(lcm64(gs, 32), gs_in);
+    int64_t w = (WINDOW / unit) * unit;
+    return w > 0 ? w : unit;
+}
+
+typedef struct {
+    int bits;
+    int64_t gs;
+    int symmetric;
+} spec_t;
+
+static inline int64_t num_groups(int64_t n, int64_t gs) { return (n + gs - 1) / gs; }
+
+static inline int64_t code_offset(int64_t n, const spec_t *s) {
+    return num_groups(n, s->gs) * 4 * (s->symmetric ? 1 : 2);
+}
+
+static inline int qmax_of(const spec_t *s) {
+    return s->symmetric ? (1 << (s->bits - 1)) - 1 : (1 << s->bits) - 1;
+}
+
+static inline float load_f32(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+static inline void store_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+/* One butterfly stage on a 32-block: (b[j], b[j + h]) -> (a + c, a - c). Inlined with a
+ * constant h, so each stage unrolls into vector adds and subtracts. */
+static inline void butterfly(float *b, const int h) {
+    for (int i = 0; i < 32; i += 2 * h)
+        for (int j = i; j < i + h; j++) {
+            float a = b[j], c = b[j + h];
+            b[j] = a + c;
+            b[j + h] = a - c;
+        }
+}
+
+/* Unnormalized Sylvester Hadamard on each 32-block of v[0, len), len a multiple of 32:
+ * stages h = 1..16, as torch_codec._butterfly. */
+static void hadamard32(float *v, int64_t len) {
+    for (int64_t o = 0; o < len; o += 32) {
+        butterfly(v + o, 1);
+        butterfly(v + o, 2);
+        butterfly(v + o, 4);
+        butterfly(v + o, 8);
+        butterfly(v + o, 16);
+    }
+}
+
+/* ---- bit packing --------------------------------------------------------------------------- */
+/* codes[0, cnt) (cnt a multiple of 8, each < 2^bits) -> cnt * bits / 8 bytes, LSB first. */
+static void pack(const uint8_t *codes, int64_t cnt, int bits, uint8_t *dst) {
+    if (bits == 8) {
+        memcpy(dst, codes, (size_t)cnt);
+    } else if (bits == 4) {
+        for (int64_t j = 0; j < cnt / 2; j++)
+            dst[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+    } else if (bits == 2) {
+        for (int64_t j = 0; j < cnt / 4; j++)
+            dst[j] = (uint8_t)(codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) |
+                               (codes[4 * j + 3] << 6));
+    } else {
+        for (int64_t e = 0; e < cnt; e += 8) {
+            uint64_t w = 0;
+            for (int k = 0; k < 8; k++) w |= (uint64_t)codes[e + k] << (bits * k);
+            for (int k = 0; k < bits; k++) dst[(e / 8) * bits + k] = (uint8_t)(w >> (8 * k));
+        }
+    }
+}
+
+/* Inverse of pack: cnt (a multiple of 8) codes from cnt * bits / 8 bytes. */
+static void unpack(const uint8_t *src, int64_t cnt, int bits, uint8_t *codes) {
+    if (bits == 8) {
+        memcpy(codes, src, (size_t)cnt);
+    } else if (bits == 4) {
+        for (int64_t j = 0; j < cnt / 2; j++) {
+            codes[2 * j] = src[j] & 15;
+            codes[2 * j + 1] = src[j] >> 4;
+        }
+    } else if (bits == 2) {
+        for (int64_t j = 0; j < cnt / 4; j++) {
+            uint8_t b = src[j];
+            codes[4 * j] = b & 3;
+            codes[4 * j + 1] = (b >> 2) & 3;
+            codes[4 * j + 2] = (b >> 4) & 3;
+            codes[4 * j + 3] = b >> 6;
+        }
+    } else {
+        uint64_t mask = (1u << bits) - 1;
+        for (int64_t e = 0; e < cnt; e += 8) {
+            uint64_t w = 0;
+            for (int k = 0; k < bits; k++) w |= (uint64_t)src[(e / 8) * bits + k] << (8 * k);
+            for (int k = 0; k < 8; k++) codes[e + k] = (uint8_t)((w >> (bits * k)) & mask);
+        }
+    }
+}
+
+/* ---- decode ---------------------------------------------------------------------------------- */
+/* dst[i] (=, or += when add) decoded element w0 + i of one wire row, for i in [0, w1 - w0).
+ * w0 is a multiple of the group size; decoded value = (code - bias) * scale (+ min). */
+static void decode_window(const uint8_t *row, int64_t n, const spec_t *s, int64_t w0, int64_t w1,
+                          float *dst, int add, uint8_t *codes) {
+    int64_t cnt = ((w1 - w0) + 7) / 8 * 8;
+    int64_t G = num_groups(n, s->gs);
+    const uint8_t *cb = row + code_offset(n, s) + w0 / 8 * s->bits;
+    unpack(cb, cnt, s->bits, codes);
+    float bias = s->symmetric ? (float)qmax_of(s) : 0.0f;
+    for (int64_t g0 = w0; g0 < w1; g0 += s->gs) {
+        int64_t g = g0 / s->gs, e = g0 + s->gs < w1 ? g0 + s->gs : w1;
+        float scale = load_f32(row + 4 * g);
+        const uint8_t *c = codes + (g0 - w0);
+        float *d = dst + (g0 - w0);
+        int64_t len = e - g0;
+        if (s->symmetric) {
+            if (add)
+                for (int64_t i = 0; i < len; i++) {
+                    float x = ((float)c[i] - bias) * scale;
+                    d[i] = d[i] + x;
+                }
+            else
+                for (int64_t i = 0; i < len; i++) d[i] = ((float)c[i] - bias) * scale;
+        } else {
+            float mn = load_f32(row + 4 * (G + g));
+            if (add)
+                for (int64_t i = 0; i < len; i++) {
+                    float x = (float)c[i] * scale;
+                    x = x + mn;
+                    d[i] = d[i] + x;
+                }
+            else
+                for (int64_t i = 0; i < len; i++) {
+                    float x = (float)c[i] * scale;
+                    d[i] = x + mn;
+                }
+        }
+    }
+}
+
+/* ---- encode ---------------------------------------------------------------------------------- */
+/* Min / max of v[0, len) and whether any value is NaN or infinite (then min/max are unused).
+ * The non-finite test is integer arithmetic, so the two flags below, which only let the compiler
+ * use vector min/max instructions, cannot change a result: min and max are exact, NaN and
+ * infinities never reach them in a used result, and a zero's sign cannot matter (a zero scale
+ * becomes 1, a zero minimum is stored as +0). */
+__attribute__((optimize("finite-math-only", "no-signed-zeros")))
+static int group_minmax(const float *v, int64_t len, float *pmn, float *pmx) {
+    float mn = v[0], mx = v[0];
+    uint32_t nf = 0;
+    for (int64_t i = 0; i < len; i++) {
+        float a = v[i];
+        uint32_t b;
+        memcpy(&b, &a, 4);
+        nf |= (b & 0x7F800000u) == 0x7F800000u;
+        mn = a < mn ? a : mn;
+        mx = a > mx ? a : mx;
+    }
+    *pmn = mn;
+    *pmx = mx;
+    return nf != 0;
+}
+
+/* Quantize the groups of window [w0, w1) of one row (values v[0, w1 - w0), overwritten) into
+ * codes and the row's scale / min section. ctr0: the RNG counter of element w0 (row * n + w0, mod 2^32). */
+static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int64_t w1,
+                          int stochastic, uint32_t k0, uint32_t k1, uint32_t ctr0, uint8_t *row,
+                          uint8_t *codes) {
+    int64_t G = num_groups(n, s->gs);
+    int qmax = qmax_of(s);
+    float fq = (float)qmax;
+    int32_t ilo = s->symmetric ? -qmax : 0;
+    int bias = s->symmetric ? qmax : 0;
+    for (int64_t g0 = w0; g0 < w1; g0 += s->gs) {
+        int64_t g = g0 / s->gs, len = (g0 + s->gs < w1 ? g0 + s->gs : w1) - g0;
+        float *x = v + (g0 - w0);
+        uint8_t *c = codes + (g0 - w0);
+        float mn, mx, scale, mins = 0.0f;
+        if (group_minmax(x, len, &mn, &mx)) {
+            store_u32(row + 4 * g, NAN_BITS_F32);
+            if (!s->symmetric) store_u32(row + 4 * (G + g), NAN_BITS_F32);
+            memset(c, bias, (size_t)len);
+            continue;
+        }
+        if (s->symmetric) {
+            float amax = mx > -mn ? mx : -mn;
+            scale = amax / fq;
+        } else {
+            mins = mn + 0.0f; /* a -0 minimum is stored as +0 */
+            scale = (mx - mins) / fq;
+        }
+        if (scale == 0.0f) scale = 1.0f;
+        memcpy(row + 4 * g, &scale, 4);
+        if (!s->symmetric) memcpy(row + 4 * (G + g), &mins, 4);
+        /* t = x / scale (or (x - min) / scale), then + u or + 1/2, floor, clamp, code. */
+        float *t = x;
+        if (s->symmetric)
+            for (int64_t i = 0; i < len; i++) t[i] = x[i] / scale;
+        else
+            for (int64_t i = 0; i < len; i++) t[i] = (x[i] - mins) / scale;
+        if (stochastic) {
+            uint32_t ctr = ctr0 + (uint32_t)(g0 - w0);
+            for (int64_t i = 0; i < len; i++) {
+                uint32_t h = mix32(mix32((ctr + (uint32_t)i) ^ k0) ^ k1);
+                t[i] = t[i] + (float)(h >> 8) * 0x1p-24f;
+            }
+        } else {
+            for (int64_t i = 0; i < len; i++) t[i] = t[i] + 0.5f;
+        }
+        /* floor(t) is a finite integer here, so clamping after the int conversion equals the
+         * torch code's float clamp (and an integer clamp vectorizes). */
+        for (int64_t i = 0; i < len; i++) {
+            int32_t q = (int32_t)floorf(t[i]);
+            q = q < ilo ? ilo : q;
+            q = q > qmax ? qmax : q;
+            c[i] = (uint8_t)(q + bias);
+        }
+    }
+}
+
+/* Source of an encode: x (- ref) zero-padded to n, or the in-order sum of k decoded wire rows. */
+typedef struct {
+    const float *x;
+    int64_t x_stride;
+    const float *ref;
+    int64_t ref_stride;
+    int64_t n0; /* valid columns of x; columns [n0, n) are zeros */
+    const uint8_t *const *chunks;
+    const int64_t *chunk_strides;
+    int k;
+    spec_t in;
+} source_t;
+
+static void fill_window(const source_t *src, int64_t r, int64_t w0, int64_t w1, int64_t n,
+                        float *v, uint8_t *codes) {
+    if (src->k) {
+        for (int j = 0; j < src->k; j++)
+            decode_window(src->chunks[j] + r * src->chunk_strides[j], n, &src->in, w0, w1, v,
+                          j > 0, codes);
+        return;
+    }
+    int64_t e = w1 < src->n0 ? w1 : src->n0;
+    const float *x = src->x + r * src->x_stride;
+    if (src->ref) {
+        const float *f = src->ref + r * src->ref_stride;
+        for (int64_t i = w0; i < e; i++) v[i - w0] = x[i] - f[i];
+    } else if (e > w0) {
+        memcpy(v, x + w0, (size_t)(e - w0) * 4);
+    }
+    for (int64_t i = e > w0 ? e : w0; i < w1; i++) v[i - w0] = 0.0f;
+}
+
+/* Encode `rows` rows of n values from src into out (row stride out_stride bytes). hadamard:
+ * rotate each 32-block first (n a multiple of 32). Returns 0, or -1 when out of memory. */
+static int encode_rows(const source_t *src, int64_t rows, int64_t n, const spec_t *s,
+                       int hadamard, int stochastic, uint32_t k0, uint32_t k1, uint8_t *out,
+                       int64_t out_stride) {
+    int64_t W = window_len(s->gs, src->k ? src->in.gs : 1);
+    float *v = malloc((size_t)W * 4);
+    uint8_t *codes = malloc((size_t)W + 8);
+    if (!v || !codes) {
+        free(v);
+        free(codes);
+        return -1;
+    }
+    int64_t coff = code_offset(n, s);
+    int64_t cbytes = (n + 7) / 8 * s->bits;
+    int64_t total = coff + cbytes, padded = (total + 3) / 4 * 4;
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = out + r * out_stride;
+        memset(row + total, 0, (size_t)(padded - total));
+        for (int64_t w0 = 0; w0 < n; w0 += W) {
+            int64_t w1 = w0 + W < n ? w0 + W : n;
+            fill_window(src, r, w0, w1, n, v, codes);
+            if (hadamard) hadamard32(v, w1 - w0);
+            encode_window(v, n, s, w0, w1, stochastic, k0, k1, (uint32_t)(r * n + w0), row,
+                          codes);
+            int64_t cnt = (w1 - w0 + 7) / 8 * 8;
+            for (int64_t i = w1 - w0; i < cnt; i++) codes[i] = 0; /* padding encodes as 0 */
+            pack(codes, cnt, s->bits, row + coff + w0 / 8 * s->bits);
+        }
+    }
+    free(v);
+    free(codes);
+    return 0;
+}
+
+int fq_encode(const float *x, int64_t x_stride, const float *ref, int64_t ref_stride,
+              int64_t rows, int64_t n0, int64_t n, int bits, int64_t gs, int symmetric,
+              int hadamard, int stochastic, uint32_t k0, uint32_t k1, uint8_t *out,
+              int64_t out_stride) {
+    source_t src = {x, x_stride, ref, ref_stride, n0, NULL, NULL, 0, {0, 0, 0}};
+    spec_t s = {bits, gs, symmetric};
+    return encode_rows(&src, rows, n, &s, hadamard, stochastic, k0, k1, out, out_stride);
+}
+
+int fq_reduce_requantize(const uint8_t *const *chunks, const int64_t *chunk_strides, int k,
+                         int64_t rows, int64_t n, int bits_in, int64_t gs_in, int symmetric_in,
+                         int bits, int64_t gs, int symmetric, int stochastic, uint32_t k0,
+                         uint32_t k1, uint8_t *out, int64_t out_stride) {
+    source_t src = {NULL, 0, NULL, 0, n, chunks, chunk_strides, k, {bits_in, gs_in, symmetric_in}};
+    spec_t s = {bits, gs, symmetric};
+    return encode_rows(&src, rows, n, &s, 0, stochastic, k0, k1, out, out_stride);
+}
+
+/* Sum over k wire rows (in order) of their decoded values; hadamard: then H32 / 32 and keep
+ * the first n_out; written to (accumulate: added into) out[r * out_stride + i], i < n_out. */
+int fq_decode_sum(const uint8_t *const *chunks, const int64_t *chunk_strides, int k,
+                  int64_t rows, int64_t n, int64_t n_out, int bits, int64_t gs, int symmetric,
+                  int hadamard, int accumulate, float *out, int64_t out_stride) {
+    spec_t s = {bits, gs, symmetric};
+    int64_t W = window_len(gs, 1);
+    float *v = malloc((size_t)W * 4);
+    uint8_t *codes = malloc((size_t)W + 8);
+    if (!v || !codes) {
+        free(v);
+        free(codes);
+        return -1;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * out_stride;
+        for (int64_t w0 = 0; w0 < n; w0 += W) {
+            int64_t w1 = w0 + W < n ? w0 + W : n;
+            if (!hadamard) {
+                for (int j = 0; j < k; j++)
+                    decode_window(chunks[j] + r * chunk_strides[j], n, &s, w0, w1, o + w0,
+                                  accumulate || j > 0, codes);
+                continue;
+            }
+            for (int j = 0; j < k; j++)
+                decode_window(chunks[j] + r * chunk_strides[j], n, &s, w0, w1, v, j > 0, codes);
+            hadamard32(v, w1 - w0);
+            int64_t e = w1 < n_out ? w1 : n_out;
+            if (accumulate)
+                for (int64_t i = w0; i < e; i++) o[i] = o[i] + v[i - w0] * (1.0f / 32);
+            else
+                for (int64_t i = w0; i < e; i++) o[i] = v[i - w0] * (1.0f / 32);
+        }
+    }
+    free(v);
+    free(codes);
+    return 0;
+}

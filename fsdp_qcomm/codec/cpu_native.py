@@ -1,0 +1,249 @@
+"""The CPU codec's fused loops (``cpu_native.c``), built with the system C compiler on first use.
+
+``torch_codec`` spends ~10 torch ops (~30 with stochastic rounding) per element, each a pass
+over memory; on a CPU-only cluster that codec time, not the link, set the step time. The C file
+does the same float operations per element in one pass over a cache-resident window, ~4-8x
+faster (``benchmarks/codec_bench.py``, ``benchmarks/hook_profile.py``) and bit-identical
+(``tests/test_codec_native.py``): still one wire format.
+
+Same entry points as ``torch_codec``; cases the C code does not cover (bf16/fp16 scales, an
+``out`` that is not fp32 with unit stride) and machines without a working C compiler use
+``torch_codec``. ``FSDP_QCOMM_NATIVE=0`` turns the C path off; ``FSDP_QCOMM_CACHE`` sets where
+the built library is kept (default ``~/.cache/fsdp_qcomm``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..config import QuantSpec
+from . import torch_codec, wire
+from .rng import RngKey, check_counter_range
+
+_SOURCE = Path(__file__).with_name("cpu_native.c")
+# -ffp-contract=off: no fused multiply-adds (the torch code rounds every product). Nothing here
+# lets the compiler reorder or approximate float math; -fno-trapping-math only lets it
+# vectorize floorf (it changes no result).
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c11",
+           "-fPIC", "-shared"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on, so a shared cache never serves another CPU's build."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        return next((ln for ln in text.splitlines() if ln.startswith("flags")), "") + text[:200]
+    except OSError:
+        return platform.processor()
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    src = _SOURCE.read_bytes()
+    tag = hashlib.sha256(
+        src + " ".join([cc, *_CFLAGS, platform.machine(), _cpu_id()]).encode()
+    ).hexdigest()[:16]
+    root = Path(os.environ.get("FSDP_QCOMM_CACHE") or Path.home() / ".cache" / "fsdp_qcomm")
+    lib = root / f"cpu_native-{tag}.so"
+    if lib.exists():
+        return lib
+    root.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: ranks starting together never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_CFLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{cc} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
+    lib.fq_encode.argtypes = [p, i64, p, i64, i64, i64, i64, i32, i64, i32, i32, i32, u32, u32,
+                              p, i64]
+    lib.fq_reduce_requantize.argtypes = [p, p, i32, i64, i64, i32, i64, i32, i32, i64, i32, i32,
+                                         u32, u32, p, i64]
+    lib.fq_decode_sum.argtypes = [p, p, i32, i64, i64, i64, i32, i64, i32, i32, i32, p, i64]
+    for f in (lib.fq_encode, lib.fq_reduce_requantize, lib.fq_decode_sum):
+        f.restype = ctypes.c_int
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded C library, building it on first use; None when disabled or unbuildable (a
+    warning says why, once)."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib = None
+        # The wire format is little-endian and the C code writes native byte order.
+        if os.environ.get("FSDP_QCOMM_NATIVE", "1") != "0" and sys.byteorder == "little":
+            try:
+                lib = ctypes.CDLL(str(_build()))
+                _declare(lib)
+            except (OSError, RuntimeError) as e:
+                warnings.warn(f"fsdp_qcomm: the fused CPU codec is unavailable ({e}); using the "
+                              f"slower torch implementation (same bytes)", stacklevel=2)
+                lib = None
+        _state["lib"] = lib
+        return lib
+
+
+def available() -> bool:
+    """Whether CPU tensors use the C loops (``FSDP_QCOMM_NATIVE``, a C compiler)."""
+    return library() is not None
+
+
+def _covers(spec: QuantSpec) -> bool:
+    return spec.scale_dtype == "float32"
+
+
+def _rows_f32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, n] with unit column stride (a copy only when needed)."""
+    x = x.to(torch.float32)
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _words(spec: QuantSpec, key: Optional[RngKey]) -> tuple[int, int]:
+    if not spec.stochastic:
+        return 0, 0
+    if key is None:
+        raise ValueError("stochastic rounding needs an RngKey; pass key=RngKey(...)")
+    return key.words()
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise MemoryError("fsdp_qcomm's CPU codec could not allocate its window buffers")
+
+
+def _chunk_args(chunks: Sequence[torch.Tensor]):
+    cs = [c if c.stride(-1) == 1 else c.contiguous() for c in chunks]
+    ptrs = (ctypes.c_void_p * len(cs))(*[c.data_ptr() for c in cs])
+    strides = (ctypes.c_int64 * len(cs))(*[c.stride(0) if c.dim() > 1 else 0 for c in cs])
+    return cs, ptrs, strides
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    key: Optional[RngKey],
+    ref: Optional[torch.Tensor] = None,
+    hadamard: bool = False,
+) -> torch.Tensor:
+    """As ``torch_codec.quantize``."""
+    lib = library()
+    if lib is None or not _covers(spec):
+        return torch_codec.quantize(x, spec, key, ref, hadamard)
+    k0, k1 = _words(spec, key)
+    v = _rows_f32(x)
+    r = None if ref is None else _rows_f32(ref)
+    rows, n0 = v.shape
+    n = wire.hadamard_len(n0) if hadamard else n0
+    out = torch.empty(rows, wire.wire_bytes(n, spec), dtype=torch.uint8)
+    if n == 0 or rows == 0:
+        return out
+    if spec.stochastic:
+        check_counter_range(rows, n)
+    _check(lib.fq_encode(v.data_ptr(), v.stride(0), None if r is None else r.data_ptr(),
+                         0 if r is None else r.stride(0), rows, n0, n, spec.bits,
+                         spec.group_size, int(spec.symmetric), int(hadamard),
+                         int(spec.stochastic), k0, k1, out.data_ptr(), out.stride(0)))
+    return out
+
+
+def _decode_sum(chunks: Sequence[torch.Tensor], n: int, n_out: int, spec: QuantSpec,
+                hadamard: bool, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    lib = library()
+    rows = chunks[0].shape[0]
+    direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1
+    target = out if direct else torch.empty(rows, n_out, dtype=torch.float32)
+    if rows and n:
+        cs, ptrs, strides = _chunk_args(chunks)
+        _check(lib.fq_decode_sum(ptrs, strides, len(cs), rows, n, n_out, spec.bits,
+                                 spec.group_size, int(spec.symmetric), int(hadamard),
+                                 int(accumulate and direct), target.data_ptr(),
+                                 target.stride(0)))
+    if out is None or direct:
+        return target
+    return torch_codec._write(target, out, accumulate)
+
+
+def dequantize(
+    data: torch.Tensor,
+    n: int,
+    spec: QuantSpec,
+    hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """As ``torch_codec.dequantize``."""
+    if library() is None or not _covers(spec):
+        return torch_codec.dequantize(data, n, spec, hadamard, out, accumulate)
+    m = wire.hadamard_len(n) if hadamard else n
+    return _decode_sum([data], m, n, spec, hadamard, out, accumulate)
+
+
+def reduce_requantize(
+    chunks: Sequence[torch.Tensor],
+    n: int,
+    spec_in: QuantSpec,
+    spec_out: QuantSpec,
+    key: Optional[RngKey],
+) -> torch.Tensor:
+    """As ``torch_codec.reduce_requantize``."""
+    lib = library()
+    if lib is None or not (_covers(spec_in) and _covers(spec_out)):
+        return torch_codec.reduce_requantize(chunks, n, spec_in, spec_out, key)
+    k0, k1 = _words(spec_out, key)
+    rows = chunks[0].shape[0]
+    out = torch.empty(rows, wire.wire_bytes(n, spec_out), dtype=torch.uint8)
+    if n == 0 or rows == 0:
+        return out
+    if spec_out.stochastic:
+        check_counter_range(rows, n)
+    cs, ptrs, strides = _chunk_args(chunks)
+    _check(lib.fq_reduce_requantize(ptrs, strides, len(cs), rows, n, spec_in.bits,
+                                    spec_in.group_size, int(spec_in.symmetric), spec_out.bits,
+                                    spec_out.group_size, int(spec_out.symmetric),
+                                    int(spec_out.stochastic), k0, k1, out.data_ptr(),
+                                    out.stride(0)))
+    return out
+
+
+def reduce_dequantize(
+    chunks: Sequence[torch.Tensor],
+    n: int,
+    spec: QuantSpec,
+    hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """As ``torch_codec.reduce_dequantize``."""
+    if library() is None or not _covers(spec):
+        return torch_codec.reduce_dequantize(chunks, n, spec, hadamard, out)
+    m = wire.hadamard_len(n) if hadamard else n
+    return _decode_sum(chunks, m, n, spec, hadamard, out, False)
+

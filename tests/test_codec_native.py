@@ -1,0 +1,207 @@
+"""The fused C loops (``codec/cpu_native.c``) write exactly the bytes of ``torch_codec``.
+
+CPU tensors go through ``cpu_native`` (see ``codec/__init__.py``), so every other codec and
+collective test already runs on it; these tests pin it bit for bit to the torch reference over
+widths, group sizes that are not powers of two, partial last groups, NaN/Inf/-0 groups, row
+strides, both scalings and both roundings, and check the fallbacks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from fsdp_qcomm.codec import RngKey, cpu_native, torch_codec, wire
+from fsdp_qcomm.config import QuantSpec
+
+KEY = RngKey(seed=7, step=3, rank=1, bucket=5)
+
+needs_native = pytest.mark.skipif(not cpu_native.available(),
+                                  reason="the C codec could not be built here (no C compiler)")
+
+
+def _spec(bits, sym, rounding="stochastic", gs=128, sdt="float32"):
+    return QuantSpec(bits=bits, group_size=gs, symmetric=sym, rounding=rounding, scale_dtype=sdt)
+
+
+def _data(rows: int, n: int, seed: int, specials: bool = True) -> torch.Tensor:
+    """Rows spanning six orders of magnitude, a zero group with a -0, and NaN/Inf."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.logspace(-4, 2, n)[torch.randperm(n, generator=g)]
+    x = torch.randn(rows, n, generator=g) * mag
+    x[:, 3:11] = 0.0
+    x[:, 5] = -0.0
+    if specials and n > 40:
+        x[0, n // 2] = float("nan")
+        x[-1, 17] = float("inf")
+        x[rows // 2, n - 1] = -float("inf")
+    return x
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Same dtype, shape and bits (NaNs only at the same places: their payloads are made by
+    arithmetic and not portable)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    if not a.is_floating_point():
+        assert torch.equal(a, b), f"{(a != b).sum().item()} of {a.numel()} bytes differ"
+        return
+    na, nb = torch.isnan(a), torch.isnan(b)
+    assert torch.equal(na, nb), "NaNs at different places"
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    assert torch.equal(a.view(ints)[~na], b.view(ints)[~nb])
+
+
+def test_builds_where_a_compiler_exists():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: the torch codec is used")
+    assert cpu_native.available(), "cc exists but the C codec did not build (see the warning)"
+
+
+@needs_native
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_quantize_matches_torch(bits, sym, rounding):
+    for gs, rows, n in [(8, 3, 61), (40, 2, 333), (128, 3, 1000), (2048, 1, 5000)]:
+        spec = _spec(bits, sym, rounding, gs)
+        x = _data(rows, n, seed=bits * 31 + gs + n)
+        got = cpu_native.quantize(x, spec, KEY)
+        _same(got, torch_codec.quantize(x, spec, KEY))
+        assert got.shape == (rows, wire.wire_bytes(n, spec))
+
+
+@needs_native
+@pytest.mark.parametrize("gs", [32, 96, 24, 128])
+@pytest.mark.parametrize("ref", [False, True])
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_quantize_difference_and_hadamard(gs, ref, hadamard):
+    for bits in (4, 8):
+        spec = _spec(bits, True, "stochastic", gs)
+        x = _data(2, 1037, seed=gs + bits)
+        r = _data(2, 1037, seed=gs + 1, specials=False) if ref else None
+        _same(cpu_native.quantize(x, spec, KEY, r, hadamard),
+              torch_codec.quantize(x, spec, KEY, r, hadamard))
+
+
+@needs_native
+def test_quantize_strided_and_low_precision_inputs():
+    spec = _spec(4, True)
+    base = _data(3, 700, seed=3)
+    x = base[:, 50:650]  # row stride 700, not the row length
+    _same(cpu_native.quantize(x, spec, KEY), torch_codec.quantize(x, spec, KEY))
+    xb = base.to(torch.bfloat16)
+    _same(cpu_native.quantize(xb, spec, KEY, xb * 0.5, True),
+          torch_codec.quantize(xb, spec, KEY, xb * 0.5, True))
+    xt = _data(300, 16, seed=4).t()  # column stride 16: copied, same bytes
+    _same(cpu_native.quantize(xt, spec, KEY), torch_codec.quantize(xt, spec, KEY))
+
+
+@needs_native
+def test_long_rows_span_many_windows_and_counters():
+    # Several 8192-element windows per row and 3 rows: window, row and counter offsets.
+    spec = _spec(4, True, "stochastic", 2048)
+    x = _data(3, 3 * 8192 + 1000, seed=9)
+    _same(cpu_native.quantize(x, spec, KEY), torch_codec.quantize(x, spec, KEY))
+    spec8 = _spec(8, True, "stochastic", 128)
+    _same(cpu_native.quantize(x, spec8, KEY, None, True),
+          torch_codec.quantize(x, spec8, KEY, None, True))
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_dequantize_matches_torch(bits, sym, hadamard):
+    for gs, n in [(32, 300), (40, 333), (128, 9000)]:
+        spec = _spec(bits, sym, "stochastic", gs)
+        m = wire.hadamard_len(n) if hadamard else n
+        data = torch_codec.quantize(_data(3, m, seed=gs + bits), spec, KEY)
+        _same(cpu_native.dequantize(data, n, spec, hadamard),
+              torch_codec.dequantize(data, n, spec, hadamard))
+        base = _data(3, n + 20, seed=1, specials=False)
+        for dtype in (torch.float32, torch.bfloat16):
+            for accumulate in (False, True):
+                got, want = base.to(dtype), base.to(dtype)
+                cpu_native.dequantize(data, n, spec, hadamard, got[:, 10:10 + n], accumulate)
+                torch_codec.dequantize(data, n, spec, hadamard, want[:, 10:10 + n], accumulate)
+                _same(got, want)
+
+
+@needs_native
+@pytest.mark.parametrize("gs_in,gs_out", [(128, 128), (32, 128), (128, 2048), (40, 128)])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_reduce_requantize_matches_torch(gs_in, gs_out, k):
+    n = 4000 + gs_in
+    for sym in (True, False):
+        s_in, s_out = _spec(8, sym, "stochastic", gs_in), _spec(4, sym, "stochastic", gs_out)
+        chunks = [torch_codec.quantize(_data(2, n, seed=j + gs_out, specials=j == 1), s_in,
+                                       KEY.fold(j)) for j in range(k)]
+        _same(cpu_native.reduce_requantize(chunks, n, s_in, s_out, KEY),
+              torch_codec.reduce_requantize(chunks, n, s_in, s_out, KEY))
+
+
+@needs_native
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_reduce_dequantize_matches_torch(hadamard, k):
+    n = 3001
+    m = wire.hadamard_len(n) if hadamard else n
+    spec = _spec(4, True, "stochastic", 128)
+    recv = torch.stack([torch_codec.quantize(_data(2, m, seed=j, specials=j == 0), spec,
+                                             KEY.fold(j)) for j in range(k)])
+    chunks = list(recv.unbind(0))  # views into one receive buffer
+    _same(cpu_native.reduce_dequantize(chunks, n, spec, hadamard),
+          torch_codec.reduce_dequantize(chunks, n, spec, hadamard))
+    got = torch.full((2, n + 7), 3.0)
+    want = got.clone()
+    cpu_native.reduce_dequantize(chunks, n, spec, hadamard, got[:, 7:])
+    torch_codec.reduce_dequantize(chunks, n, spec, hadamard, want[:, 7:])
+    _same(got, want)
+
+
+@needs_native
+def test_stochastic_rounding_is_unbiased_in_c():
+    # Independent of the torch comparison: the C path itself is unbiased and in range.
+    spec = _spec(4, True, "stochastic", 128)
+    x = torch.rand(1, 128) * 2 - 1
+    x[0, 0] = 1.0  # absmax 1: scale 1/7
+    xs = x.expand(400, -1).contiguous()
+    deq = cpu_native.dequantize(cpu_native.quantize(xs, spec, KEY), 128, spec)
+    assert deq.abs().max() <= 1.0 + 1e-6
+    err = (deq.mean(0) - x[0]).abs().max().item()
+    assert err < 4 * (1 / 7) / 400 ** 0.5, err  # 4 sigma of the rounding noise mean
+
+
+def test_unsupported_scale_dtype_uses_torch():
+    spec = _spec(4, False, "stochastic", 64, "bfloat16")
+    x = _data(2, 300, seed=2)
+    _same(cpu_native.quantize(x, spec, KEY), torch_codec.quantize(x, spec, KEY))
+
+
+def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
+    x = _data(2, 500, seed=5)
+    spec = _spec(4, True)
+    want = torch_codec.quantize(x, spec, KEY)
+    saved = dict(cpu_native._state)
+    try:
+        cpu_native._state.clear()
+        monkeypatch.setenv("FSDP_QCOMM_NATIVE", "0")
+        assert not cpu_native.available()
+        _same(cpu_native.quantize(x, spec, KEY), want)
+
+        cpu_native._state.clear()
+        monkeypatch.setenv("FSDP_QCOMM_NATIVE", "1")
+        monkeypatch.setenv("FSDP_QCOMM_CACHE", str(tmp_path))
+        monkeypatch.setenv("CC", "false")  # a compiler that always fails
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert not cpu_native.available()
+        assert any("fused CPU codec is unavailable" in str(m.message) for m in w)
+        _same(cpu_native.quantize(x, spec, KEY), want)
+        assert list(tmp_path.iterdir()) == []  # no partial library left behind
+    finally:
+        cpu_native._state.clear()
+        cpu_native._state.update(saved)
