@@ -102,6 +102,10 @@ class QCommConfig:
     all-to-all, ``grad_inter_bits``) or "two_level" (``grad_intra_bits`` inside a node, then
     ``grad_inter_bits`` across nodes). ``grad_hadamard`` adds the 32-point Hadamard smoothing.
 
+    ``grad_overlap`` (CPU process groups): run each module's gradient reduction on a background
+    thread so it overlaps the rest of backward, as FSDP's reduce-scatter stream does on GPUs;
+    ``backward()`` returns once all reductions finished. Same bytes and values.
+
     ``consistency_check_every`` (0 = off): every K-th forward weight gather of each FSDP module,
     the ranks compare exact integer checksums of the weights they are about to compute with and
     raise naming the first parameter that differs (one tiny all-gather per module and check).
@@ -121,6 +125,7 @@ class QCommConfig:
     grad_rounding: Rounding = "stochastic"
     grad_hadamard: bool = False
     grad_pipeline_chunks: int = 1
+    grad_overlap: bool = False
 
     scale_dtype: str = "float32"
     ranks_per_node: Optional[int] = None
@@ -160,7 +165,7 @@ class QCommConfig:
         owner = "QCommConfig"
         _check_choice(owner, "weight_scheme", self.weight_scheme, ("none", "direct", "qwd"))
         _check_choice(owner, "grad_scheme", self.grad_scheme, ("none", "one_level", "two_level"))
-        for name in ("weight_symmetric", "grad_symmetric", "grad_hadamard"):
+        for name in ("weight_symmetric", "grad_symmetric", "grad_hadamard", "grad_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int(owner, "grad_pipeline_chunks", self.grad_pipeline_chunks, 1, 64)
@@ -183,6 +188,12 @@ class QCommConfig:
                 msg = msg.replace(f"{owner}.{prefix}_scale_dtype", f"{owner}.scale_dtype")
                 raise ValueError(msg) from None
         self._check_levels()
+        if self.grad_overlap and self.grad_scheme == "none":
+            raise ValueError(
+                "QCommConfig.grad_overlap=True needs a quantized gradient scheme (FSDP's own "
+                "reduce-scatter is not ours to defer); set grad_scheme='one_level' or "
+                "'two_level', or grad_overlap=False"
+            )
         if self.grad_hadamard and self.grad_scheme == "none":
             raise ValueError(
                 "QCommConfig.grad_hadamard=True needs a quantized gradient scheme; set "

@@ -221,6 +221,33 @@ def node_topology(group: Optional[ProcessGroup], ranks_per_node: Optional[int]) 
     return topo
 
 
+_CLONES: dict[tuple, ProcessGroup] = {}
+
+
+def private_group(group: Optional[ProcessGroup]) -> ProcessGroup:
+    """A second process group over ``group``'s ranks (same rank order), created on first use
+    and cached.
+
+    Collectives of one process group must be issued in the same order on every rank; a thread
+    that runs collectives while the main thread runs others (``fsdp.grad_overlap``) therefore
+    needs groups of its own. Collective on first use, with the same rules as ``node_topology``.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    key = (pg.group_name, ranks)
+    hit = _CLONES.get(key)
+    if hit is not None and _alive(hit):
+        return hit
+    whole_world = len(ranks) == dist.get_world_size()
+    clone = dist.new_group(list(ranks), use_local_synchronization=not whole_world,
+                           group_desc="qcomm_grad_overlap")
+    if tuple(dist.get_process_group_ranks(clone)) != ranks:
+        raise RuntimeError(f"private group ranks {dist.get_process_group_ranks(clone)} do not "
+                           f"follow {list(ranks)}")
+    _CLONES[key] = clone
+    return clone
+
+
 def _check_subgroup_order(topo: Topology, q: int, p: int) -> None:
     """The routing relies on subgroup ranks following the grid; fail loudly if they do not."""
     lay = topo.layout
@@ -243,5 +270,6 @@ __all__ = [
     "known_ranks_per_node",
     "node_topology",
     "plan_layout",
+    "private_group",
     "resolve_ranks_per_node",
 ]

@@ -13,7 +13,8 @@ read back from the op, and gloo rejects PREMUL_SUM outright. With
 ``f`` (default: the data-parallel size) itself, which is the same average. So ``enable`` forces
 SUM on every module that gets the quantized reduce-scatter, and on gloo modules that already
 have such a factor (where FSDP's own reduce-scatter would fail); ``disable`` restores the
-previous setting.
+previous setting. With ``grad_overlap`` it does not: FSDP's division would run before a
+deferred reduction wrote its output, so the hook applies AVG / PREMUL_SUM itself.
 
 Checkpoints. ``QCommHandle`` is a ``torch.distributed.checkpoint`` ``Stateful``: put it in the
 dict passed to ``dcp.save`` / ``dcp.load`` next to the model and optimizer state. It carries each
@@ -40,6 +41,7 @@ from ..collectives.topology import group_layout, known_ranks_per_node, resolve_r
 from ..config import QCommConfig
 from ..stats import CommStats
 from .all_gather import QuantizedAllGather
+from .grad_overlap import QUEUE
 from .reduce_scatter import QuantizedReduceScatter
 
 
@@ -171,6 +173,7 @@ class QCommHandle:
     def disable(self) -> None:
         """Put FSDP's previous collectives and reduction setting back and free qWD references."""
         self._check_enabled("disable")
+        QUEUE.drain()  # grad_overlap: no reduction may still be writing gradients
         if self._tracker is not None:
             self._tracker.remove()
             self._tracker = None
@@ -328,8 +331,10 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     for i in installs:  # build everything first: a failing constructor installs nothing
         i.all_gather = QuantizedAllGather(i.group, config, stats, i.index, i.name)
         if rs_cls is not None:
-            reduce_scatters.append(rs_cls(config, stats, i.index))
-            i.force_sum = True
+            reduce_scatters.append(rs_cls(config, stats, i.index, i.group))
+            # grad_overlap: FSDP must not divide the output right after the call (the reduction
+            # may still be running), so it keeps passing AVG / PREMUL_SUM(1/f) to the hook.
+            i.force_sum = not config.grad_overlap
         elif _needs_sum_for_gloo(i.group):
             i.force_sum = True
             stats.note(

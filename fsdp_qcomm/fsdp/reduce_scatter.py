@@ -5,12 +5,15 @@ values in ``reduce_dtype``; row ``j`` of ``input_tensor.view(world, m)`` belongs
 the output shard, the shard process group and the reduce op: ``AVG`` by default, ``SUM`` after
 ``set_force_sum_reduction_for_comms(True)``, ``PREMUL_SUM(1 / factor)`` after
 ``set_gradient_divide_factor(factor)`` (all three are handled, gloo included). FSDP ignores the
-hook's return value unless it is a ``dist.Work``, so the call finishes before returning.
+hook's return value, so the call finishes before returning, except with
+``QCommConfig.grad_overlap`` on CPU, where it may finish on a background thread before
+``backward()`` returns (``grad_overlap``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from functools import partial
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -20,8 +23,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..codec import RngKey
 from ..collectives.grad_reduce import reduce_scatter_quantized
 from ..collectives.level_sync import LevelSync
+from ..collectives.topology import node_topology, private_group
 from ..config import QCommConfig
 from ..stats import CommStats
+from .grad_overlap import QUEUE, deferrable
 
 
 class QuantizedReduceScatter(ReduceScatter):
@@ -32,10 +37,13 @@ class QuantizedReduceScatter(ReduceScatter):
     ``RngKey(config.seed, i, r, b)``, so the same run twice sends the same bits. ``call_count``
     is public so a resumed run can restore it. With ``grad_levels="learned"`` a ``LevelSync``
     refits the gradient level table from all ranks' gradients every ``levels_refresh_every``
-    calls (``call_count`` is its step).
+    calls (``call_count`` is its step). ``param_group``: the module's FSDP param group, which
+    ``grad_overlap`` inspects to decide whether a reduction may finish after the call.
     """
 
-    def __init__(self, config: QCommConfig, stats: CommStats, bucket: int) -> None:
+    def __init__(
+        self, config: QCommConfig, stats: CommStats, bucket: int, param_group: Optional[Any] = None
+    ) -> None:
         if config.grad_scheme == "none":
             raise ValueError(
                 "QuantizedReduceScatter needs QCommConfig.grad_scheme 'one_level' or "
@@ -46,6 +54,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.config = config
         self.stats = stats
         self.bucket = bucket
+        self.param_group = param_group
         self.call_count = 0
         self.levels = None
         if config.grad_levels == "learned":
@@ -71,6 +80,15 @@ class QuantizedReduceScatter(ReduceScatter):
             rows = input_tensor.reshape(group.size(), -1)
             levels = self.levels.table(rows, group, self.call_count, self.stats)
         self.call_count += 1
+        if self.config.grad_overlap and input_tensor.device.type == "cpu" and group.size() > 1:
+            # Groups are created here, on the main thread, in the same order on every rank.
+            own = private_group(group)
+            if self.config.grad_scheme == "two_level":
+                node_topology(own, self.config.ranks_per_node)
+            job = partial(reduce_scatter_quantized, output_tensor, input_tensor, own,
+                          self.config, key, op=op, stats=self.stats, levels=levels)
+            QUEUE.submit(job, wait=not deferrable(self.param_group, input_tensor, op))
+            return None
         reduce_scatter_quantized(
             output_tensor, input_tensor, group, self.config, key, op=op, stats=self.stats,
             levels=levels,

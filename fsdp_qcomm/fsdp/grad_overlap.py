@@ -1,0 +1,118 @@
+"""Overlap of the quantized gradient reduction with the rest of backward, on CPU.
+
+On GPUs FSDP2 runs its reduce-scatter on a side stream, so a module's gradient exchange
+overlaps the backward of the modules before it. On CPU process groups (gloo) there is no
+stream: FSDP calls the reduce-scatter hook on the autograd thread and every layer's backward
+waits for the previous layer's exchange. With ``QCommConfig.grad_overlap=True`` the hook hands
+the reduction to one background thread per process and returns; the thread runs reductions in
+call order (the same order on every rank, as FSDP's own collectives), on process groups of its
+own, and the end of ``backward()`` waits for all of them. The bytes and values are those of
+the synchronous path: only when they are computed changes.
+
+A reduction is deferred only when FSDP will not read its output before backward ends
+(``deferrable``): no gradient to accumulate into, no cast to another dtype, no post-division,
+no HSDP all-reduce, no CPU offload, no post-accumulate-grad hooks. Otherwise the call waits for
+its result, after the ones queued before it.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+
+class ReductionQueue:
+    """One worker thread running this process's deferred reductions in submission order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: list[Future] = []
+        self._drain_task: Optional[int] = None  # autograd graph task that will drain
+        self.deferred = 0  # reductions that were left running when their call returned
+
+    def submit(self, fn: Callable[[], Any], *, wait: bool) -> None:
+        """Run ``fn`` after everything submitted before it. ``wait``: return once it (and they)
+        finished, re-raising their errors; else return at once and let the end of the running
+        backward pass (or the next ``drain``) wait."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="fsdp_qcomm_grad")
+            self._pending.append(self._executor.submit(fn))
+        if wait or not self._drain_at_end_of_backward():
+            self.drain()
+        else:
+            self.deferred += 1
+
+    def _drain_at_end_of_backward(self) -> bool:
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return False  # not inside backward: nobody would wait later
+        if self._drain_task != task:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._drain_task = task
+        return True
+
+    def _end_of_backward(self) -> None:
+        self._drain_task = None
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait for every submitted reduction; re-raise the first error (after waiting for the
+        rest, so no reduction is left running on buffers the caller may free)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        error: Optional[BaseException] = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                error = error or e
+        if error is not None:
+            raise error
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return sum(not f.done() for f in self._pending)
+
+
+QUEUE = ReductionQueue()
+
+
+def deferrable(
+    param_group: Any, input_tensor: torch.Tensor, op: Union[ReduceOp, "ReduceOp.RedOpType"]
+) -> bool:
+    """Whether FSDP2 (``foreach_reduce``) leaves this reduce-scatter's output unread until
+    backward ends, so the reduction may finish later. Reads FSDP's private param-group state
+    (checked against torch 2.13); anything unexpected means "no"."""
+    if input_tensor.device.type != "cpu" or param_group is None:
+        return False
+    if op == ReduceOp.SUM:
+        return False  # forced-sum mode: FSDP divides the output right after the call
+    try:
+        if input_tensor.dtype != param_group._orig_dtype:
+            return False  # FSDP casts the output to the parameters' dtype right away
+        if isinstance(param_group.mesh_info, DDPMeshInfo):
+            return False  # HSDP all-reduces the output right away
+        if getattr(param_group, "_partial_reduce_output", None) is not None:
+            return False
+        if getattr(param_group, "_all_reduce_hook", None) is not None:
+            return False
+        for fp in param_group.fsdp_params:
+            p = fp.sharded_param
+            if p.grad is not None or fp.offload_to_cpu:
+                return False  # accumulates into (or copies) the output right away
+            if getattr(p, "_post_accumulate_grad_hooks", None):
+                return False  # user code reads the gradient inside backward
+    except AttributeError:
+        return False
+    return True
+
+
+__all__ = ["QUEUE", "ReductionQueue", "deferrable"]

@@ -1,0 +1,260 @@
+"""``QCommConfig.grad_overlap``: gradient reductions on a background thread, same results.
+
+Each case trains the same tiny model with and without ``grad_overlap`` on gloo ranks and
+compares losses, gradients and weights bit for bit, and counts how many reductions were
+deferred, so a path that silently went synchronous (or deferred when FSDP reads the output
+right away) fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fsdp_qcomm
+from fsdp_qcomm import QCommConfig
+from fsdp_qcomm.fsdp import grad_overlap
+from fsdp_qcomm.fsdp.grad_overlap import QUEUE, ReductionQueue
+
+from _dist import digest, run_ranks, same_on_all_ranks
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Sizes that are multiples of no group size; ``out`` shares ``inp``'s weight (tied)."""
+
+    def __init__(self, d: int = 13, hidden: int = 37, layers: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
+        self.out = nn.Linear(d, d)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    x = torch.randn(6, 13, generator=g)
+    return x, x.roll(1, dims=1).sin()
+
+
+def _train(cfg: QCommConfig, steps: int, micro: int = 1, divide_factor=None, mp=None,
+           blocks: bool = True) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    kw = {} if mp is None else {"mp_policy": mp}
+    for b in model.blocks if blocks else ():
+        fully_shard(b, **kw)
+    fully_shard(model, **kw)
+    if divide_factor is not None:
+        model.set_gradient_divide_factor(divide_factor)
+    handle = fsdp_qcomm.enable(model, cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    losses, grads = [], {}
+    deferred0 = QUEUE.deferred
+    for step in range(steps):
+        for m in range(micro):
+            x, y = _batch(step, rank, m)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            assert QUEUE.pending == 0, "backward() returned with reductions still running"
+            losses.append(loss.item())
+        grads = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    weights = {k: p.to_local().detach().clone() for k, p in model.named_parameters()}
+    same_on_all_ranks({k: p.full_tensor() for k, p in model.named_parameters()}, "weights")
+    out = {
+        "losses": losses, "grads": {k: digest(v) for k, v in grads.items()},
+        "weights": {k: digest(v) for k, v in weights.items()},
+        "grad_values": grads, "deferred": QUEUE.deferred - deferred0,
+        "grad_bytes": {k: v["sent_bytes"] for k, v in handle.stats().items()
+                       if k.startswith("grad")},
+    }
+    handle.disable()
+    return out
+
+
+def _compare(rank, world, preset, steps, micro=1, divide_factor=None, reduce_dtype=None,
+             blocks=True):
+    mp = None
+    if reduce_dtype is not None:  # bf16 compute, gradients reduced in reduce_dtype
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    cfg = QCommConfig.preset(preset, ranks_per_node=2 if world == 4 else 1)
+    sync = _train(cfg, steps, micro, divide_factor, mp, blocks)
+    over = _train(dataclasses.replace(cfg, grad_overlap=True), steps, micro, divide_factor, mp,
+                  blocks)
+    return sync, over
+
+
+def _assert_same(sync: dict, over: dict, exact: bool = True) -> None:
+    assert sync["grad_bytes"] == over["grad_bytes"]
+    if exact:
+        assert over["losses"] == sync["losses"]
+        assert over["grads"] == sync["grads"]
+        assert over["weights"] == sync["weights"]
+        return
+    for k, g in sync["grad_values"].items():
+        torch.testing.assert_close(over["grad_values"][k], g, rtol=2e-6, atol=1e-9)
+
+
+def test_two_level_overlap_is_bit_identical_and_defers_every_reduction():
+    # 2 nodes x 2: TLq-HS on the private subgroups, qWD gathers on FSDP's group meanwhile.
+    steps = 3
+    res = run_ranks(_compare, 4, "sdp4bit", steps)
+    for sync, over in res:
+        _assert_same(sync, over)
+        assert sync["deferred"] == 0
+        # 4 FSDP modules (3 blocks + root) per backward, all deferred
+        assert over["deferred"] == 4 * steps
+
+
+def test_one_level_overlap_with_direct_weight_gathers_2_ranks():
+    # QSDP: the all-to-all would share FSDP's group with the weight all-gathers; it runs on a
+    # private copy of that group instead.
+    res = run_ranks(_compare, 2, "qsdp", 2)
+    for sync, over in res:
+        _assert_same(sync, over)
+        assert over["deferred"] == 4 * 2
+
+
+def test_accumulation_and_mixed_precision():
+    # Micro-batch 2 accumulates into existing gradients: FSDP reads the output at once, so
+    # only the first micro-batch's reductions may be deferred.
+    res = run_ranks(_compare, 2, "tlq_hs", 2, 2)
+    for sync, over in res:
+        _assert_same(sync, over)
+        assert over["deferred"] == 4 * 2  # 2 steps x first micro-batch x 4 modules
+    # bf16 compute, fp32 reduction into fp32 parameters: no cast, deferred.
+    res = run_ranks(_compare, 2, "tlq_hs", 1, 1, None, torch.float32)
+    for sync, over in res:
+        _assert_same(sync, over)
+        assert over["deferred"] == 4
+    # bf16 reduction: FSDP casts the output to the fp32 parameters at once -> never deferred.
+    res = run_ranks(_compare, 2, "tlq_hs", 1, 1, None, torch.bfloat16)
+    for sync, over in res:
+        _assert_same(sync, over)
+        assert over["deferred"] == 0
+
+
+def test_root_only_module():
+    # One FSDP module: its reduction may be the first and only one of the backward pass.
+    res = run_ranks(_compare, 2, "sdp4bit", 2, 1, None, None, False)
+    for sync, over in res:
+        _assert_same(sync, over)
+        assert over["deferred"] == 2
+
+
+def test_gradient_divide_factor():
+    # Without overlap FSDP divides the SUM by 3 after the call; with overlap the hook applies
+    # PREMUL_SUM(1/3) itself: the same average up to one rounding.
+    res = run_ranks(_compare, 2, "tlq", 1, 1, 3.0)
+    for sync, over in res:
+        _assert_same(sync, over, exact=False)
+        assert over["deferred"] == 4
+
+
+def _worker_error(rank, world):
+    import fsdp_qcomm.fsdp.reduce_scatter as rs
+
+    cfg = QCommConfig.preset("tlq", grad_overlap=True, ranks_per_node=1)
+    torch.manual_seed(0)
+    model = Net()
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    fsdp_qcomm.enable(model, cfg)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected reduction failure")
+
+    rs.reduce_scatter_quantized = broken
+    x, y = _batch(0, rank)
+    try:
+        F.mse_loss(model(x), y).backward()
+    except RuntimeError as e:
+        assert QUEUE.pending == 0
+        return str(e)
+    return "no error"
+
+
+def test_worker_error_surfaces_from_backward():
+    assert run_ranks(_worker_error, 2) == ["injected reduction failure"] * 2
+
+
+def test_queue_runs_in_order_and_drains_outside_backward():
+    q = ReductionQueue()
+    seen = []
+    for i in range(5):
+        q.submit(lambda i=i: seen.append(i), wait=False)  # not in backward: waits at once
+    assert seen == list(range(5)) and q.pending == 0 and q.deferred == 0
+    q.submit(lambda: seen.append(5), wait=True)
+    with pytest.raises(ValueError, match="boom"):
+        q.submit(lambda: (_ for _ in ()).throw(ValueError("boom")), wait=True)
+    assert seen == list(range(6))
+
+
+def test_config_refuses_overlap_without_a_gradient_scheme():
+    with pytest.raises(ValueError, match="grad_overlap=True needs a quantized gradient scheme"):
+        QCommConfig(grad_overlap=True)
+    with pytest.raises(ValueError, match="grad_overlap must be a bool"):
+        QCommConfig(grad_scheme="two_level", grad_overlap=1)
+
+
+def test_deferrable_refuses_what_fsdp_reads_at_once():
+    class FakeParam:
+        def __init__(self):
+            self.sharded_param = nn.Parameter(torch.zeros(3))
+            self.offload_to_cpu = False
+
+    class FakeGroup:
+        _orig_dtype = torch.float32
+        _partial_reduce_output = None
+        _all_reduce_hook = None
+
+        def __init__(self):
+            from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+            self.mesh_info = object.__new__(FSDPMeshInfo)
+            self.fsdp_params = [FakeParam()]
+
+    x = torch.zeros(4)
+    g = FakeGroup()
+    avg = dist.ReduceOp.AVG
+    assert grad_overlap.deferrable(g, x, avg)
+    assert not grad_overlap.deferrable(g, x, dist.ReduceOp.SUM)  # FSDP post-divides
+    assert not grad_overlap.deferrable(g, x.bfloat16(), avg)  # FSDP casts
+    assert not grad_overlap.deferrable(None, x, avg)
+    g.fsdp_params[0].sharded_param.register_post_accumulate_grad_hook(lambda p: None)
+    assert not grad_overlap.deferrable(g, x, avg)  # user code reads the gradient
+    g = FakeGroup()
+    g.fsdp_params[0].sharded_param.grad = torch.ones(3)
+    assert not grad_overlap.deferrable(g, x, avg)  # accumulation
+    g = FakeGroup()
+    g.fsdp_params[0].offload_to_cpu = True
+    assert not grad_overlap.deferrable(g, x, avg)
+    g = FakeGroup()
+    g._all_reduce_hook = lambda t: None
+    assert not grad_overlap.deferrable(g, x, avg)
