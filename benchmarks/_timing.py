@@ -10,10 +10,16 @@ on those). So "communication" is the *exposed* communication time, overlap exclu
 * ``comm``  - blocked in a collective (inside or outside a hook);
 * ``hook``  - inside a hook's call or its work's wait, communication included;
 * quantization = ``hook - comm_in_hook``; compute and the rest = step - hook - comm_outside.
+
+``comm_by`` splits the blocked time by collective (``all_to_all_single``, ...) and by whether
+it happened inside a hook, which says which exchange a step waits for. Collectives issued by
+other threads (``QCommConfig.grad_overlap``'s reduction thread) do not block the training
+thread: they are only listed in ``comm_by`` as ``<name>/background``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -31,17 +37,26 @@ class Totals:
         self.comm_outside = 0.0
         self.hook = 0.0
         self.bytes_outside: dict[str, int] = {}  # input bytes of FSDP's own collectives
+        self.comm_by: dict[str, float] = {}  # blocked seconds per "collective[/hook]"
         self._depth = 0  # > 0 while inside a hook
 
-    def add_comm(self, dt: float) -> None:
+    def add_comm(self, dt: float, name: str = "") -> None:
+        if threading.current_thread() is not threading.main_thread():
+            k = f"{name or 'collective'}/background"
+            self.comm_by[k] = self.comm_by.get(k, 0.0) + dt
+            return
         if self._depth:
             self.comm_in_hook += dt
         else:
             self.comm_outside += dt
+        if name:
+            k = f"{name}/hook" if self._depth else name
+            self.comm_by[k] = self.comm_by.get(k, 0.0) + dt
 
     def snapshot(self) -> dict:
         return {"comm_in_hook": self.comm_in_hook, "comm_outside": self.comm_outside,
-                "hook": self.hook, "bytes_outside": dict(self.bytes_outside)}
+                "hook": self.hook, "bytes_outside": dict(self.bytes_outside),
+                "comm_by": dict(self.comm_by)}
 
 
 TOTALS = Totals()
@@ -86,14 +101,14 @@ def _wrap_collective(fn: Callable) -> Callable:
     name = fn.__name__
 
     def timed(*args: Any, **kwargs: Any):
-        if not TOTALS._depth:
+        if not TOTALS._depth and threading.current_thread() is threading.main_thread():
             TOTALS.bytes_outside[name] = TOTALS.bytes_outside.get(name, 0) + _input_bytes(
                 args, kwargs)
         t0 = time.perf_counter()
         work = fn(*args, **kwargs)
-        TOTALS.add_comm(time.perf_counter() - t0)
+        TOTALS.add_comm(time.perf_counter() - t0, name)
         if isinstance(work, dist.Work):
-            return _TimedWork(work, TOTALS.add_comm, hook=False)
+            return _TimedWork(work, lambda dt: TOTALS.add_comm(dt, name), hook=False)
         return work
 
     timed._qcomm_timed = True  # (torch's collectives carry __wrapped__ of their own)

@@ -65,6 +65,9 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grad-overlap", action=argparse.BooleanOptionalAction, default=True,
+                    help="quantized schemes reduce gradients on a background thread "
+                         "(QCommConfig.grad_overlap; FSDP's own reduce-scatter cannot)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per link rate")
     ap.add_argument("--out", default=str(REPO / "results" / "cluster_speed"))
     # internal: the per-rank worker that torchrun starts inside a namespace
@@ -123,11 +126,12 @@ def _worker(a: argparse.Namespace) -> None:
         model = build_fsdp_gpt(shape, a.seed)
         handle = None
         if SCHEMES[label] is not None:
-            cfg = fsdp_qcomm.QCommConfig.preset(SCHEMES[label], ranks_per_node=rpn, seed=a.seed)
+            cfg = fsdp_qcomm.QCommConfig.preset(SCHEMES[label], ranks_per_node=rpn, seed=a.seed,
+                                                grad_overlap=a.grad_overlap)
             handle = fsdp_qcomm.enable(model, cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(a.seed * 1000 + rank)
-        steps, comm_in, comm_out, hook = [], [], [], []
+        steps, comm_in, comm_out, hook, comm_by, cpu = [], [], [], [], [], []
         before, pg0 = None, {}
         for step in range(a.warmup + a.steps):
             if step == a.warmup:
@@ -137,6 +141,7 @@ def _worker(a: argparse.Namespace) -> None:
                 if handle is not None:
                     handle.reset_stats()
             s0 = totals.snapshot()
+            c0 = time.process_time()  # CPU seconds of all this rank's threads
             t0 = time.perf_counter()
             x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
             loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
@@ -144,17 +149,21 @@ def _worker(a: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
+            dc = time.process_time() - c0
             s1 = totals.snapshot()
             if step >= a.warmup:
                 steps.append(dt)
+                cpu.append(dc)
                 comm_in.append(s1["comm_in_hook"] - s0["comm_in_hook"])
                 comm_out.append(s1["comm_outside"] - s0["comm_outside"])
                 hook.append(s1["hook"] - s0["hook"])
+                comm_by.append({k: v - s0["comm_by"].get(k, 0.0)
+                                for k, v in s1["comm_by"].items()})
         dist.barrier()
         after = _veth_bytes(a.ifname) if local == 0 else (0, 0)
         mine = {
             "rank": rank, "steps": steps, "comm_in_hook": comm_in, "comm_outside": comm_out,
-            "hook": hook, "pg_bytes_outside": {
+            "hook": hook, "comm_by": comm_by, "cpu": cpu, "pg_bytes_outside": {
                 k: v - pg0.get(k, 0) for k, v in totals.bytes_outside.items()
                 if k in ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
                          "all_gather_into_tensor", "reduce_scatter_tensor")},
@@ -172,7 +181,9 @@ def _worker(a: argparse.Namespace) -> None:
             r = results["schemes"][label]
             print(f"  {label}: median step {r['median_step_s']:.3f} s (comm "
                   f"{r['comm_s']:.3f}, quant {r['quant_s']:.3f}, rest {r['rest_s']:.3f}); link "
-                  f"{r['link_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
+                  f"{r['link_bytes_per_step'] / 1e6:.2f} MB/step; CPU all ranks "
+                  f"{r['cpu_all_ranks_s']:.3f} s; blocked in "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["comm_by_s"].items()), flush=True)
         if handle is not None:
             handle.disable()
         del model, opt
@@ -209,6 +220,12 @@ def _summarize(ranks: list[dict], n: int) -> dict:
         "pg_bytes_outside_per_step_all_ranks": {
             k: sum(r["pg_bytes_outside"].get(k, 0) for r in ranks) / n
             for k in sorted({k for r in ranks for k in r["pg_bytes_outside"]})},
+        # CPU seconds all ranks spent per step (median), and that over the cores: a step cannot
+        # be shorter than cpu_all_ranks_s / cores, whatever the link does.
+        "cpu_all_ranks_s": sum(med(r["cpu"]) for r in ranks),
+        "comm_by_s": {  # mean over ranks of each rank's median blocked time per collective
+            k: statistics.fmean(med([c.get(k, 0.0) for c in r["comm_by"]]) for r in ranks)
+            for k in sorted({k for r in ranks for c in r["comm_by"] for k in c})},
         "gather_modes": ranks[0]["gather_modes"],
         "numel": ranks[0]["numel"], "shard_numel": [r["shard_numel"] for r in ranks],
     }
@@ -277,7 +294,7 @@ def _run_rate(cl: _Cluster, a: argparse.Namespace, rate: str, json_out: Path) ->
     fwd = ["--schemes", ",".join(a.schemes), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
            "--seq", str(a.seq), "--vocab", str(a.vocab), "--batch", str(a.batch),
-           "--seed", str(a.seed)]
+           "--seed", str(a.seed), "--grad-overlap" if a.grad_overlap else "--no-grad-overlap"]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     try:
@@ -392,8 +409,10 @@ def main(argv=None) -> int:
     md = (f"# Step time on an emulated 2-node cluster (veth + tc tbf)\n\n"
           f"{res['params'] / 1e6:.2f}M-param GPT (dim {a.dim}, {a.layers} layers), fp32, "
           f"batch {a.batch}x{a.seq} per rank, 2 nodes x 2 ranks (gloo), median of {a.steps} "
-          f"steps after {a.warmup} warm-up; comm = exposed (blocked) communication, quant = "
-          f"hook time minus the communication inside hooks.\n\n{_tables(res)}\n"
+          f"steps after {a.warmup} warm-up; quantized schemes with grad_overlap="
+          f"{a.grad_overlap}; comm = exposed (blocked) communication of the training thread, "
+          f"quant = hook time minus the communication inside hooks (with grad_overlap the "
+          f"gradient codec runs on its own thread and is not counted).\n\n{_tables(res)}\n"
           f"Wall time: {res['wall_seconds'] / 60:.1f} min.\n")
     (out / "table.md").write_text(md)
     (out / "results.json").write_text(json.dumps(res, indent=1))
