@@ -72,27 +72,43 @@ static inline float load_f32(const uint8_t *p) {
 
 static inline void store_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 
-/* One butterfly stage on a 32-block: (b[j], b[j + h]) -> (a + c, a - c). Inlined with a
- * constant h, so each stage unrolls into vector adds and subtracts. */
-static inline void butterfly(float *b, const int h) {
-    for (int i = 0; i < 32; i += 2 * h)
-        for (int j = i; j < i + h; j++) {
-            float a = b[j], c = b[j + h];
-            b[j] = a + c;
-            b[j + h] = a - c;
-        }
+/* 32-point butterflies (h = 1..16: (b[j], b[j + h]) -> (a + c, a - c), as
+ * torch_codec._butterfly) on eight-lane vectors: stages 1, 2, 4 pair lanes of one vector, a lane
+ * shuffle brings each partner p across, and p + a * s (s = +1 / -1 per lane) is exactly a + p
+ * for the lower lane of a pair and p - a for the upper one (x * -1 is exact, x + -y == x - y
+ * and addition commutes in IEEE arithmetic); stages 8 and 16 pair whole vectors. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE(v, ...) __builtin_shuffle(v, (v8i){__VA_ARGS__})
+#endif
+
+static inline void hadamard32_block(float *b) {
+    const v8f s1 = {1, -1, 1, -1, 1, -1, 1, -1};
+    const v8f s2 = {1, 1, -1, -1, 1, 1, -1, -1};
+    const v8f s4 = {1, 1, 1, 1, -1, -1, -1, -1};
+    v8f v[4];
+    memcpy(v, b, sizeof v);
+    for (int k = 0; k < 4; k++) {
+        v8f a = v[k];
+        a = SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6) + a * s1;
+        a = SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5) + a * s2;
+        v[k] = SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3) + a * s4;
+    }
+    v8f t0 = v[0] + v[1], t1 = v[0] - v[1], t2 = v[2] + v[3], t3 = v[2] - v[3];
+    v[0] = t0 + t2;
+    v[2] = t0 - t2;
+    v[1] = t1 + t3;
+    v[3] = t1 - t3;
+    memcpy(b, v, sizeof v);
 }
 
 /* Unnormalized Sylvester Hadamard on each 32-block of v[0, len), len a multiple of 32:
  * stages h = 1..16, as torch_codec._butterfly. */
 static void hadamard32(float *v, int64_t len) {
-    for (int64_t o = 0; o < len; o += 32) {
-        butterfly(v + o, 1);
-        butterfly(v + o, 2);
-        butterfly(v + o, 4);
-        butterfly(v + o, 8);
-        butterfly(v + o, 16);
-    }
+    for (int64_t o = 0; o < len; o += 32) hadamard32_block(v + o);
 }
 
 /* ---- bit packing --------------------------------------------------------------------------- */
