@@ -19,7 +19,7 @@ Everything it creates (two namespaces, one veth pair, their qdiscs) carries this
 id and is removed on exit, error or Ctrl-C. Needs root, ``ip`` and ``tc``.
 
     sudo OMP_NUM_THREADS=1 python benchmarks/cluster_speed.py [--rates 1gbit[,100mbit,10gbit]]
-        [--schemes baseline,sdp4bit,zeropp,qsdp] [--steps 5] [--warmup 2] [--batch 2]
+        [--schemes baseline,sdp4bit,zeropp,qsdp] [--steps 5] [--warmup 2] [--batch 1]
 
 Writes ``results/cluster_speed/{table.md, results.json, breakdown.png}``.
 """
@@ -63,7 +63,9 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences per rank per step (1: the link, not this machine's CPU, "
+                         "bounds the compressed schemes; see benchmarks/README.md)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grad-overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="quantized schemes reduce gradients on a background thread "
@@ -419,7 +421,8 @@ def main(argv=None) -> int:
           f"{a.grad_overlap}; comm = exposed (blocked) communication of the training thread, "
           f"quant = hook time minus the communication inside hooks (with grad_overlap the "
           f"gradient codec runs on its own thread and is not counted); CPU floor = CPU seconds "
-          f"of all ranks (all threads) per step over the {res['cores']} cores they share.\n\n{_tables(res)}\n"
+          f"of all ranks (all threads) per step over the {res['cores']} cores they share."
+          f"\n\n{_tables(res)}\n"
           f"Wall time: {res['wall_seconds'] / 60:.1f} min.\n")
     (out / "table.md").write_text(md)
     (out / "results.json").write_text(json.dumps(res, indent=1))

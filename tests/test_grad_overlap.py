@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import digest, run_ranks, same_on_all_ranks
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.fsdp import grad_overlap
 from fsdp_qcomm.fsdp.grad_overlap import QUEUE, ReductionQueue
-
-from _dist import digest, run_ranks, same_on_all_ranks
 
 
 class Block(nn.Module):

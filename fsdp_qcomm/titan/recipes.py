@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_qcomm.config import QCommConfig
 from fsdp_qcomm.titan.models import PAPER_FLAVORS
 
 #: schemes with a file per paper size; the debug model gets DEBUG_SCHEMES
@@ -134,7 +135,15 @@ enable = false
 # fixed initial weights and data order: two runs of a recipe train identically
 seed = 0
 
-{_qcomm_block(scheme)}{_DEBUG_NODES}"""
+{_qcomm_block(scheme)}{_debug_overlap(scheme)}{_DEBUG_NODES}"""
+
+
+def _debug_overlap(scheme: str) -> str:
+    """The debug recipes run on CPU: overlap quantized gradient reductions with backward."""
+    if QCommConfig.preset(scheme).grad_scheme == "none":
+        return ""
+    return ("# gloo has no reduce-scatter stream: reduce gradients on a background thread while\n"
+            "# backward goes on (docs/cpu_path.md)\ngrad_overlap = true\n")
 
 
 _DEBUG_NODES = """\
