@@ -13,6 +13,8 @@ import warnings
 
 import pytest
 import torch
+from _codec_cases import assert_same_bits as _same
+from _codec_cases import sample_rows
 
 from fsdp_qcomm.codec import RngKey, cpu_native, torch_codec, wire
 from fsdp_qcomm.config import QuantSpec
@@ -28,30 +30,7 @@ def _spec(bits, sym, rounding="stochastic", gs=128, sdt="float32"):
 
 
 def _data(rows: int, n: int, seed: int, specials: bool = True) -> torch.Tensor:
-    """Rows spanning six orders of magnitude, a zero group with a -0, and NaN/Inf."""
-    g = torch.Generator().manual_seed(seed)
-    mag = torch.logspace(-4, 2, n)[torch.randperm(n, generator=g)]
-    x = torch.randn(rows, n, generator=g) * mag
-    x[:, 3:11] = 0.0
-    x[:, 5] = -0.0
-    if specials and n > 40:
-        x[0, n // 2] = float("nan")
-        x[-1, 17] = float("inf")
-        x[rows // 2, n - 1] = -float("inf")
-    return x
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Same dtype, shape and bits (NaNs only at the same places: their payloads are made by
-    arithmetic and not portable)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-    if not a.is_floating_point():
-        assert torch.equal(a, b), f"{(a != b).sum().item()} of {a.numel()} bytes differ"
-        return
-    na, nb = torch.isnan(a), torch.isnan(b)
-    assert torch.equal(na, nb), "NaNs at different places"
-    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    assert torch.equal(a.view(ints)[~na], b.view(ints)[~nb])
+    return sample_rows(rows, n, seed, specials)
 
 
 def test_builds_where_a_compiler_exists():

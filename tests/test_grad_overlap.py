@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _dist import digest, run_ranks, same_on_all_ranks
+from _models import MLPBlock
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_qcomm
@@ -24,24 +25,13 @@ from fsdp_qcomm.fsdp import grad_overlap
 from fsdp_qcomm.fsdp.grad_overlap import QUEUE, ReductionQueue
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 class Net(nn.Module):
     """Sizes that are multiples of no group size; ``out`` shares ``inp``'s weight (tied)."""
 
     def __init__(self, d: int = 13, hidden: int = 37, layers: int = 3) -> None:
         super().__init__()
         self.inp = nn.Linear(d, d)
-        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
+        self.blocks = nn.ModuleList(MLPBlock(d, hidden) for _ in range(layers))
         self.out = nn.Linear(d, d)
         self.out.weight = self.inp.weight
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from _codec_cases import assert_same_bits as _assert_same_bits
+from _codec_cases import sample_rows
 
 import fsdp_qcomm
 from fsdp_qcomm import QuantSpec
@@ -133,31 +135,8 @@ def test_kernels_compile_for_hopper_exactly():
         assert bool(re.search(r"div\.rn\.f32", ptx)) == divides, fn.__name__
 
 
-def _assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Equal dtype, shape and bits; NaNs only need to sit at the same places (payloads of
-    NaNs made by arithmetic are not portable)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-    if not a.is_floating_point():
-        assert torch.equal(a, b), f"{(a != b).sum().item()} of {a.numel()} bytes differ"
-        return
-    na, nb = torch.isnan(a), torch.isnan(b)
-    assert torch.equal(na, nb), "NaNs at different places"
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    ia, ib = a.view(ints)[~na], b.view(ints)[~nb]
-    assert torch.equal(ia, ib), f"{(ia != ib).sum().item()} of {ia.numel()} values differ"
-
-
 def _data(rows: int, n: int, dtype: torch.dtype, seed: int, specials: bool = True) -> torch.Tensor:
-    """Rows with per-region magnitudes, exact zeros and -0, and (optionally) NaN/Inf."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, n, generator=g) * torch.logspace(-3, 2, n)[torch.randperm(n, generator=g)]
-    x[:, 3:11] = 0.0
-    x[:, 5] = -0.0
-    if specials and n > 40:
-        x[0, n // 2] = float("nan")
-        x[-1, 17] = float("inf")
-        x[rows // 2, n - 1] = -float("inf")
-    return x.to(dtype)
+    return sample_rows(rows, n, seed, specials, dtype)
 
 
 def _spec(bits, sym, rounding, sdt, gs) -> QuantSpec:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from _dist import digest as _digest
 from _dist import run_ranks
 from _dist import same_on_all_ranks as _same_on_all_ranks
+from _models import MLPBlock
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -29,22 +30,11 @@ from fsdp_qcomm import QCommConfig
 
 
 # ---- a tiny model: sizes that are multiples of no group size -------------------------------
-class Block(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 class Net(nn.Module):
     def __init__(self, d: int = 13, hidden: int = 37, layers: int = 2) -> None:
         super().__init__()
         self.inp = nn.Linear(5, d)
-        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
+        self.blocks = nn.ModuleList(MLPBlock(d, hidden) for _ in range(layers))
         self.out = nn.Linear(d, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

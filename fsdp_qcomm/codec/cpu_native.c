@@ -312,19 +312,36 @@ static void fill_window(const source_t *src, int64_t r, int64_t w0, int64_t w1, 
     for (int64_t i = e > w0 ? e : w0; i < w1; i++) v[i - w0] = 0.0f;
 }
 
+/* A window's scratch: W fp32 values and W (+ 8 padding) codes. */
+typedef struct {
+    float *v;
+    uint8_t *codes;
+} window_t;
+
+static int window_alloc(window_t *w, int64_t W) {
+    w->v = malloc((size_t)W * 4);
+    w->codes = malloc((size_t)W + 8);
+    if (w->v && w->codes) return 0;
+    free(w->v);
+    free(w->codes);
+    return -1;
+}
+
+static void window_free(window_t *w) {
+    free(w->v);
+    free(w->codes);
+}
+
 /* Encode `rows` rows of n values from src into out (row stride out_stride bytes). hadamard:
  * rotate each 32-block first (n a multiple of 32). Returns 0, or -1 when out of memory. */
 static int encode_rows(const source_t *src, int64_t rows, int64_t n, const spec_t *s,
                        int hadamard, int stochastic, uint32_t k0, uint32_t k1, uint8_t *out,
                        int64_t out_stride) {
     int64_t W = window_len(s->gs, src->k ? src->in.gs : 1);
-    float *v = malloc((size_t)W * 4);
-    uint8_t *codes = malloc((size_t)W + 8);
-    if (!v || !codes) {
-        free(v);
-        free(codes);
-        return -1;
-    }
+    window_t win;
+    if (window_alloc(&win, W)) return -1;
+    float *v = win.v;
+    uint8_t *codes = win.codes;
     int64_t coff = code_offset(n, s);
     int64_t cbytes = (n + 7) / 8 * s->bits;
     int64_t total = coff + cbytes, padded = (total + 3) / 4 * 4;
@@ -342,8 +359,7 @@ static int encode_rows(const source_t *src, int64_t rows, int64_t n, const spec_
             pack(codes, cnt, s->bits, row + coff + w0 / 8 * s->bits);
         }
     }
-    free(v);
-    free(codes);
+    window_free(&win);
     return 0;
 }
 
@@ -372,13 +388,10 @@ int fq_decode_sum(const uint8_t *const *chunks, const int64_t *chunk_strides, in
                   int hadamard, int accumulate, float *out, int64_t out_stride) {
     spec_t s = {bits, gs, symmetric};
     int64_t W = window_len(gs, 1);
-    float *v = malloc((size_t)W * 4);
-    uint8_t *codes = malloc((size_t)W + 8);
-    if (!v || !codes) {
-        free(v);
-        free(codes);
-        return -1;
-    }
+    window_t win;
+    if (window_alloc(&win, W)) return -1;
+    float *v = win.v;
+    uint8_t *codes = win.codes;
     for (int64_t r = 0; r < rows; r++) {
         float *o = out + r * out_stride;
         for (int64_t w0 = 0; w0 < n; w0 += W) {
@@ -399,7 +412,6 @@ int fq_decode_sum(const uint8_t *const *chunks, const int64_t *chunk_strides, in
                 for (int64_t i = w0; i < e; i++) o[i] = v[i - w0] * (1.0f / 32);
         }
     }
-    free(v);
-    free(codes);
+    window_free(&win);
     return 0;
 }

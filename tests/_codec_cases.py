@@ -1,0 +1,37 @@
+"""Test inputs and the bit-for-bit comparison shared by the codec implementation tests
+(``test_kernels.py``: Triton vs torch; ``test_codec_native.py``: C vs torch)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_rows(
+    rows: int, n: int, seed: int, specials: bool = True, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Rows with per-region magnitudes (1e-3..1e2), exact zeros and a -0, and (optionally)
+    NaN and +-Inf, so groups of every kind occur."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.logspace(-3, 2, n)[torch.randperm(n, generator=g)]
+    x = torch.randn(rows, n, generator=g) * mag
+    x[:, 3:11] = 0.0
+    x[:, 5] = -0.0
+    if specials and n > 40:
+        x[0, n // 2] = float("nan")
+        x[-1, 17] = float("inf")
+        x[rows // 2, n - 1] = -float("inf")
+    return x.to(dtype)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal dtype, shape and bits; NaNs only need to sit at the same places (payloads of
+    NaNs made by arithmetic are not portable)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    if not a.is_floating_point():
+        assert torch.equal(a, b), f"{(a != b).sum().item()} of {a.numel()} bytes differ"
+        return
+    na, nb = torch.isnan(a), torch.isnan(b)
+    assert torch.equal(na, nb), "NaNs at different places"
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    ia, ib = a.view(ints)[~na], b.view(ints)[~nb]
+    assert torch.equal(ia, ib), f"{(ia != ib).sum().item()} of {ia.numel()} values differ"
