@@ -44,9 +44,11 @@ class Net(nn.Module):
         return self.out(h)
 
 
-def _build(cfg: QCommConfig):
+def _build(cfg: QCommConfig, group_io: bool = False):
     torch.manual_seed(0)
     model = Net()
+    if group_io:  # one FSDP group over two modules whose parameters share local names
+        fully_shard([model.inp, model.out])
     for b in model.blocks:
         fully_shard(b)
     fully_shard(model)
@@ -183,6 +185,31 @@ def test_checkpoint_resume_is_bit_identical_4_ranks_two_level(tmp_path):
         ref, no_state = r["ref"][n_before:], r["no_state"]
         assert no_state != ref
         assert max(abs(a - b) / abs(b) for a, b in zip(no_state, ref)) < 0.05
+
+
+def _resume_shared_group(rank, world, root):
+    # torchtitan-style fully_shard([norm, output]): the group's parameters are inp.weight,
+    # inp.bias, out.weight, out.bias; each needs its own checkpoint entry.
+    cfg = QCommConfig.preset("qwd", weight_group_size=32, seed=3)
+    ckpt = os.path.join(root, "step")
+    model, handle, opt = _build(cfg, group_io=True)
+    [_train_step(model, opt, s, rank) for s in range(2)]
+    _save(ckpt, model, opt, handle)
+    ref = [_train_step(model, opt, s, rank) for s in range(2, 4)]
+    keys = sorted(k for st in handle.state_dict()["modules"].values()
+                  for k in st.get("reference", {}))
+    model_b, handle_b, opt_b = _build(cfg, group_io=True)
+    _load(ckpt, model_b, opt_b, handle_b)
+    got = [_train_step(model_b, opt_b, s, rank) for s in range(2, 4)]
+    assert got == ref, (got, ref)
+    assert _full_digests(model_b) == _full_digests(model)
+    return keys
+
+
+def test_checkpoint_names_parameters_of_a_shared_group_apart(tmp_path):
+    keys = run_ranks(_resume_shared_group, 2, str(tmp_path))[0]
+    names = [k for k, _ in Net().named_parameters()]
+    assert keys == sorted(names), keys  # one entry per parameter, under its model name
 
 
 # ---- the consistency guard ---------------------------------------------------------------------

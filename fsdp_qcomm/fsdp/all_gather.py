@@ -97,9 +97,13 @@ class QuantizedAllGather(AllGather):
         stats: CommStats,
         bucket: int,
         name: str,
+        module_names: Optional[dict[int, str]] = None,
     ) -> None:
         super().__init__()
         self._pg = param_group
+        # id(module) -> qualified name from the model root (``enable`` passes the model's
+        # ``named_modules``): names parameters in checkpoints and error messages.
+        self._module_names = module_names
         self._config = config
         self._spec = config.weight_spec()
         self._scheme = config.weight_scheme
@@ -138,18 +142,24 @@ class QuantizedAllGather(AllGather):
     # ---- checkpoints ---------------------------------------------------------------------------
     def _param_names(self) -> list[str]:
         """Qualified names of the module's parameters from the model root (FSDP's own
-        ``_param_fqn`` is only set at its lazy init, so checkpoint templates could not use it)."""
+        ``_param_fqn`` is only set at its lazy init, so checkpoint templates could not use it).
+        A group shared by several modules (``fully_shard([norm, output])``) names each
+        parameter after its own module, so equal local names (two ``weight``) stay apart."""
         if self._names is None:
-            where = {}
-            prefix = "" if self.name == "<root>" else self.name + "."
-            for m in self._pg.modules:
-                for n, sub in m.named_modules():
-                    where.setdefault(id(sub), prefix + (n + "." if n else ""))
-            self._names = [
-                where.get(id(fp._module_info.module), f"{self.name}[{k}].")
-                + fp._module_info.param_name
-                for k, fp in enumerate(self._pg.fsdp_params)
-            ]
+            where = dict(self._module_names or {})
+            if not where:  # built without the root map: prefix this module's name
+                top = "" if self.name == "<root>" else self.name
+                for m in self._pg.modules:
+                    for n, sub in m.named_modules():
+                        where.setdefault(id(sub), ".".join(p for p in (top, n) if p))
+            names = []
+            for k, fp in enumerate(self._pg.fsdp_params):
+                base = where.get(id(fp._module_info.module), f"{self.name}[{k}]")
+                names.append(".".join(p for p in (base, fp._module_info.param_name) if p))
+            if len(set(names)) < len(names):  # never two entries under one name
+                names = [f"{self.name}[{k}].{fp._module_info.param_name}"
+                         for k, fp in enumerate(self._pg.fsdp_params)]
+            self._names = names
         return self._names
 
     def _reference_layout(self) -> Optional[tuple[torch.dtype, tuple[int, ...]]]:

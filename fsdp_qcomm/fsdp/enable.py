@@ -328,8 +328,9 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
 
     stats = CommStats()
     reduce_scatters: list[Any] = []
+    names = {id(m): n for n, m in model.named_modules()}
     for i in installs:  # build everything first: a failing constructor installs nothing
-        i.all_gather = QuantizedAllGather(i.group, config, stats, i.index, i.name)
+        i.all_gather = QuantizedAllGather(i.group, config, stats, i.index, i.name, names)
         if rs_cls is not None:
             reduce_scatters.append(rs_cls(config, stats, i.index, i.group))
             # grad_overlap: FSDP must not divide the output right after the call (the reduction

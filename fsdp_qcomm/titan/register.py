@@ -1,7 +1,7 @@
 """torchtitan 0.2.2 plug-in: ``[experimental] custom_import = "fsdp_qcomm.titan.register"``.
 
 Importing this module (torchtitan does it at the top of ``Trainer.__init__``, before it picks
-the device) does three things, none of which edits torchtitan's files:
+the device) does four things, none of which edits torchtitan's files:
 
 1. on hosts without an accelerator, points torchtitan at the CPU and gloo (``cpu.py``);
 2. adds the offline datasets ``pystdlib``, ``pystdlib_val``, ``text``, ``jsonl`` (``data.py``);
@@ -11,7 +11,9 @@ the device) does three things, none of which edits torchtitan's files:
    * ``build_tokenizer_fn`` that accepts ``hf_assets_path = "fsdp_qcomm:pystdlib_bpe<N>"``;
    * ``parallelize_fn`` = torchtitan's ``parallelize_llama``, then :func:`_install_qcomm`
      (``fsdp_qcomm.enable``) with the ``[qcomm]`` config;
-   * ``build_metrics_processor_fn`` that logs ``qcomm/*`` figures (``comm_stats.py``).
+   * ``build_metrics_processor_fn`` that logs ``qcomm/*`` figures (``comm_stats.py``);
+4. makes torchtitan checkpoints save and load the handles' state under ``"qcomm"``
+   (``checkpoint.py``), so a resumed run continues bit for bit.
 
 Use it together with ``[job] custom_config_module = "fsdp_qcomm.titan.config"`` (the
 ``[qcomm]`` section); without that module the spec runs the "baseline" preset.
@@ -33,8 +35,8 @@ from torchtitan.protocols import train_spec as train_spec_module
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.tools.logging import logger
 
+from fsdp_qcomm.titan import checkpoint, cpu, data
 from fsdp_qcomm.titan import config as qcomm_config
-from fsdp_qcomm.titan import cpu, data
 from fsdp_qcomm.titan.comm_stats import (
     ATTACHMENT_ATTR,
     QCommAttachment,
@@ -127,6 +129,7 @@ def register() -> None:
     if cpu.patch_torchtitan_for_cpu():
         logger.info("qcomm: no accelerator: torchtitan patched to run on CPU with gloo")
     data.register_datasets()
+    checkpoint.patch_checkpoint_manager()
     if TRAIN_SPEC_NAME not in train_spec_module._extra_train_specs:
         train_spec_module.register_train_spec(TRAIN_SPEC_NAME, get_train_spec())
 
