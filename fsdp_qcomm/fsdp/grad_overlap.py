@@ -11,8 +11,9 @@ the synchronous path: only when they are computed changes.
 
 A reduction is deferred only when FSDP will not read its output before backward ends
 (``deferrable``): no gradient to accumulate into, no cast to another dtype, no post-division,
-no HSDP all-reduce, no CPU offload, no post-accumulate-grad hooks. Otherwise the call waits for
-its result, after the ones queued before it.
+no HSDP all-reduce, no CPU offload, no post-accumulate-grad hooks. Otherwise the hook reduces
+synchronously on FSDP's own group, as without the option (the queued reductions use other
+process groups, so the two never interleave on one).
 """
 
 from __future__ import annotations

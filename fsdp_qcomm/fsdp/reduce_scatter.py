@@ -80,14 +80,15 @@ class QuantizedReduceScatter(ReduceScatter):
             rows = input_tensor.reshape(group.size(), -1)
             levels = self.levels.table(rows, group, self.call_count, self.stats)
         self.call_count += 1
-        if self.config.grad_overlap and input_tensor.device.type == "cpu" and group.size() > 1:
+        if (self.config.grad_overlap and input_tensor.device.type == "cpu" and group.size() > 1
+                and deferrable(self.param_group, input_tensor, op)):
             # Groups are created here, on the main thread, in the same order on every rank.
             own = private_group(group)
             if self.config.grad_scheme == "two_level":
                 node_topology(own, self.config.ranks_per_node)
             job = partial(reduce_scatter_quantized, output_tensor, input_tensor, own,
                           self.config, key, op=op, stats=self.stats, levels=levels)
-            QUEUE.submit(job, wait=not deferrable(self.param_group, input_tensor, op))
+            QUEUE.submit(job, wait=False)
             return None
         reduce_scatter_quantized(
             output_tensor, input_tensor, group, self.config, key, op=op, stats=self.stats,

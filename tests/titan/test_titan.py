@@ -440,8 +440,6 @@ def test_checkpoint_without_qcomm_state_loads_with_exclude(sdp4bit_run, tmp_path
     """A checkpoint lacking the "qcomm" entry (written before it existed) still loads with
     --checkpoint.exclude_from_loading qcomm: the hooks start fresh, the first gathers send full
     precision, and training continues close to the uninterrupted run."""
-    import torch.distributed.checkpoint as dcp  # noqa: F401  (only the files are touched)
-
     a = _summary(sdp4bit_run)
     dump = tmp_path / "fresh"
     (dump / "ckpt").mkdir(parents=True)
