@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # the worktree's fsdp_qcomm and tests/_dist.py
+sys.path.insert(0, str(HERE.parent))  # the checkout's fsdp_qcomm
 sys.path.insert(0, str(HERE))
 
 #: scheme label (as in the paper's table) -> QCommConfig preset (None: FSDP's own collectives)
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     from _model import CharData
 
     CharData(a.data)  # fail here, with the message, before spawning ranks
-    from tests._dist import run_ranks
+    from fsdp_qcomm.testing import run_ranks
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)

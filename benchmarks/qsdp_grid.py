@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the gloo launcher shared with the tests
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the checkout's fsdp_qcomm
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _dist import run_ranks  # noqa: E402
+
+from fsdp_qcomm.testing import run_ranks  # noqa: E402
 
 CELLS = ["W32G32", "W8G8", "W6G4", "W5G4", "W4G4", "W4G32", "W3G32", "W2G32", "W8G3", "W8G2"]
 PAPER = {  # QSDP paper, GPT-125M on C4, perplexity (uniform, learned)

@@ -247,7 +247,7 @@ def _link_table(cluster: dict) -> str:
 def main(argv=None) -> int:
     a = _args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from tests._dist import run_ranks
+    from fsdp_qcomm.testing import run_ranks
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

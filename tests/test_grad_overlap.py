@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _dist import digest, run_ranks, same_on_all_ranks
 from _models import MLPBlock
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -23,6 +22,7 @@ import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.fsdp import grad_overlap
 from fsdp_qcomm.fsdp.grad_overlap import QUEUE, ReductionQueue
+from fsdp_qcomm.testing import digest, run_ranks, same_on_all_ranks
 
 
 class Net(nn.Module):

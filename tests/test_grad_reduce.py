@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
 from torch.distributed import ReduceOp
 
 from fsdp_qcomm import QCommConfig
@@ -30,6 +29,7 @@ from fsdp_qcomm.collectives.topology import (
 )
 from fsdp_qcomm.fsdp.reduce_scatter import QuantizedReduceScatter
 from fsdp_qcomm.stats import CommStats
+from fsdp_qcomm.testing import run_ranks
 
 # ---- schemes under test -------------------------------------------------------------------
 SCHEMES = {

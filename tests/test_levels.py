@@ -9,11 +9,11 @@ import hashlib
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
 
 from fsdp_qcomm import QCommConfig, QuantSpec
 from fsdp_qcomm.codec import RngKey, dequantize, quantize, wire_bytes
 from fsdp_qcomm.codec import levels as lv
+from fsdp_qcomm.testing import run_ranks
 
 KEY = RngKey(3, 1, 0, 2)
 

@@ -1,7 +1,7 @@
 """Reliability under FSDP2 + fsdp_qcomm: checkpoint/resume, the consistency guard, non-finite
 values, bad configuration, and a rank dying mid-step.
 
-All on gloo CPU ranks (tests/_dist.py). Checks are bit-level: losses of a resumed run equal the
+All on gloo CPU ranks (fsdp_qcomm.testing). Checks are bit-level: losses of a resumed run equal the
 uninterrupted run's exactly, weights are compared by digest across ranks.
 """
 
@@ -17,9 +17,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from _dist import digest as _digest
-from _dist import run_ranks
-from _dist import same_on_all_ranks as _same_on_all_ranks
 from _models import MLPBlock
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -27,6 +24,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import fsdp_qcomm
 import fsdp_qcomm.fsdp.all_gather as ag_mod
 from fsdp_qcomm import QCommConfig
+from fsdp_qcomm.testing import digest as _digest
+from fsdp_qcomm.testing import run_ranks
+from fsdp_qcomm.testing import same_on_all_ranks as _same_on_all_ranks
 
 
 # ---- a tiny model: sizes that are multiples of no group size -------------------------------

@@ -1,6 +1,6 @@
 """Quantized weight all-gather (direct and qWD) under FSDP2 and on plain process groups.
 
-Every check runs on real gloo ranks (tests/_dist.py) and asserts numbers: bit-identical weights
+Every check runs on real gloo ranks (fsdp_qcomm.testing) and asserts numbers: bit-identical weights
 across ranks, errors against the exact weights within the codec's bound, bytes handed to the
 process group equal to ``handle.stats()`` and to the wire format's size, loss against the
 unhooked run.
@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _dist import run_ranks
-from _dist import same_on_all_ranks as _same_on_all_ranks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -27,6 +25,8 @@ from torch.distributed.tensor import Shard
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig, RngKey, wire_bytes
 from fsdp_qcomm.collectives import weight_gather as wg
+from fsdp_qcomm.testing import run_ranks
+from fsdp_qcomm.testing import same_on_all_ranks as _same_on_all_ranks
 
 
 # ---- models ---------------------------------------------------------------------------------

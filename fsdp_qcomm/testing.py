@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks (CPU processes) and bring back results or tracebacks.
+"""Multi-process CPU runs for tests and benchmarks: run a function on N gloo ranks (CPU
+processes) and bring back results or tracebacks; compare tensors across ranks bit for bit.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes with OMP_NUM_THREADS=1,
 joins them in a gloo group on a free local port, calls ``fn(rank, world_size, *args)`` on each
