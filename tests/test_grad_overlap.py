@@ -197,11 +197,11 @@ def test_queue_runs_in_order_and_drains_outside_backward():
     q = ReductionQueue()
     seen = []
     for i in range(5):
-        q.submit(lambda i=i: seen.append(i), wait=False)  # not in backward: waits at once
+        q.submit(lambda i=i: seen.append(i))  # not in backward: waits at once
     assert seen == list(range(5)) and q.pending == 0 and q.deferred == 0
-    q.submit(lambda: seen.append(5), wait=True)
+    q.submit(lambda: seen.append(5))
     with pytest.raises(ValueError, match="boom"):
-        q.submit(lambda: (_ for _ in ()).throw(ValueError("boom")), wait=True)
+        q.submit(lambda: (_ for _ in ()).throw(ValueError("boom")))
     assert seen == list(range(6))
 
 

@@ -31,6 +31,7 @@ import torch
 
 from ..config import QuantSpec
 from . import torch_codec, wire
+from ._checks import require_key
 from .rng import RngKey, check_counter_range
 
 _SOURCE = Path(__file__).with_name("cpu_native.c")
@@ -128,11 +129,8 @@ def _rows_f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _words(spec: QuantSpec, key: Optional[RngKey]) -> tuple[int, int]:
-    if not spec.stochastic:
-        return 0, 0
-    if key is None:
-        raise ValueError("stochastic rounding needs an RngKey; pass key=RngKey(...)")
-    return key.words()
+    require_key(spec, key)
+    return key.words() if spec.stochastic else (0, 0)
 
 
 def _check(rc: int) -> None:

@@ -37,15 +37,15 @@ class ReductionQueue:
         self._drain_task: Optional[int] = None  # autograd graph task that will drain
         self.deferred = 0  # reductions that were left running when their call returned
 
-    def submit(self, fn: Callable[[], Any], *, wait: bool) -> None:
-        """Run ``fn`` after everything submitted before it. ``wait``: return once it (and they)
-        finished, re-raising their errors; else return at once and let the end of the running
-        backward pass (or the next ``drain``) wait."""
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` after everything submitted before it. Inside backward, return at once and
+        let the end of that backward pass (or the next ``drain``) wait; outside it, wait now,
+        re-raising errors."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="fsdp_qcomm_grad")
             self._pending.append(self._executor.submit(fn))
-        if wait or not self._drain_at_end_of_backward():
+        if not self._drain_at_end_of_backward():
             self.drain()
         else:
             self.deferred += 1

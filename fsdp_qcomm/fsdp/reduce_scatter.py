@@ -80,7 +80,7 @@ class QuantizedReduceScatter(ReduceScatter):
             rows = input_tensor.reshape(group.size(), -1)
             levels = self.levels.table(rows, group, self.call_count, self.stats)
         self.call_count += 1
-        if (self.config.grad_overlap and input_tensor.device.type == "cpu" and group.size() > 1
+        if (self.config.grad_overlap and group.size() > 1
                 and deferrable(self.param_group, input_tensor, op)):
             # Groups are created here, on the main thread, in the same order on every rank.
             own = private_group(group)
@@ -88,7 +88,7 @@ class QuantizedReduceScatter(ReduceScatter):
                 node_topology(own, self.config.ranks_per_node)
             job = partial(reduce_scatter_quantized, output_tensor, input_tensor, own,
                           self.config, key, op=op, stats=self.stats, levels=levels)
-            QUEUE.submit(job, wait=False)
+            QUEUE.submit(job)
             return None
         reduce_scatter_quantized(
             output_tensor, input_tensor, group, self.config, key, op=op, stats=self.stats,

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_qcomm.titan.comm_stats import ATTACHMENT_ATTR
+from fsdp_qcomm.titan.comm_stats import attachment_of
 
 STATE_KEY = "qcomm"
 
@@ -48,12 +48,8 @@ class HandlesState(Stateful):
 
 def handles_of(model_parts) -> list[Any]:
     """The live ``QCommHandle`` of each model part the parallelize wrapper hooked."""
-    out = []
-    for part in model_parts or ():
-        att = getattr(part, ATTACHMENT_ATTR, None)
-        if att is not None and att.handle is not None and att.handle.enabled:
-            out.append(att.handle)
-    return out
+    return [a.handle for a in attachment_of(model_parts)
+            if a.handle is not None and a.handle.enabled]
 
 
 def patch_checkpoint_manager() -> bool:
