@@ -55,8 +55,6 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from ..codec import RngKey
 from ..collectives.level_sync import LevelSync
@@ -68,19 +66,14 @@ from ..collectives.weight_gather import (
 )
 from ..config import QCommConfig
 from ..stats import CommStats
+from . import internals as fsdp
 from .consistency import check_consistent
 
 KIND = "weight_allgather"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_Sig = tuple  # (id(param), param._version, local._version, data._version, data.data_ptr())
-
-
-def _param_signature(fsdp_param: Any) -> _Sig:
-    p = fsdp_param.sharded_param
-    local = fsdp_param._sharded_local_tensor
-    data = fsdp_param._sharded_param_data
-    return (id(p), p._version, local._version, data._version, data.data_ptr())
+_Sig = tuple  # internals.param_signature: param object, versions, data address
+_param_signature = fsdp.param_signature
 
 
 class QuantizedAllGather(AllGather):
@@ -149,15 +142,15 @@ class QuantizedAllGather(AllGather):
             where = dict(self._module_names or {})
             if not where:  # built without the root map: prefix this module's name
                 top = "" if self.name == "<root>" else self.name
-                for m in self._pg.modules:
+                for m in fsdp.group_modules(self._pg):
                     for n, sub in m.named_modules():
                         where.setdefault(id(sub), ".".join(p for p in (top, n) if p))
             names = []
             for k, fp in enumerate(self._pg.fsdp_params):
-                base = where.get(id(fp._module_info.module), f"{self.name}[{k}]")
-                names.append(".".join(p for p in (base, fp._module_info.param_name) if p))
+                base = where.get(id(fsdp.owning_module(fp)), f"{self.name}[{k}]")
+                names.append(".".join(p for p in (base, fsdp.local_param_name(fp)) if p))
             if len(set(names)) < len(names):  # never two entries under one name
-                names = [f"{self.name}[{k}].{fp._module_info.param_name}"
+                names = [f"{self.name}[{k}].{fsdp.local_param_name(fp)}"
                          for k, fp in enumerate(self._pg.fsdp_params)]
             self._names = names
         return self._names
@@ -170,7 +163,7 @@ class QuantizedAllGather(AllGather):
         fps = self._pg.fsdp_params
         if segs is None or not fps:
             return None
-        mp_dtype = self._pg.mp_policy.param_dtype
+        mp_dtype = fsdp.param_dtype(self._pg)
         dtypes = {mp_dtype or fp.sharded_param.dtype for fp in fps}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOAT_DTYPES:
             return None  # mixed dtypes: FSDP gathers raw bytes, we gather plainly
@@ -274,14 +267,14 @@ class QuantizedAllGather(AllGather):
         """Per-parameter shard sizes of the flat buffer, or None and why not."""
         segs = []
         for fp in self._pg.fsdp_params:
-            if fp.sharded_state != ShardedState.SHARDED:
+            if not fsdp.is_sharded(fp):
                 return None, (
                     "parameters are resharded to a smaller group after forward "
                     "(reshard_after_forward=<int>)"
                 )
-            if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+            if fsdp.has_pre_all_gather_extension(fp):
                 return None, "a parameter defines fsdp_pre_all_gather (tensor-subclass extension)"
-            segs.append(math.prod(fp.padded_sharded_param_size))
+            segs.append(fsdp.padded_shard_numel(fp))
         return tuple(segs), ""
 
     def _fallback_reason(
@@ -352,7 +345,7 @@ class QuantizedAllGather(AllGather):
         rank = group.rank()
         sig = self._signature()
         unchanged_backward = (
-            self._pg._training_state == TrainingState.PRE_BACKWARD and sig == self._last_sig
+            fsdp.in_backward(self._pg) and sig == self._last_sig
         )
         if self._scheme == "direct":
             # The backward re-gather of unchanged weights reuses the forward's key, so the
@@ -447,7 +440,7 @@ class QuantizedAllGather(AllGather):
         """``_record``, plus the consistency check when this forward gather is due one."""
         if not self._check_every or group.size() == 1:
             return self._record
-        if self._pg._training_state == TrainingState.PRE_BACKWARD:
+        if fsdp.in_backward(self._pg):
             return self._record
         self._forward_gathers += 1
         if (self._forward_gathers - 1) % self._check_every:

@@ -40,6 +40,7 @@ from torch.optim.optimizer import (
 from ..collectives.topology import group_layout, known_ranks_per_node, resolve_ranks_per_node
 from ..config import QCommConfig
 from ..stats import CommStats
+from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import QUEUE
 from .reduce_scatter import QuantizedReduceScatter
@@ -53,9 +54,8 @@ class _Install:
         self.group = group
         self.name = name
         self.index = index
-        self.prev_all_gather = group._all_gather_comm
-        self.prev_reduce_scatter = group._reduce_scatter_comm
-        self.prev_force_sum = bool(group.force_sum_reduction_for_comms)
+        self.prev_all_gather, self.prev_reduce_scatter = fsdp.installed_comms(group)
+        self.prev_force_sum = fsdp.force_sum(group)
         self.all_gather: Optional[QuantizedAllGather] = None
         self.reduce_scatter: Optional[Any] = None
         self.force_sum = False
@@ -71,10 +71,10 @@ def _is_ours(comm: Any) -> bool:
 
 def _needs_sum_for_gloo(group: Any) -> bool:
     """FSDP would pass PREMUL_SUM (rejected by gloo) for this group's reduce-scatter."""
-    factor = group.gradient_divide_factor
+    factor = fsdp.gradient_divide_factor(group)
     if factor is None:
         return False
-    pg = group.mesh_info.shard_process_group
+    pg = fsdp.shard_group(group)
     return dist.get_backend(pg) == "gloo" and factor != pg.size()
 
 
@@ -250,7 +250,7 @@ def _check_topology(installs: list[_Install], config: QCommConfig) -> None:
             resolve_ranks_per_node(None)  # raises: names LOCAL_WORLD_SIZE / ranks_per_node
         return
     for i in installs:
-        layout = group_layout(i.group.mesh_info.shard_process_group, rpn)
+        layout = group_layout(fsdp.shard_group(i.group), rpn)
         if config.grad_scheme == "two_level" and not layout.regular:
             raise ValueError(f"FSDP module {i.label!r}: {layout._irregular_message()}")
 
@@ -266,7 +266,7 @@ def _collect(model: nn.Module) -> list[_Install]:
             continue
         found = True
         label = name or "<root>"
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = fsdp.param_groups(module)
         if len(groups) > 1:
             raise ValueError(
                 f"FSDP module {label!r} has {len(groups)} parameter groups (per-parameter meshes "
@@ -279,13 +279,13 @@ def _collect(model: nn.Module) -> list[_Install]:
         if id(group) in seen:  # fully_shard([a, b]): one group shared by several modules
             continue
         seen.add(id(group))
-        for comm in (group._all_gather_comm, group._reduce_scatter_comm):
+        for comm in fsdp.installed_comms(group):
             if _is_ours(comm):
                 raise RuntimeError(
                     f"fsdp_qcomm is already enabled on FSDP module {label!r}; call "
                     "handle.disable() on the earlier handle before enabling again"
                 )
-        if group._use_post_forward_mesh:
+        if fsdp.uses_post_forward_mesh(group):
             raise ValueError(
                 f"FSDP module {label!r} uses reshard_after_forward=<int> (reshard to a smaller "
                 "group after forward), which fsdp_qcomm does not support; use True or False"

@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.distributed import ReduceOp
-from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+from . import internals as fsdp
 
 
 class ReductionQueue:
@@ -97,17 +98,17 @@ def deferrable(
     if op == ReduceOp.SUM:
         return False  # forced-sum mode: FSDP divides the output right after the call
     try:
-        if input_tensor.dtype != param_group._orig_dtype:
+        if input_tensor.dtype != fsdp.orig_dtype(param_group):
             return False  # FSDP casts the output to the parameters' dtype right away
-        if isinstance(param_group.mesh_info, DDPMeshInfo):
+        if fsdp.is_hsdp(param_group):
             return False  # HSDP all-reduces the output right away
-        if getattr(param_group, "_partial_reduce_output", None) is not None:
+        if fsdp.partial_reduce_output(param_group) is not None:
             return False
-        if getattr(param_group, "_all_reduce_hook", None) is not None:
+        if fsdp.all_reduce_hook(param_group) is not None:
             return False
-        for fp in param_group.fsdp_params:
+        for fp in fsdp.fsdp_params(param_group):
             p = fp.sharded_param
-            if p.grad is not None or fp.offload_to_cpu:
+            if p.grad is not None or fsdp.offloads_to_cpu(fp):
                 return False  # accumulates into (or copies) the output right away
             if getattr(p, "_post_accumulate_grad_hooks", None):
                 return False  # user code reads the gradient inside backward

@@ -45,6 +45,8 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
+from ..fsdp import internals as fsdp
+
 #: attribute of each (parallelized) model part that carries its QCommAttachment
 ATTACHMENT_ATTR = "_fsdp_qcomm"
 SUMMARY_FILE = "qcomm_summary.json"
@@ -113,33 +115,23 @@ def fsdp_reference(model_parts: Iterable[torch.nn.Module], microbatches: int = 1
         for module in part.modules():
             if not isinstance(module, FSDPModule):
                 continue
-            for group in _param_groups(module):
+            for group in fsdp.param_groups(module):
                 # fully_shard([a, b]) makes a and b share one state and one param group
-                if group is None or not group.fsdp_params or id(group) in seen:
+                if group is None or not fsdp.fsdp_params(group) or id(group) in seen:
                     continue
                 seen.add(id(group))
                 ref = ref.add(_group_reference(group, microbatches))
     return ref
 
 
-def _param_groups(module) -> list:
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # newer torch: per-param meshes
-    if groups is not None:
-        return list(groups)
-    return [state._fsdp_param_group]
-
-
 def _group_reference(group, microbatches: int) -> Reference:
-    ref = Reference(groups=1, world_size=group.mesh_info.shard_mesh_size)
+    ref = Reference(groups=1, world_size=fsdp.shard_group(group).size())
     world = ref.world_size
     # the group re-gathers in backward iff it reshards after forward
-    gathers = microbatches * (2 if group.post_forward_mesh_info is not None else 1)
-    for fp in group.fsdp_params:
-        numel = fp.padded_sharded_param_size.numel()
-        orig = getattr(fp, "orig_dtype", None) or fp.sharded_param.dtype
-        pdt = getattr(fp, "param_dtype", None) or orig
-        rdt = getattr(fp, "reduce_dtype", None) or pdt
+    gathers = microbatches * (2 if fsdp.reshards_after_forward(group) else 1)
+    for fp in fsdp.fsdp_params(group):
+        numel = fsdp.padded_shard_numel(fp)
+        _, pdt, rdt = fsdp.param_dtypes(fp)
         ref.weight_elements += gathers * numel
         ref.weight_bytes += gathers * numel * _dtype_size(pdt)
         ref.grad_elements += microbatches * world * numel
