@@ -241,6 +241,14 @@ class QCommConfig:
         """Quantizer of the inter-node hop, and of the single hop of the one-level scheme."""
         return self._grad_spec(self.grad_inter_bits)
 
+    def replica_spec(self, crosses_nodes: bool) -> QuantSpec:
+        """Quantizer of HSDP's all-reduce across replicas: the inter-node one when the replica
+        group crosses nodes (the usual layout: shard inside a node, replicate across nodes),
+        the intra-node one of the two-level scheme when all replicas share a node."""
+        if self.grad_scheme == "two_level" and not crosses_nodes:
+            return self.grad_intra_spec()
+        return self.grad_inter_spec()
+
     # ---- construction helpers ----------------------------------------------------------
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "QCommConfig":

@@ -2,9 +2,11 @@
 
 A collective records, per call, the bytes of the input it passes to ``torch.distributed``
 (``sent_bytes``), the bytes of the output it receives into (``recv_bytes``), how many logical
-values those bytes carry (``elements``), and the bytes FSDP's own collective would have passed
-for the same call (``baseline_bytes``), so ratios and bits per element come from the same counts
-the tests check against the process group.
+values those bytes carry (``elements``), the bytes FSDP's own collective would have passed
+for the same call (``baseline_bytes``), and how many of the bytes this rank sends are addressed
+to ranks on other nodes (``cross_node_bytes``: what the slow inter-node link must carry for this
+rank, whatever algorithm the process group uses), so ratios and bits per element come from the
+same counts the tests check against the process group.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class KindStats:
     recv_bytes: int = 0
     elements: int = 0
     baseline_bytes: int = 0
+    cross_node_bytes: int = 0
 
     @property
     def bits_per_element(self) -> float:
@@ -37,37 +40,67 @@ class KindStats:
 
 
 class CommStats:
-    """Thread-safe accumulator shared by all hooks of one ``enable`` handle."""
+    """Thread-safe accumulator shared by all hooks of one ``enable`` handle.
+
+    ``count_step`` (called after every optimizer step over the model's parameters) counts a
+    training step when a collective ran since the last counted one, so per-step figures are not
+    diluted by steps that sent nothing of ours (for example the dummy step that
+    ``torch.distributed.checkpoint`` runs to build optimizer state on load).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kinds: dict[str, KindStats] = {}
         self.notes: set[str] = set()
+        self.steps = 0
+        self._calls = 0
+        self._calls_at_step = 0
 
     def record(
-        self, kind: str, *, sent_bytes: int, recv_bytes: int, elements: int, baseline_bytes: int
+        self, kind: str, *, sent_bytes: int, recv_bytes: int, elements: int, baseline_bytes: int,
+        cross_node_bytes: int = 0,
     ) -> None:
         with self._lock:
             k = self._kinds.setdefault(kind, KindStats())
             k.calls += 1
+            self._calls += 1
             k.sent_bytes += int(sent_bytes)
             k.recv_bytes += int(recv_bytes)
             k.elements += int(elements)
             k.baseline_bytes += int(baseline_bytes)
+            k.cross_node_bytes += int(cross_node_bytes)
 
     def note(self, text: str) -> None:
         """Something the user should know (for example a module that fell back to FSDP's gather)."""
         with self._lock:
             self.notes.add(text)
 
+    def count_step(self) -> None:
+        with self._lock:
+            if self._calls > self._calls_at_step:
+                self.steps += 1
+                self._calls_at_step = self._calls
+
     def snapshot(self) -> dict:
-        """``{kind: {calls, sent_bytes, ..., bits_per_element, ratio_vs_baseline},
-        "notes": [...]}``."""
+        """``{kind: {calls, sent_bytes, ..., cross_node_bytes, bits_per_element,
+        ratio_vs_baseline}, "summary": {...}, "notes": [...]}``. ``summary``: ``steps``
+        (``count_step``), ``sent_bytes`` and ``cross_node_bytes`` over all kinds, and both per
+        step (0.0 before the first counted step)."""
         with self._lock:
             out: dict = {k: v.as_dict() for k, v in sorted(self._kinds.items())}
+            sent = sum(v.sent_bytes for v in self._kinds.values())
+            cross = sum(v.cross_node_bytes for v in self._kinds.values())
+            steps = self.steps
+            out["summary"] = {
+                "steps": steps, "sent_bytes": sent, "cross_node_bytes": cross,
+                "sent_bytes_per_step": sent / steps if steps else 0.0,
+                "cross_node_bytes_per_step": cross / steps if steps else 0.0,
+            }
             out["notes"] = sorted(self.notes)
             return out
 
     def reset(self) -> None:
         with self._lock:
             self._kinds.clear()
+            self.steps = 0
+            self._calls = self._calls_at_step = 0

@@ -447,8 +447,8 @@ def test_other_world_sizes(coll):
     intra = [coll[r][("world2_tlq", 4)] for r in (1, 3)]
     assert _rel([e for e, _ in inter]) < BOUNDS[("gauss", "tlq")]
     assert _rel([e for e, _ in intra]) < BOUNDS[("gauss", "one_level8")]
-    assert set(inter[0][1]) == {"grad_inter", "notes"}
-    assert set(intra[0][1]) == {"grad_intra", "notes"}
+    assert set(inter[0][1]) == {"grad_inter", "summary", "notes"}
+    assert set(intra[0][1]) == {"grad_intra", "summary", "notes"}
     assert all(_gather(coll, "world1_copy"))
 
 
@@ -691,7 +691,7 @@ def test_fsdp_stats_count_every_reduce_scatter(fsdp):
     assert snap["grad_intra"]["calls"] == snap["grad_inter"]["calls"] == 3 * TRAIN_STEPS
     assert 8.25 <= snap["grad_intra"]["bits_per_element"] < 8.6
     assert 4.25 <= snap["grad_inter"]["bits_per_element"] < 4.6
-    assert set(fsdp[0]["one_level8"]["stats"]) == {"grad_inter", "notes"}
+    assert set(fsdp[0]["one_level8"]["stats"]) == {"grad_inter", "summary", "notes"}
 
 
 def test_fsdp_runs_are_reproducible(fsdp):

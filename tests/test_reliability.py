@@ -367,11 +367,12 @@ def _misuse(rank, world):
     before = [g._all_gather_comm for g in groups]
     with pytest.raises(ValueError, match="ranks_per_node=3 does not divide the world size 4"):
         fsdp_qcomm.enable(model, QCommConfig.preset("tlq", ranks_per_node=3))
-    # two-level without any node information
-    os.environ.pop("LOCAL_WORLD_SIZE", None)
-    with pytest.raises(ValueError, match="set QCommConfig.ranks_per_node"):
-        fsdp_qcomm.enable(model, QCommConfig.preset("sdp4bit"))
     assert [g._all_gather_comm for g in groups] == before  # nothing installed
+    # two-level without node information: the host names say one node of 4 ranks
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    derived = fsdp_qcomm.enable(model, QCommConfig.preset("sdp4bit"))
+    assert (derived.placement.ranks_per_node, derived.placement.source) == (4, "host names")
+    derived.disable()
     # a checkpoint from a differently sharded model
     handle = fsdp_qcomm.enable(model, _SDP4)
     with pytest.raises(ValueError, match="covers FSDP modules .* apply fully_shard"):

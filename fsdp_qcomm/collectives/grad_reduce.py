@@ -45,6 +45,7 @@ Stats (``CommStats``), one record per call and hop, summed over chunks:
 kind ``"grad_intra"`` for a hop whose peers all share a node, ``"grad_inter"`` for one that
 crosses nodes. Two-level records both; the one-level hop is ``"grad_intra"`` only when the whole
 group sits on one node, else ``"grad_inter"`` (also when node placement is unknown).
+``cross_node_bytes``: the rows addressed to group members on other nodes.
 ``sent_bytes`` / ``recv_bytes``: bytes of the send / receive buffers handed to
 ``all_to_all_single`` (all rows, the row for oneself included); ``elements``: logical values those
 rows carry (before Hadamard padding); ``baseline_bytes``: what ``reduce_scatter_single`` would
@@ -68,7 +69,7 @@ from ..codec import levels as _levels
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QCommConfig, QuantSpec
 from ..stats import CommStats
-from .topology import group_layout, known_ranks_per_node, node_topology
+from .topology import NodeLayout, Topology, group_layout, known_ranks_per_node, node_topology
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # One quantize call may cover at most 2^32 RNG counters (codec.rng); stay well below.
@@ -135,13 +136,16 @@ def reduce_scatter_quantized(
     op: Union[ReduceOp, "ReduceOp.RedOpType"] = ReduceOp.SUM,
     stats: Optional[CommStats] = None,
     levels: Optional[torch.Tensor] = None,
+    topology: Optional[Topology] = None,
 ) -> None:
     """Quantized ``reduce_scatter_single``: writes this rank's reduced shard into ``output``.
 
     Blocking (returns once ``output`` is written). Collective over ``group`` (None: the default
-    group); on its first use with a two-level config it also creates the node subgroups
-    (``topology.node_topology``). ``key`` seeds stochastic rounding: the same key and inputs give
-    the same bits; pass a fresh key (``RngKey(seed, step, rank, bucket)``) every call.
+    group). ``topology``: the group's node layout and subgroups, as ``enable`` creates them up
+    front (``node_topology`` for two levels, ``layout_topology`` for one); without it a two-level
+    call creates the node subgroups on first use. ``key`` seeds stochastic rounding: the same key
+    and inputs give the same bits; pass a fresh key (``RngKey(seed, step, rank, bucket)``) every
+    call.
     """
     if config.grad_scheme == "none":
         raise ValueError(
@@ -174,7 +178,7 @@ def reduce_scatter_quantized(
     baseline = input.numel() * input.element_size()
 
     if config.grad_scheme == "two_level":
-        topo = node_topology(group, config.ranks_per_node)
+        topo = topology or node_topology(group, config.ranks_per_node)
         lay = topo.layout
         if lay.num_nodes > 1 and lay.local_size > 1:
             hop1 = _Hop(topo.intra, config.grad_intra_spec(), "grad_intra")
@@ -183,21 +187,28 @@ def reduce_scatter_quantized(
             t1, t2 = _two_hops(out, x, spans, hop1, hop2, perm, lay.local_size, lay.num_nodes,
                                hadamard, key, finish)
             if stats is not None:
+                # hop 2 sends one row to each node, all but one of them remote
                 stats.record(hop1.kind, sent_bytes=t1.sent, recv_bytes=t1.recv,
                              elements=world * m, baseline_bytes=baseline)
                 stats.record(hop2.kind, sent_bytes=t2.sent, recv_bytes=t2.recv,
-                             elements=lay.num_nodes * m, baseline_bytes=baseline)
+                             elements=lay.num_nodes * m, baseline_bytes=baseline,
+                             cross_node_bytes=t2.sent * (lay.num_nodes - 1) // lay.num_nodes)
             return
         if lay.num_nodes == 1:
             hop = _Hop(group, config.grad_intra_spec(), "grad_intra")
         else:
             hop = _Hop(group, config.grad_inter_spec(), "grad_inter")
+        remote = lay.remote_peers
     else:
-        hop = _Hop(group, config.grad_inter_spec(), _one_level_kind(group, config))
+        lay = topology.layout if topology is not None else _known_layout(group, config)
+        kind = "grad_inter" if lay is None or lay.num_nodes > 1 else "grad_intra"
+        hop = _Hop(group, config.grad_inter_spec(), kind)
+        remote = world - 1 if lay is None else lay.remote_peers
     t = _one_hop(out, x, spans, hop, hadamard, key, finish, levels)
     if stats is not None:
+        # one equal row per group rank; placement unknown counts every peer as remote
         stats.record(hop.kind, sent_bytes=t.sent, recv_bytes=t.recv, elements=world * m,
-                     baseline_bytes=baseline)
+                     baseline_bytes=baseline, cross_node_bytes=t.sent * remote // world)
 
 
 def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int) -> None:
@@ -229,12 +240,11 @@ def _hop1_perm(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return t
 
 
-def _one_level_kind(group: Optional[ProcessGroup], config: QCommConfig) -> str:
+def _known_layout(group: Optional[ProcessGroup], config: QCommConfig) -> Optional[NodeLayout]:
+    """The group's node layout, or None when the placement is unknown (the hop then counts as
+    crossing nodes)."""
     rpn = known_ranks_per_node(config.ranks_per_node)
-    if rpn is None:
-        return "grad_inter"  # placement unknown: count the hop as crossing nodes
-    lay = group_layout(group, rpn)
-    return "grad_intra" if lay.num_nodes == 1 else "grad_inter"
+    return None if rpn is None else group_layout(group, rpn)
 
 
 def _a2a(send: torch.Tensor, group: Optional[ProcessGroup], tally: _Tally):

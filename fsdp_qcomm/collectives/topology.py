@@ -3,7 +3,10 @@
 A node is a block of ``ranks_per_node`` consecutive global ranks (what torchrun and SLURM block
 placement give): global rank ``g`` lives on node ``g // ranks_per_node``. ``ranks_per_node``
 comes from ``QCommConfig.ranks_per_node`` when set, else from ``LOCAL_WORLD_SIZE`` (set by
-torchrun), so one machine can pretend to be several nodes in tests.
+torchrun), else from the ranks' host names. ``resolve_placement`` (called once by ``enable``)
+checks the choice against the host names: ranks treated as one node must share a host, and
+nodes that share a host (one machine pretending to be several nodes, as the tests and the
+emulated cluster do) are accepted only when ``ranks_per_node`` was set explicitly.
 
 The members of a process group are arranged as a grid ``nodes x local``: nodes in order of node
 id, and inside a node the members in order of global rank. ``grid[q][p]`` is the group rank of
@@ -16,8 +19,9 @@ index the grid directly.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -57,6 +61,122 @@ def resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
 
 
 @dataclass(frozen=True)
+class NodePlacement:
+    """Where the ranks run: ``ranks_per_node`` and where it came from (``source``), the host
+    of every global rank, and whether several nodes share a host (``emulated``)."""
+
+    ranks_per_node: int
+    source: str
+    hosts: tuple[str, ...]
+    emulated: bool
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.hosts) // self.ranks_per_node
+
+    def describe(self) -> str:
+        how = "emulated on shared hosts" if self.emulated else "one host each"
+        return (f"{self.num_nodes} node(s) of {self.ranks_per_node} rank(s) ({self.source}; "
+                f"{how})")
+
+
+def check_placement(
+    ranks_per_node: Optional[int], source: str, hosts: Sequence[str]
+) -> NodePlacement:
+    """Check a node size against the host of every global rank (pure; ``hosts[g]`` is global
+    rank ``g``'s host name). ``ranks_per_node`` None derives it from the hosts.
+
+    Ranks the package treats as one node must share a host (else the "intra-node" hop would
+    cross the network). Nodes sharing a host are an emulation: accepted only when ``source`` is
+    the explicit ``QCommConfig.ranks_per_node``, since a ``LOCAL_WORLD_SIZE`` smaller than a
+    host's ranks usually means several launchers per machine by mistake.
+    """
+    hosts = tuple(hosts)
+    world = len(hosts)
+    if ranks_per_node is None:
+        ranks_per_node, source = _node_size_from_hosts(hosts), "host names"
+    if world % ranks_per_node:
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node} does not divide the world size {world} (from "
+            f"{source}); every node must run the same number of ranks. Set "
+            "QCommConfig.ranks_per_node (or LOCAL_WORLD_SIZE) to a divisor of the world size"
+        )
+    blocks = [hosts[a:a + ranks_per_node] for a in range(0, world, ranks_per_node)]
+    for q, block in enumerate(blocks):
+        if len(set(block)) > 1:
+            first = q * ranks_per_node
+            raise ValueError(
+                f"ranks {first}..{first + ranks_per_node - 1} are treated as one node "
+                f"(ranks_per_node={ranks_per_node} from {source}) but run on hosts "
+                f"{sorted(set(block))}; traffic between them would cross the network as "
+                "'intra-node'. Set QCommConfig.ranks_per_node to the number of ranks on each "
+                "host (ranks of one host must be consecutive)"
+            )
+    owners = [b[0] for b in blocks]
+    emulated = len(set(owners)) < len(owners)
+    if emulated and source != _EXPLICIT:
+        shared = sorted({h for h in owners if owners.count(h) > 1})
+        raise ValueError(
+            f"{source} says nodes of {ranks_per_node} rank(s), but several of those nodes run on "
+            f"the same host ({', '.join(shared)}), for example two torchrun launchers on one "
+            "machine. To emulate several nodes on one host on purpose, set "
+            f"QCommConfig.ranks_per_node={ranks_per_node} explicitly"
+        )
+    return NodePlacement(ranks_per_node, source, hosts, emulated)
+
+
+_EXPLICIT = "QCommConfig.ranks_per_node"
+
+
+def _node_size_from_hosts(hosts: tuple[str, ...]) -> int:
+    """The node size when every host runs one block of consecutive ranks of the same size."""
+    runs: list[list] = []
+    for h in hosts:
+        if runs and runs[-1][0] == h:
+            runs[-1][1] += 1
+        else:
+            runs.append([h, 1])
+    sizes = {n for _, n in runs}
+    if len(sizes) == 1 and len({h for h, _ in runs}) == len(runs):
+        return sizes.pop()
+    layout = ", ".join(f"{h} x{n}" for h, n in runs)
+    raise ValueError(
+        f"cannot tell the node size from the host names (runs of consecutive ranks: {layout}); "
+        "fsdp_qcomm needs every host to run one block of consecutive ranks of the same size. "
+        "Set QCommConfig.ranks_per_node (or LOCAL_WORLD_SIZE) to the ranks per node"
+    )
+
+
+_HOSTS: dict[tuple, tuple[str, ...]] = {}
+
+
+def host_names() -> tuple[str, ...]:
+    """The host name of every global rank (``socket.gethostname``), gathered once per process
+    group world and cached. Collective on first use: every rank must call it."""
+    world = dist.group.WORLD
+    key = (id(world), dist.get_world_size())
+    hit = _HOSTS.get(key)
+    if hit is None:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, socket.gethostname())
+        hit = _HOSTS[key] = tuple(str(h) for h in every)
+    return hit
+
+
+def resolve_placement(ranks_per_node: Optional[int]) -> NodePlacement:
+    """The node placement ``enable`` uses: ``ranks_per_node`` if given (explicit), else
+    ``LOCAL_WORLD_SIZE``, else the host names, checked by ``check_placement``. Collective on
+    first use (``host_names``)."""
+    if ranks_per_node is not None:
+        rpn, source = resolve_ranks_per_node(ranks_per_node), _EXPLICIT
+    elif _ENV in os.environ:
+        rpn, source = resolve_ranks_per_node(None), _ENV
+    else:
+        rpn, source = None, "host names"
+    return check_placement(rpn, source, host_names())
+
+
+@dataclass(frozen=True)
 class NodeLayout:
     """The members of one process group laid out by node (see the module docstring).
 
@@ -81,6 +201,12 @@ class NodeLayout:
     @property
     def regular(self) -> bool:
         return len({len(n) for n in self.nodes}) == 1
+
+    @property
+    def remote_peers(self) -> int:
+        """Members of the group on other nodes than the caller."""
+        q, _ = self.position(self.rank)
+        return self.size - len(self.nodes[q])
 
     @property
     def local_size(self) -> int:
@@ -162,7 +288,7 @@ class Topology:
 _CACHE: dict[tuple, Topology] = {}
 
 
-def _alive(pg: Optional[ProcessGroup]) -> bool:
+def is_alive(pg: Optional[ProcessGroup]) -> bool:
     if pg is None:
         return True
     try:
@@ -188,7 +314,7 @@ def node_topology(group: Optional[ProcessGroup], ranks_per_node: Optional[int]) 
     pg = group if group is not None else dist.group.WORLD
     cache_key = (pg.group_name, layout.global_ranks, layout.ranks_per_node)
     hit = _CACHE.get(cache_key)
-    if hit is not None and _alive(hit.intra) and _alive(hit.inter):
+    if hit is not None and is_alive(hit.intra) and is_alive(hit.inter):
         return hit
     if not layout.regular:
         raise ValueError(layout._irregular_message())
@@ -221,6 +347,11 @@ def node_topology(group: Optional[ProcessGroup], ranks_per_node: Optional[int]) 
     return topo
 
 
+def layout_topology(group: Optional[ProcessGroup], ranks_per_node: Optional[int]) -> Topology:
+    """The layout of ``group`` without subgroups (what a single-hop collective needs)."""
+    return Topology(group_layout(group, ranks_per_node), None, None)
+
+
 _CLONES: dict[tuple, ProcessGroup] = {}
 
 
@@ -236,7 +367,7 @@ def private_group(group: Optional[ProcessGroup]) -> ProcessGroup:
     ranks = tuple(dist.get_process_group_ranks(pg))
     key = (pg.group_name, ranks)
     hit = _CLONES.get(key)
-    if hit is not None and _alive(hit):
+    if hit is not None and is_alive(hit):
         return hit
     whole_world = len(ranks) == dist.get_world_size()
     clone = dist.new_group(list(ranks), use_local_synchronization=not whole_world,
@@ -265,6 +396,12 @@ def _check_subgroup_order(topo: Topology, q: int, p: int) -> None:
 
 __all__ = [
     "NodeLayout",
+    "NodePlacement",
+    "check_placement",
+    "host_names",
+    "is_alive",
+    "layout_topology",
+    "resolve_placement",
     "Topology",
     "group_layout",
     "known_ranks_per_node",

@@ -117,6 +117,8 @@ class QuantizedAllGather(AllGather):
         self._forward_gathers = 0
         self._pending_ref: Optional[torch.Tensor] = None
         self._names: Optional[list[str]] = None
+        # members of the gather group on other nodes (set by ``enable``; None: count all peers)
+        self.remote_peers: Optional[int] = None
 
     # ---- state queries used by the handle ---------------------------------------------------
     @property
@@ -430,7 +432,7 @@ class QuantizedAllGather(AllGather):
         self.modes["qwd_restore"] += 1
         self._stats.record(
             KIND, sent_bytes=base, recv_bytes=q.world * base, elements=q.numel,
-            baseline_bytes=base,
+            baseline_bytes=base, cross_node_bytes=base * self._remote(),
         )
         return input
 
@@ -458,11 +460,17 @@ class QuantizedAllGather(AllGather):
 
         return done
 
+    def _remote(self) -> int:
+        if self.remote_peers is None:
+            return fsdp.shard_group(self._pg).size() - 1
+        return self.remote_peers
+
     def _record(self, o: GatherOutcome) -> None:
         self.modes[o.mode] += 1
+        # every other member receives this rank's row: the remote ones over the slow link
         self._stats.record(
             KIND, sent_bytes=o.sent_bytes, recv_bytes=o.recv_bytes, elements=o.elements,
-            baseline_bytes=o.baseline_bytes,
+            baseline_bytes=o.baseline_bytes, cross_node_bytes=o.sent_bytes * self._remote(),
         )
 
 

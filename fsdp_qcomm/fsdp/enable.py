@@ -16,6 +16,17 @@ have such a factor (where FSDP's own reduce-scatter would fail); ``disable`` res
 previous setting. With ``grad_overlap`` it does not: FSDP's division would run before a
 deferred reduction wrote its output, so the hook applies AVG / PREMUL_SUM itself.
 
+Node placement and process groups. ``enable`` gathers every rank's host name once and checks
+the node size (``QCommConfig.ranks_per_node``, else ``LOCAL_WORLD_SIZE``, else the host names)
+against them (``topology.resolve_placement``); then it creates every process group the hooks
+will use (node subgroups, ``grad_overlap``'s private groups, HSDP's single-rank group) on every
+rank in the same order, so none is created lazily inside a backward pass.
+
+HSDP. On a 2-D ``(replicate, shard)`` mesh with quantized gradients, the all-reduce across
+replicas runs quantized too (``fsdp.hsdp``): 8-bit inside the node (reduce-scatter), 4-bit
+across nodes (all-reduce) under the sdp4bit preset, with native HSDP's scaling, accumulation
+and DTensor placements, and bit-identical gradients on every replica.
+
 Checkpoints. ``QCommHandle`` is a ``torch.distributed.checkpoint`` ``Stateful``: put it in the
 dict passed to ``dcp.save`` / ``dcp.load`` next to the model and optimizer state. It carries each
 module's RNG call counters (weights and gradients: stochastic rounding is keyed by them) and its
@@ -37,13 +48,21 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ..collectives.topology import group_layout, known_ranks_per_node, resolve_ranks_per_node
+from ..collectives.topology import (
+    NodePlacement,
+    group_layout,
+    layout_topology,
+    node_topology,
+    private_group,
+    resolve_placement,
+)
 from ..config import QCommConfig
 from ..stats import CommStats
+from . import hsdp
 from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import QUEUE
-from .reduce_scatter import QuantizedReduceScatter
+from .reduce_scatter import PreparedGroup, QuantizedReduceScatter
 
 
 class _Install:
@@ -58,6 +77,7 @@ class _Install:
         self.prev_force_sum = fsdp.force_sum(group)
         self.all_gather: Optional[QuantizedAllGather] = None
         self.reduce_scatter: Optional[Any] = None
+        self.replica: Optional[hsdp.ReplicaAllReduce] = None
         self.force_sum = False
 
     @property
@@ -79,19 +99,25 @@ def _needs_sum_for_gloo(group: Any) -> bool:
 
 
 class QCommHandle:
-    """What ``enable`` returns: statistics, a reset for qWD references, and ``disable``."""
+    """What ``enable`` returns: statistics, a reset for qWD references, and ``disable``.
+    ``placement`` says which ranks the hooks treat as one node and why."""
 
     def __init__(
-        self, model: nn.Module, config: QCommConfig, installs: list[_Install], stats: CommStats
+        self, model: nn.Module, config: QCommConfig, installs: list[_Install], stats: CommStats,
+        placement: Optional[NodePlacement] = None,
     ) -> None:
         self.config = config
+        self.placement = placement
         self._model = model
         self._installs = installs
         self._stats = stats
         self._enabled = True
-        self._tracker: Optional[_OptimizerTracker] = None
-        if config.weight_scheme == "qwd":
-            self._tracker = _OptimizerTracker([i.all_gather for i in installs if i.all_gather])
+        gathers = [i.all_gather for i in installs if i.all_gather] if (
+            config.weight_scheme == "qwd") else []
+        replicas = [i.replica for i in installs if i.replica is not None]
+        self._tracker: Optional[_OptimizerTracker] = _OptimizerTracker(
+            gathers, replicas, stats, [i.group for i in installs]
+        )
 
     @property
     def enabled(self) -> bool:
@@ -128,12 +154,14 @@ class QCommHandle:
         """Checkpointable state, per FSDP module: ``weight_calls`` and ``grad_calls`` (RNG call
         counters) and, for qWD, ``reference_valid`` and ``reference`` (this rank's shard of the
         reference, one DTensor per parameter). Save it with torch.distributed.checkpoint (or
-        pass the handle itself, a ``Stateful``); the tensors are views of live buffers."""
+        pass the handle itself, a ``Stateful``); the tensors are views of live buffers. Under HSDP
+        ``replica_calls`` counts each module's quantized all-reduces across replicas."""
         self._check_enabled("state_dict")
         modules: dict[str, Any] = {}
         for i in self._installs:
             state = i.all_gather.checkpoint_state() if i.all_gather is not None else {}
             state["grad_calls"] = i.reduce_scatter.call_count if i.reduce_scatter else 0
+            state["replica_calls"] = i.replica.call_count if i.replica is not None else 0
             modules[i.label] = state
         return {"version": _STATE_VERSION, "modules": modules}
 
@@ -161,6 +189,8 @@ class QCommHandle:
                 i.all_gather.load_checkpoint_state(saved[i.label])
             if i.reduce_scatter is not None:
                 i.reduce_scatter.call_count = int(saved[i.label].get("grad_calls", 0))
+            if i.replica is not None:
+                i.replica.call_count = int(saved[i.label].get("replica_calls", 0))
 
     def reset(self) -> None:
         """Make the next weight gather of every module send full precision (call on every rank,
@@ -180,6 +210,8 @@ class QCommHandle:
         for i in self._installs:
             i.module.set_custom_all_gather(i.prev_all_gather)
             i.module.set_custom_reduce_scatter(i.prev_reduce_scatter)
+            if i.replica is not None:
+                hsdp.uninstall(i.replica)
             if i.force_sum:
                 i.module.set_force_sum_reduction_for_comms(i.prev_force_sum)
             if i.all_gather is not None:
@@ -197,11 +229,19 @@ class QCommHandle:
 
 class _OptimizerTracker:
     """Global ``torch.optim`` step hooks telling qWD gathers which version bumps an optimizer
-    made. Holds the gathers weakly: they live as long as the model (FSDP references them), so
+    made, checking before each step that HSDP's replica all-reduce hooks are still installed,
+    and counting the steps over the model's parameters for the per-step stats.
+    Holds the gathers weakly: they live as long as the model (FSDP references them), so
     dropping the handle keeps tracking and does not keep a dead model alive."""
 
-    def __init__(self, gathers: list[QuantizedAllGather]) -> None:
+    def __init__(
+        self, gathers: list[QuantizedAllGather], replicas: list[hsdp.ReplicaAllReduce],
+        stats: CommStats, groups: list[Any],
+    ) -> None:
         self._refs = [weakref.ref(g) for g in gathers]
+        self._replicas = [weakref.ref(r) for r in replicas]
+        self._stats = stats
+        self._groups = [weakref.ref(g) for g in groups]
         self._handles = [
             register_optimizer_step_pre_hook(self._pre),
             register_optimizer_step_post_hook(self._post),
@@ -217,6 +257,10 @@ class _OptimizerTracker:
         return {id(p) for g in optimizer.param_groups for p in g["params"]}
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for ref in self._replicas:  # HSDP: no step on gradients the replicas did not share
+            r = ref()
+            if r is not None:
+                r.check_installed()
         gathers = self._live()
         if gathers:
             ids = self._ids(optimizer)
@@ -224,11 +268,12 @@ class _OptimizerTracker:
                 g.optimizer_step_pre(ids)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        gathers = self._live()
-        if gathers:
-            ids = self._ids(optimizer)
-            for g in gathers:
-                g.optimizer_step_post(ids)
+        ids = self._ids(optimizer)
+        for g in self._live():
+            g.optimizer_step_post(ids)
+        if any(id(fp.sharded_param) in ids for ref in self._groups if (pg := ref()) is not None
+               for fp in fsdp.fsdp_params(pg)):
+            self._stats.count_step()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -240,18 +285,13 @@ _STATE_VERSION = 1
 
 
 def _check_topology(installs: list[_Install], config: QCommConfig) -> None:
-    """Quantized gradients need to know which ranks share a node (two-level routing, stats);
-    check the node size against every module's group now rather than in the first backward."""
-    if config.grad_scheme == "none":
-        return
-    rpn = known_ranks_per_node(config.ranks_per_node)
-    if rpn is None:
-        if config.grad_scheme == "two_level":
-            resolve_ranks_per_node(None)  # raises: names LOCAL_WORLD_SIZE / ranks_per_node
+    """Two-level reduction needs every node to hold the same number of the group's ranks; check
+    every module's reduce-scatter group now rather than in the first backward."""
+    if config.grad_scheme != "two_level":
         return
     for i in installs:
-        layout = group_layout(fsdp.shard_group(i.group), rpn)
-        if config.grad_scheme == "two_level" and not layout.regular:
+        layout = group_layout(fsdp.reduce_scatter_group(i.group), config.ranks_per_node)
+        if not layout.regular:
             raise ValueError(f"FSDP module {i.label!r}: {layout._irregular_message()}")
 
 
@@ -323,33 +363,87 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
     installs = _collect(model)
-    _check_topology(installs, config)
-    rs_cls = QuantizedReduceScatter if config.grad_scheme != "none" else None
+    placement = resolve_placement(config.ranks_per_node)  # collective: host names, once
+    run = config.replace(ranks_per_node=placement.ranks_per_node)
+    _check_topology(installs, run)
+    quantized_grads = config.grad_scheme != "none"
 
     stats = CommStats()
-    reduce_scatters: list[Any] = []
     names = {id(m): n for n, m in model.named_modules()}
-    for i in installs:  # build everything first: a failing constructor installs nothing
-        i.all_gather = QuantizedAllGather(i.group, config, stats, i.index, i.name, names)
-        if rs_cls is not None:
-            reduce_scatters.append(rs_cls(config, stats, i.index, i.group))
+    # Build everything first (a failing constructor installs nothing), creating every process
+    # group now, on every rank in the same order: never lazily inside the first backward.
+    for i in installs:
+        gather_group = fsdp.shard_group(i.group)
+        i.all_gather = QuantizedAllGather(i.group, run, stats, i.index, i.name, names)
+        i.all_gather.remote_peers = group_layout(gather_group, run.ranks_per_node).remote_peers
+        if quantized_grads:
+            i.reduce_scatter = _build_reduce_scatter(i, run, stats)
             # grad_overlap: FSDP must not divide the output right after the call (the reduction
             # may still be running), so it keeps passing AVG / PREMUL_SUM(1/f) to the hook.
             i.force_sum = not config.grad_overlap
+            i.replica = _build_replica(i, run, stats, placement)
         elif _needs_sum_for_gloo(i.group):
             i.force_sum = True
             stats.note(
-                f"{i.name or '<root>'}: gloo cannot run FSDP's PREMUL_SUM reduce-scatter "
+                f"{i.label}: gloo cannot run FSDP's PREMUL_SUM reduce-scatter "
                 "(gradient divide factor set); forced SUM reduction, FSDP divides afterwards"
             )
-    for k, i in enumerate(installs):
+        if fsdp.is_hsdp(i.group) and i.replica is None and not quantized_grads:
+            stats.note(
+                f"{i.label}: HSDP's all-reduce across replicas stays FSDP's own, unquantized "
+                "(grad_scheme='none')"
+            )
+    for i in installs:
         i.module.set_custom_all_gather(i.all_gather)
-        if reduce_scatters:
-            i.reduce_scatter = reduce_scatters[k]
+        if i.reduce_scatter is not None:
             i.module.set_custom_reduce_scatter(i.reduce_scatter)
+        if i.replica is not None:
+            hsdp.install(i.replica)
         if i.force_sum:
             i.module.set_force_sum_reduction_for_comms(True)
-    return QCommHandle(model, config, installs, stats)
+    return QCommHandle(model, config, installs, stats, placement)
+
+
+def _build_reduce_scatter(
+    i: _Install, run: QCommConfig, stats: CommStats
+) -> QuantizedReduceScatter:
+    """The module's quantized reduce-scatter with its process groups prepared."""
+    group = fsdp.reduce_scatter_group(i.group)
+    prepare = node_topology if run.grad_scheme == "two_level" else layout_topology
+    prepared = PreparedGroup(group, prepare(group, run.ranks_per_node))
+    overlap = None
+    if run.grad_overlap and group.size() > 1:
+        own = private_group(group)
+        overlap = PreparedGroup(own, prepare(own, run.ranks_per_node))
+    return QuantizedReduceScatter(run, stats, i.index, i.group, prepared=prepared,
+                                  prepared_overlap=overlap)
+
+
+def _build_replica(
+    i: _Install, run: QCommConfig, stats: CommStats, placement: NodePlacement
+) -> Optional[hsdp.ReplicaAllReduce]:
+    """HSDP: the quantized all-reduce across replicas (None for 1-D FSDP or one replica).
+
+    Its quantizer is the inter-node one when the replica group crosses nodes, which is the
+    standard layout. A replica group only partly spread over nodes (several replicas on one
+    node) runs the same single hop over all replicas and says so in the stats notes."""
+    replicas = hsdp.original_replicate_group(i.group)
+    if replicas is None or replicas.size() == 1:
+        return None
+    layout = group_layout(replicas, run.ranks_per_node)
+    remote = layout.remote_peers
+    if 0 < remote < layout.size - 1:
+        stats.note(
+            f"{i.label}: {layout.size - remote - 1} other replica(s) share this rank's node "
+            f"({placement.describe()}); the replica all-reduce runs as one quantized hop over "
+            "all replicas with the inter-node quantizer (put one replica per node to avoid it)"
+        )
+    return hsdp.ReplicaAllReduce(
+        i.group, replicas, run.replica_spec(crosses_nodes=remote > 0),
+        hadamard=run.grad_hadamard, seed=run.seed, bucket=i.index, stats=stats,
+        chunks=run.grad_pipeline_chunks, remote_peers=remote,
+        user_hook=fsdp.all_reduce_hook(i.group), label=i.label,
+    )
 
 
 __all__ = ["QCommHandle", "enable"]

@@ -58,6 +58,13 @@ def shard_group(group: ParamGroup) -> dist.ProcessGroup:
     return group.mesh_info.shard_process_group
 
 
+def reduce_scatter_group(group: ParamGroup) -> dist.ProcessGroup:
+    """The group FSDP hands the reduce-scatter: the shard group, or the dedicated one from
+    ``set_separate_reduce_scatter_group``."""
+    info = group.mesh_info
+    return getattr(info, "reduce_scatter_process_group", None) or info.shard_process_group
+
+
 def is_hsdp(group: ParamGroup) -> bool:
     """True for a 2-D (replicate, shard) mesh: FSDP all-reduces gradients across replicas."""
     info = group.mesh_info
@@ -218,6 +225,7 @@ __all__ = [
     "param_groups",
     "param_signature",
     "partial_reduce_output",
+    "reduce_scatter_group",
     "replicate_group",
     "reshards_after_forward",
     "set_all_reduce_hook",

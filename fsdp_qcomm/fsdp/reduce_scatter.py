@@ -12,6 +12,7 @@ hook's return value, so the call finishes before returning, except with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional, Sequence, Union
 
@@ -23,10 +24,19 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..codec import RngKey
 from ..collectives.grad_reduce import reduce_scatter_quantized
 from ..collectives.level_sync import LevelSync
-from ..collectives.topology import node_topology, private_group
+from ..collectives.topology import Topology, node_topology, private_group
 from ..config import QCommConfig
 from ..stats import CommStats
 from .grad_overlap import QUEUE, deferrable
+
+
+@dataclass(frozen=True)
+class PreparedGroup:
+    """A process group a hook will be handed, with its node topology (and subgroups) created by
+    ``enable`` up front: creating process groups inside backward risks a hang on NCCL."""
+
+    group: ProcessGroup
+    topology: Topology
 
 
 class QuantizedReduceScatter(ReduceScatter):
@@ -39,10 +49,15 @@ class QuantizedReduceScatter(ReduceScatter):
     refits the gradient level table from all ranks' gradients every ``levels_refresh_every``
     calls (``call_count`` is its step). ``param_group``: the module's FSDP param group, which
     ``grad_overlap`` inspects to decide whether a reduction may finish after the call.
+    ``prepared`` / ``prepared_overlap``: FSDP's reduce-scatter group and ``grad_overlap``'s private
+    copy of it, with their topologies (from ``enable``); without them the topology and the
+    private group are created on first use.
     """
 
     def __init__(
-        self, config: QCommConfig, stats: CommStats, bucket: int, param_group: Optional[Any] = None
+        self, config: QCommConfig, stats: CommStats, bucket: int, param_group: Optional[Any] = None,
+        *, prepared: Optional[PreparedGroup] = None,
+        prepared_overlap: Optional[PreparedGroup] = None,
     ) -> None:
         if config.grad_scheme == "none":
             raise ValueError(
@@ -55,6 +70,8 @@ class QuantizedReduceScatter(ReduceScatter):
         self.stats = stats
         self.bucket = bucket
         self.param_group = param_group
+        self.prepared = prepared
+        self.prepared_overlap = prepared_overlap
         self.call_count = 0
         self.levels = None
         if config.grad_levels == "learned":
@@ -80,21 +97,36 @@ class QuantizedReduceScatter(ReduceScatter):
             rows = input_tensor.reshape(group.size(), -1)
             levels = self.levels.table(rows, group, self.call_count, self.stats)
         self.call_count += 1
+        topology = self._prepared_topology(group)
         if (self.config.grad_overlap and group.size() > 1
                 and deferrable(self.param_group, input_tensor, op)):
-            # Groups are created here, on the main thread, in the same order on every rank.
-            own = private_group(group)
-            if self.config.grad_scheme == "two_level":
-                node_topology(own, self.config.ranks_per_node)
+            if self.prepared_overlap is not None:
+                own, own_topology = self.prepared_overlap.group, self.prepared_overlap.topology
+            else:  # created here, on the main thread, in the same order on every rank
+                own, own_topology = private_group(group), None
+                if self.config.grad_scheme == "two_level":
+                    own_topology = node_topology(own, self.config.ranks_per_node)
             job = partial(reduce_scatter_quantized, output_tensor, input_tensor, own,
-                          self.config, key, op=op, stats=self.stats, levels=levels)
+                          self.config, key, op=op, stats=self.stats, levels=levels,
+                          topology=own_topology)
             QUEUE.submit(job)
             return None
         reduce_scatter_quantized(
             output_tensor, input_tensor, group, self.config, key, op=op, stats=self.stats,
-            levels=levels,
+            levels=levels, topology=topology,
         )
         return None
 
+    def _prepared_topology(self, group: ProcessGroup) -> Optional[Topology]:
+        if self.prepared is None:
+            return None
+        if group is not self.prepared.group:
+            raise RuntimeError(
+                f"FSDP handed reduce-scatter bucket {self.bucket} a process group other than the "
+                "one fsdp_qcomm.enable() prepared (was set_separate_reduce_scatter_group called "
+                "after enable?). Change FSDP's groups before enable(), or disable and enable again"
+            )
+        return self.prepared.topology
 
-__all__ = ["QuantizedReduceScatter"]
+
+__all__ = ["PreparedGroup", "QuantizedReduceScatter"]

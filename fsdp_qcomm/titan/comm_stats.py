@@ -141,7 +141,7 @@ def _group_reference(group, microbatches: int) -> Reference:
 
 # --------------------------------------------------------------------------- measured
 WEIGHT_KIND = "weight_allgather"
-GRAD_KINDS = ("grad_intra", "grad_inter")
+GRAD_KINDS = ("grad_intra", "grad_inter", "grad_replica")
 _FIELDS = ("calls", "sent_bytes", "recv_bytes", "elements", "baseline_bytes")
 
 
@@ -155,7 +155,8 @@ def split_stats(stats: Mapping) -> dict[str, float]:
     ``grad_inter_{sent,elements}``. Raises ValueError on a kind it does not know, so that a
     new collective cannot silently go uncounted.
     """
-    unknown = sorted(k for k in stats if k != "notes" and k != WEIGHT_KIND and k not in GRAD_KINDS)
+    unknown = sorted(k for k in stats if k not in ("notes", "summary", WEIGHT_KIND)
+                     and k not in GRAD_KINDS)
     if unknown:
         raise ValueError(
             f"handle.stats() has collective kinds {unknown} that fsdp_qcomm.titan.comm_stats "

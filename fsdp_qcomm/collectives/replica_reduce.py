@@ -1,0 +1,170 @@
+"""Quantized all-reduce of one flat buffer among replicas: HSDP's cross-node gradient hop.
+
+Same contract as ``dist.all_reduce(tensor, op, group)`` (in place), with the sum built from
+quantized copies (no FSDP needed):
+
+1. The ``m`` values are cut into ``R`` rows of ``c = ceil(m / R)`` (zero-padded to ``R * c``);
+   row ``j`` is quantized (after the 32-point Hadamard rotation with ``hadamard=True``) and sent
+   to replica ``j`` by one ``all_to_all_single``.
+2. Replica ``j`` decodes the ``R`` rows it received, sums them in fp32 in source order and
+   re-encodes the sum (``codec.reduce_requantize``; the rotation is kept, sums commute with it).
+3. One ``all_gather_single`` of the re-encoded rows. Every replica, the owner of each row
+   included, decodes the very same ``R`` rows with the same code (inverse rotation once), applies
+   the op in fp32 and writes the ``m`` values. Every replica therefore ends with bit-identical
+   values; none keeps its exact partial sum.
+
+So each value crosses the replica group twice at the spec's width (``2 (R-1)/R`` rows of
+``wire_bytes(c)`` per replica, where a ring all-reduce of fp32 sends ``2 (R-1)/R * 4m`` bytes).
+Columns are split into spans aligned to the quantization groups (``chunks``, and as many as the
+RNG counter range needs); the all-to-all of span ``s + 1`` is in flight while span ``s`` is
+re-encoded and gathered. Group boundaries and bytes do not depend on the span count.
+
+Stats: one ``CommStats`` record per call under ``kind`` (default ``"grad_replica"``):
+``sent_bytes`` = the all-to-all send buffer (all ``R`` rows) plus this replica's all-gather row;
+``recv_bytes`` = the all-to-all receive buffer plus the gathered rows; ``elements`` = the values
+those sends carry, ``R * c + c`` (padding included, before Hadamard padding);
+``baseline_bytes`` = what ``dist.all_reduce`` is handed (``m`` values in the tensor's dtype);
+``cross_node_bytes`` = the rows addressed to replicas on other nodes (``remote_peers`` of them:
+``R - 1`` when the placement is unknown).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from .. import codec
+from ..codec import RngKey
+from ..codec._checks import FLOAT_DTYPES
+from ..codec.wire import HADAMARD_BLOCK
+from ..config import QuantSpec
+from ..stats import CommStats
+from .grad_reduce import _MAX_CALL_ELEMENTS, chunk_spans, reduce_op_finisher
+
+KIND = "grad_replica"
+# Keys of this collective never repeat a reduce-scatter's or a weight gather's stream.
+_REPLICA_SALT = 1 << 41
+
+
+def replica_key(seed: int, call: int, rank: int, bucket: int) -> RngKey:
+    """The RNG key of call ``call`` of module ``bucket``'s replica all-reduce on global rank
+    ``rank`` (independent of the reduce-scatter keys built from the same numbers)."""
+    return RngKey(seed, call, rank, bucket).fold(_REPLICA_SALT)
+
+
+def replica_wire_bytes(m: int, replicas: int, spec: QuantSpec, hadamard: bool) -> int:
+    """Bytes of one wire row (all-to-all and all-gather rows are equal) for ``m`` values in a
+    single span: each replica sends ``R + 1`` such rows per call."""
+    c = -(-m // replicas)
+    return codec.wire_bytes(codec.hadamard_len(c) if hadamard else c, spec)
+
+
+def all_reduce_quantized(
+    tensor: torch.Tensor,
+    group: Optional[ProcessGroup],
+    spec: QuantSpec,
+    key: RngKey,
+    *,
+    hadamard: bool = False,
+    op: Union[ReduceOp, "ReduceOp.RedOpType"] = ReduceOp.SUM,
+    chunks: int = 1,
+    stats: Optional[CommStats] = None,
+    kind: str = KIND,
+    remote_peers: Optional[int] = None,
+) -> None:
+    """Quantized in-place ``all_reduce`` of a flat float ``tensor`` over ``group`` (blocking).
+
+    ``op``: SUM, AVG (sum / R) or PREMUL_SUM (sum * factor), applied once to the fp32 sum.
+    ``key`` seeds stochastic rounding (pass a fresh one per call, e.g. ``replica_key``).
+    ``remote_peers``: members of ``group`` on other nodes than this rank, for the stats.
+    A quantization group holding NaN/Inf decodes as NaN on every replica.
+    """
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"quantized all-reduce takes float32/bfloat16/float16, got {tensor.dtype}; use "
+            "dist.all_reduce for other dtypes"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError("the all-reduced tensor must be contiguous: it is written in place")
+    replicas = dist.get_world_size(group)
+    finish = reduce_op_finisher(op, replicas)
+    m = tensor.numel()
+    if m == 0:
+        return
+    flat = tensor.view(-1)
+    if replicas == 1:
+        if finish is not None:
+            flat.copy_(finish(flat.to(torch.float32)))
+        return
+    c = -(-m // replicas)
+    x = torch.zeros(replicas * c, dtype=tensor.dtype, device=tensor.device)
+    x[:m].copy_(flat)
+    x = x.view(replicas, c)
+    padded = codec.hadamard_len(c) if hadamard else c
+    align = math.lcm(spec.group_size, HADAMARD_BLOCK) if hadamard else spec.group_size
+    chunks = max(chunks, -(-replicas * padded // _MAX_CALL_ELEMENTS))
+    spans = chunk_spans(c, chunks, align)
+    out = torch.empty(replicas, c, dtype=torch.float32, device=tensor.device)
+    sent = recv = row = 0  # row: bytes of one a2a row plus one gathered row, over all spans
+
+    def start(s: int):
+        nonlocal sent, recv, row
+        a, b = spans[s]
+        send = codec.quantize(x[:, a:b], spec, key.fold(s).fold(1), hadamard=hadamard)
+        got = torch.empty_like(send)
+        work = dist.all_to_all_single(got, send, group=group, async_op=True)
+        sent += send.numel()
+        recv += got.numel()
+        row += send.shape[-1]
+        return work, send, got
+
+    def gather(s: int, in_flight):
+        nonlocal sent, recv, row
+        work, _send, got = in_flight
+        work.wait()
+        a, b = spans[s]
+        n = codec.hadamard_len(b - a) if hadamard else b - a
+        mine = codec.reduce_requantize(got, n, spec, spec, key.fold(s).fold(2))
+        every = torch.empty(replicas * mine.numel(), dtype=torch.uint8, device=tensor.device)
+        gwork = dist.all_gather_single(every, mine, group=group, async_op=True)
+        sent += mine.numel()
+        recv += every.numel()
+        row += mine.numel()
+        return gwork, mine, every
+
+    def decode(s: int, in_flight) -> None:
+        gwork, _mine, every = in_flight
+        gwork.wait()
+        a, b = spans[s]
+        rows = every.view(replicas, -1)
+        out[:, a:b] = codec.dequantize(rows, b - a, spec, hadamard=hadamard)
+
+    hop1 = start(0)
+    hop2 = None
+    for s in range(len(spans)):
+        cur = hop1
+        if s + 1 < len(spans):
+            hop1 = start(s + 1)
+        nxt = gather(s, cur)
+        if hop2 is not None:
+            decode(s - 1, hop2)
+        hop2 = nxt
+    decode(len(spans) - 1, hop2)
+
+    res = out.view(-1)[:m]
+    if finish is not None:
+        res = finish(res)
+    flat.copy_(res)
+    if stats is not None:
+        remote = replicas - 1 if remote_peers is None else remote_peers
+        stats.record(
+            kind, sent_bytes=sent, recv_bytes=recv, elements=replicas * c + c,
+            baseline_bytes=m * tensor.element_size(), cross_node_bytes=remote * row,
+        )
+
+
+__all__ = ["KIND", "all_reduce_quantized", "replica_key", "replica_wire_bytes"]
