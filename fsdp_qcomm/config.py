@@ -104,7 +104,10 @@ class QCommConfig:
 
     ``grad_overlap`` (CPU process groups): run each module's gradient reduction on a background
     thread so it overlaps the rest of backward, as FSDP's reduce-scatter stream does on GPUs;
-    ``backward()`` returns once all reductions finished. Same bytes and values.
+    ``backward()`` returns once all reductions finished. Same bytes and values. Under HSDP the
+    all-reduce across replicas is the part that runs there. With ``grad_scheme="none"`` the
+    reductions stay unquantized but run on that thread too: the reference point that isolates
+    what quantization gains.
 
     ``consistency_check_every`` (0 = off): every K-th forward weight gather of each FSDP module,
     the ranks compare exact integer checksums of the weights they are about to compute with and
@@ -188,12 +191,6 @@ class QCommConfig:
                 msg = msg.replace(f"{owner}.{prefix}_scale_dtype", f"{owner}.scale_dtype")
                 raise ValueError(msg) from None
         self._check_levels()
-        if self.grad_overlap and self.grad_scheme == "none":
-            raise ValueError(
-                "QCommConfig.grad_overlap=True needs a quantized gradient scheme (FSDP's own "
-                "reduce-scatter is not ours to defer); set grad_scheme='one_level' or "
-                "'two_level', or grad_overlap=False"
-            )
         if self.grad_hadamard and self.grad_scheme == "none":
             raise ValueError(
                 "QCommConfig.grad_hadamard=True needs a quantized gradient scheme; set "

@@ -205,11 +205,29 @@ def test_queue_runs_in_order_and_drains_outside_backward():
     assert seen == list(range(6))
 
 
-def test_config_refuses_overlap_without_a_gradient_scheme():
-    with pytest.raises(ValueError, match="grad_overlap=True needs a quantized gradient scheme"):
-        QCommConfig(grad_overlap=True)
+def test_config_checks_the_overlap_flag():
+    assert QCommConfig.preset("baseline", grad_overlap=True).grad_scheme == "none"
     with pytest.raises(ValueError, match="grad_overlap must be a bool"):
         QCommConfig(grad_scheme="two_level", grad_overlap=1)
+
+
+def _unquantized(rank, world):
+    fsdp_own = _train(QCommConfig.preset("baseline", ranks_per_node=2), 3)
+    threaded = _train(QCommConfig.preset("baseline", ranks_per_node=2, grad_overlap=True), 3)
+    return fsdp_own, threaded
+
+
+def test_unquantized_reductions_on_the_thread_match_fsdp():
+    """grad_scheme='none' with grad_overlap: FSDP's unquantized reduction on the background
+    thread (the reference for what quantization alone gains), same values up to the rounding
+    of SUM-then-divide against FSDP's AVG, and the bytes of an fp32 reduce-scatter."""
+    for fsdp_own, threaded in run_ranks(_unquantized, 4):
+        assert fsdp_own["grad_bytes"] == {} and fsdp_own["deferred"] == 0
+        assert threaded["deferred"] == 4 * 3
+        # 3 steps x 4 modules: fp32 inputs of 4 rows of the padded shards (2 emulated nodes)
+        assert set(threaded["grad_bytes"]) == {"grad_inter"}
+        for k, g in fsdp_own["grad_values"].items():
+            torch.testing.assert_close(threaded["grad_values"][k], g, rtol=2e-6, atol=1e-9)
 
 
 def test_deferrable_refuses_what_fsdp_reads_at_once():

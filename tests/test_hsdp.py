@@ -380,6 +380,34 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
         res["guard"] = str(e)
     h.disable()
 
+    # grad_overlap: the replica all-reduce runs on the background thread, same bits
+    from fsdp_qcomm.fsdp.grad_overlap import QUEUE
+
+    overlap = {}
+    for label, cfg in (("sdp4bit", sdp4), ("baseline", QCommConfig(ranks_per_node=2))):
+        mdl, h, mesh = _build(shape, cfg.replace(grad_overlap=True))
+        before = QUEUE.deferred
+        got = _train_steps(mdl, h, 3, rank)
+        overlap[label] = dict(deferred=QUEUE.deferred - before, grads=got["grads"],
+                              losses=got["losses"], stats=h.stats(),
+                              identical=all(_same_across_replicas(g, mesh) for g in got["grads"]))
+        h.disable()
+    mdl, h, _ = _build(shape, sdp4)
+    sync = _train_steps(mdl, h, 3, rank)
+    h.disable()
+    nat, _, _ = _build(shape)
+    native = _train_steps(nat, None, 3, rank)  # FSDP's own HSDP, its default AVG ops
+    res["overlap"] = dict(
+        sdp4bit_exact=sync["losses"] == overlap["sdp4bit"]["losses"] and all(
+            torch.equal(a[k], b[k]) for a, b in zip(sync["grads"], overlap["sdp4bit"]["grads"])
+            for k in a),
+        baseline_err=max(_rel(a, b) for a, b in zip(overlap["baseline"]["grads"],
+                                                    native["grads"])),
+        deferred={k: v["deferred"] for k, v in overlap.items()},
+        identical={k: v["identical"] for k, v in overlap.items()},
+        baseline_stats=overlap["baseline"]["stats"],
+    )
+
     # disable restores FSDP's own HSDP: bit-identical to a model never enabled
     nat, _, _ = _build(shape)
     a = _train_steps(nat, None, 1, rank)["grads"][0]
@@ -507,6 +535,21 @@ def test_user_hook_runs_after_ours_and_replacing_ours_is_refused(two_by_two):
         calls, values, grads = r["user_hook"]
         assert calls == two_by_two[0]["train"]["modules"] and values >= grads
         assert "all-reduce hook was replaced after fsdp_qcomm.enable()" in r["guard"]
+
+
+def test_overlap_defers_the_replica_all_reduce(two_by_two):
+    modules = two_by_two[0]["train"]["modules"]
+    for r in two_by_two:
+        o = r["overlap"]
+        assert o["sdp4bit_exact"] and all(o["identical"].values())
+        assert o["deferred"] == {"sdp4bit": 3 * modules, "baseline": 3 * modules}
+        assert o["baseline_err"] < 1e-6  # unquantized: FSDP's values up to rounding
+        st = o["baseline_stats"]
+        numel = sum(two_by_two[0]["train"]["group_numels"])
+        # fp32 all-reduce of each shard: 4 bytes per value, half of it crosses to the other
+        # replica in each of the reduce-scatter and all-gather phases
+        assert st["grad_replica"]["sent_bytes"] == 3 * 4 * numel
+        assert st["grad_replica"]["cross_node_bytes"] == 3 * 4 * numel
 
 
 def test_disable_restores_native_hsdp(two_by_two):

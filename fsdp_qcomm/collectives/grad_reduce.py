@@ -211,6 +211,42 @@ def reduce_scatter_quantized(
                      baseline_bytes=baseline, cross_node_bytes=t.sent * remote // world)
 
 
+def reduce_scatter_plain(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[ProcessGroup],
+    *,
+    op: Union[ReduceOp, "ReduceOp.RedOpType"] = ReduceOp.SUM,
+    stats: Optional[CommStats] = None,
+    topology: Optional[Topology] = None,
+) -> None:
+    """An unquantized ``reduce_scatter_tensor`` (SUM, then ``op`` applied like the quantized
+    one) that reports its bytes like the quantized ones: the reference point that shows what
+    quantization alone gains (``QCommConfig.grad_overlap`` with ``grad_scheme="none"``).
+    Blocking. Stats: ``sent_bytes`` = the input handed to the process group, ``recv_bytes`` =
+    the output; ``cross_node_bytes`` = the rows of group members on other nodes."""
+    world = dist.get_world_size(group)
+    _check_buffers(output, input, world)
+    finish = reduce_op_finisher(op, world)
+    if output.numel() == 0:
+        return
+    if world == 1:
+        res = input.reshape(-1).to(torch.float32)
+        output.view(-1).copy_(finish(res.clone()) if finish is not None else res)
+        return
+    dist.reduce_scatter_tensor(output.view(-1), input.reshape(-1), op=ReduceOp.SUM, group=group)
+    if finish is not None:
+        output.copy_(finish(output.to(torch.float32)))
+    if stats is not None:
+        lay = topology.layout if topology is not None else None
+        remote = world - 1 if lay is None else lay.remote_peers
+        kind = "grad_inter" if lay is None or lay.num_nodes > 1 else "grad_intra"
+        sent = input.numel() * input.element_size()
+        stats.record(kind, sent_bytes=sent, recv_bytes=output.numel() * output.element_size(),
+                     elements=input.numel(), baseline_bytes=sent,
+                     cross_node_bytes=sent * remote // world)
+
+
 def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int) -> None:
     for name, t in (("input", input), ("output", output)):
         if t.dtype not in _FLOAT_DTYPES:
@@ -331,4 +367,4 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: 
     return t1, t2
 
 
-__all__ = ["chunk_spans", "reduce_op_finisher", "reduce_scatter_quantized"]
+__all__ = ["chunk_spans", "reduce_op_finisher", "reduce_scatter_plain", "reduce_scatter_quantized"]

@@ -167,4 +167,34 @@ def all_reduce_quantized(
         )
 
 
-__all__ = ["KIND", "all_reduce_quantized", "replica_key", "replica_wire_bytes"]
+def all_reduce_plain(
+    tensor: torch.Tensor,
+    group: Optional[ProcessGroup],
+    *,
+    op: Union[ReduceOp, "ReduceOp.RedOpType"] = ReduceOp.SUM,
+    stats: Optional[CommStats] = None,
+    kind: str = KIND,
+    remote_peers: Optional[int] = None,
+) -> None:
+    """An unquantized in-place ``dist.all_reduce`` (SUM, then ``op`` in fp32) that reports its
+    bytes like ``all_reduce_quantized``: the reference point for the gain of quantization alone.
+    ``cross_node_bytes`` counts what a bandwidth-optimal all-reduce sends to remote replicas
+    (a reduce-scatter and an all-gather, each ``(R - 1) / R`` of the buffer: ``2 m / R`` values
+    per remote replica)."""
+    replicas = dist.get_world_size(group)
+    finish = reduce_op_finisher(op, replicas)
+    if tensor.numel() == 0:
+        return
+    if replicas > 1:
+        dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
+    if finish is not None:
+        tensor.copy_(finish(tensor.to(torch.float32)))
+    if stats is not None and replicas > 1:
+        nbytes = tensor.numel() * tensor.element_size()
+        remote = replicas - 1 if remote_peers is None else remote_peers
+        stats.record(kind, sent_bytes=nbytes, recv_bytes=nbytes, elements=tensor.numel(),
+                     baseline_bytes=nbytes, cross_node_bytes=2 * nbytes * remote // replicas)
+
+
+__all__ = ["KIND", "all_reduce_plain", "all_reduce_quantized", "replica_key",
+           "replica_wire_bytes"]

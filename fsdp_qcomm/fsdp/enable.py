@@ -367,6 +367,7 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     run = config.replace(ranks_per_node=placement.ranks_per_node)
     _check_topology(installs, run)
     quantized_grads = config.grad_scheme != "none"
+    our_reduction = quantized_grads or config.grad_overlap  # overlap alone: unquantized, threaded
 
     stats = CommStats()
     names = {id(m): n for n, m in model.named_modules()}
@@ -376,7 +377,7 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
         gather_group = fsdp.shard_group(i.group)
         i.all_gather = QuantizedAllGather(i.group, run, stats, i.index, i.name, names)
         i.all_gather.remote_peers = group_layout(gather_group, run.ranks_per_node).remote_peers
-        if quantized_grads:
+        if our_reduction:
             i.reduce_scatter = _build_reduce_scatter(i, run, stats)
             # grad_overlap: FSDP must not divide the output right after the call (the reduction
             # may still be running), so it keeps passing AVG / PREMUL_SUM(1/f) to the hook.
@@ -388,7 +389,7 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
                 f"{i.label}: gloo cannot run FSDP's PREMUL_SUM reduce-scatter "
                 "(gradient divide factor set); forced SUM reduction, FSDP divides afterwards"
             )
-        if fsdp.is_hsdp(i.group) and i.replica is None and not quantized_grads:
+        if fsdp.is_hsdp(i.group) and i.replica is None and not our_reduction:
             stats.note(
                 f"{i.label}: HSDP's all-reduce across replicas stays FSDP's own, unquantized "
                 "(grad_scheme='none')"
@@ -432,6 +433,7 @@ def _build_replica(
         return None
     layout = group_layout(replicas, run.ranks_per_node)
     remote = layout.remote_peers
+    quantized = run.grad_scheme != "none"
     if 0 < remote < layout.size - 1:
         stats.note(
             f"{i.label}: {layout.size - remote - 1} other replica(s) share this rank's node "
@@ -439,10 +441,11 @@ def _build_replica(
             "all replicas with the inter-node quantizer (put one replica per node to avoid it)"
         )
     return hsdp.ReplicaAllReduce(
-        i.group, replicas, run.replica_spec(crosses_nodes=remote > 0),
+        i.group, replicas, run.replica_spec(crosses_nodes=remote > 0) if quantized else None,
         hadamard=run.grad_hadamard, seed=run.seed, bucket=i.index, stats=stats,
         chunks=run.grad_pipeline_chunks, remote_peers=remote,
         user_hook=fsdp.all_reduce_hook(i.group), label=i.label,
+        overlap_group=private_group(replicas) if run.grad_overlap else None,
     )
 
 

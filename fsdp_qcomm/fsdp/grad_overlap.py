@@ -13,7 +13,9 @@ A reduction is deferred only when FSDP will not read its output before backward 
 (``deferrable``): no gradient to accumulate into, no cast to another dtype, no post-division,
 no HSDP all-reduce, no CPU offload, no post-accumulate-grad hooks. Otherwise the hook reduces
 synchronously on FSDP's own group, as without the option (the queued reductions use other
-process groups, so the two never interleave on one).
+process groups, so the two never interleave on one). Under HSDP the reduce-scatter inside the
+node stays synchronous (FSDP reads its output at once) and the all-reduce across replicas,
+the slow hop, is the one deferred (``replica_deferrable``, ``fsdp.hsdp``).
 """
 
 from __future__ import annotations
@@ -87,34 +89,55 @@ class ReductionQueue:
 QUEUE = ReductionQueue()
 
 
+def _output_read_late(param_group: Any, dtype: torch.dtype) -> bool:
+    """FSDP2 (``foreach_reduce``) only makes views of the reduced output before backward ends:
+    no cast to the parameters' dtype, no gradient to add it to, no CPU offload copy, no
+    post-accumulate-grad hook reading it."""
+    if dtype != fsdp.orig_dtype(param_group):
+        return False  # FSDP casts the output to the parameters' dtype right away
+    for fp in fsdp.fsdp_params(param_group):
+        p = fp.sharded_param
+        if p.grad is not None or fsdp.offloads_to_cpu(fp):
+            return False  # accumulates into (or copies) the output right away
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            return False  # user code reads the gradient inside backward
+    return True
+
+
 def deferrable(
     param_group: Any, input_tensor: torch.Tensor, op: Union[ReduceOp, "ReduceOp.RedOpType"]
 ) -> bool:
-    """Whether FSDP2 (``foreach_reduce``) leaves this reduce-scatter's output unread until
-    backward ends, so the reduction may finish later. Reads FSDP's private param-group state
-    (checked against torch 2.13); anything unexpected means "no"."""
+    """Whether FSDP2 leaves this reduce-scatter's output unread until backward ends, so the
+    reduction may finish later. Reads FSDP's private param-group state (checked against torch
+    2.13 and 2.14); anything unexpected means "no"."""
     if input_tensor.device.type != "cpu" or param_group is None:
         return False
     if op == ReduceOp.SUM:
         return False  # forced-sum mode: FSDP divides the output right after the call
     try:
-        if input_tensor.dtype != fsdp.orig_dtype(param_group):
-            return False  # FSDP casts the output to the parameters' dtype right away
         if fsdp.is_hsdp(param_group):
-            return False  # HSDP all-reduces the output right away
+            return False  # HSDP all-reduces the output right away (fsdp.hsdp defers that)
         if fsdp.partial_reduce_output(param_group) is not None:
             return False
         if fsdp.all_reduce_hook(param_group) is not None:
             return False
-        for fp in fsdp.fsdp_params(param_group):
-            p = fp.sharded_param
-            if p.grad is not None or fsdp.offloads_to_cpu(fp):
-                return False  # accumulates into (or copies) the output right away
-            if getattr(p, "_post_accumulate_grad_hooks", None):
-                return False  # user code reads the gradient inside backward
+        return _output_read_late(param_group, input_tensor.dtype)
     except AttributeError:
         return False
-    return True
 
 
-__all__ = ["QUEUE", "ReductionQueue", "deferrable"]
+def replica_deferrable(param_group: Any, tensor: torch.Tensor) -> bool:
+    """Whether FSDP2 leaves the output of HSDP's all-reduce hook unread until backward ends (no
+    division after the hook, and ``_output_read_late``), so the hook may finish later. Called
+    from inside the hook, with FSDP's state as it will use it."""
+    if tensor.device.type != "cpu":
+        return False
+    try:
+        if fsdp.post_divide_factor(param_group, tensor.dtype) is not None:
+            return False
+        return _output_read_late(param_group, tensor.dtype)
+    except AttributeError:
+        return False
+
+
+__all__ = ["QUEUE", "ReductionQueue", "deferrable", "replica_deferrable"]

@@ -29,17 +29,19 @@ optimizer step instead of letting the replicas drift apart silently.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from ..collectives.replica_reduce import all_reduce_quantized, replica_key
+from ..collectives.replica_reduce import all_reduce_plain, all_reduce_quantized, replica_key
 from ..collectives.topology import is_alive
 from ..config import QuantSpec
 from ..stats import CommStats
 from . import internals as fsdp
+from .grad_overlap import QUEUE, replica_deferrable
 
 Hook = Callable[[torch.Tensor], None]
 
@@ -71,14 +73,17 @@ class ReplicaAllReduce:
 
     ``bucket`` (the module's index) and ``call_count`` key the stochastic rounding:
     ``replica_key(seed, call_count, global rank, bucket)``; ``call_count`` is checkpointed by
-    the handle so a resumed run draws the same bits.
+    the handle so a resumed run draws the same bits. ``spec`` None runs the all-reduce
+    unquantized (``grad_scheme="none"`` with ``grad_overlap``). ``overlap_group``: a private copy
+    of the replica group (``grad_overlap``); when FSDP will not read the output before backward
+    ends (``replica_deferrable``) the all-reduce runs on the background thread over it.
     """
 
     def __init__(
         self,
         param_group: Any,
         replica_group: ProcessGroup,
-        spec: QuantSpec,
+        spec: Optional[QuantSpec],
         *,
         hadamard: bool,
         seed: int,
@@ -88,6 +93,7 @@ class ReplicaAllReduce:
         remote_peers: Optional[int] = None,
         user_hook: Optional[Hook] = None,
         label: str = "",
+        overlap_group: Optional[ProcessGroup] = None,
     ) -> None:
         self.param_group = param_group
         self.replica_group = replica_group
@@ -100,6 +106,7 @@ class ReplicaAllReduce:
         self.remote_peers = remote_peers
         self.user_hook = user_hook
         self.label = label or "<root>"
+        self.overlap_group = overlap_group
         self.call_count = 0
 
     @property
@@ -110,12 +117,23 @@ class ReplicaAllReduce:
         op = replica_op(fsdp.gradient_divide_factor(self.param_group))
         key = replica_key(self.seed, self.call_count, dist.get_rank(), self.bucket)
         self.call_count += 1
-        all_reduce_quantized(
-            reduce_output, self.replica_group, self.spec, key, hadamard=self.hadamard, op=op,
-            chunks=self.chunks, stats=self.stats, remote_peers=self.remote_peers,
-        )
+        if (self.overlap_group is not None and self.user_hook is None
+                and replica_deferrable(self.param_group, reduce_output)):
+            QUEUE.submit(partial(self._reduce, reduce_output, self.overlap_group, op, key))
+            return
+        self._reduce(reduce_output, self.replica_group, op, key)
         if self.user_hook is not None:
             self.user_hook(reduce_output)
+
+    def _reduce(self, tensor: torch.Tensor, group: ProcessGroup, op: Any, key: Any) -> None:
+        if self.spec is None:
+            all_reduce_plain(tensor, group, op=op, stats=self.stats,
+                             remote_peers=self.remote_peers)
+            return
+        all_reduce_quantized(
+            tensor, group, self.spec, key, hadamard=self.hadamard, op=op, chunks=self.chunks,
+            stats=self.stats, remote_peers=self.remote_peers,
+        )
 
     def check_installed(self) -> None:
         """Raise if FSDP's all-reduce hook of this group is no longer this object."""

@@ -134,6 +134,20 @@ def partial_reduce_output(group: ParamGroup) -> Optional[torch.Tensor]:
     return getattr(group, "_partial_reduce_output", None)
 
 
+def post_divide_factor(group: ParamGroup, reduce_dtype: torch.dtype) -> Optional[float]:
+    """The factor FSDP divides the reduced output by after the reduction hooks (None: none),
+    from FSDP's own ``_get_gradient_divide_factors`` and the groups it will pass."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+
+    _, post, _, _ = _get_gradient_divide_factors(
+        reduce_scatter_group(group), replicate_group(group), reduce_dtype,
+        group.device.type, gradient_divide_factor(group), force_sum(group),
+    )
+    return None if post is None or post == 1 else post
+
+
 def orig_dtype(group: ParamGroup) -> Optional[torch.dtype]:
     return group._orig_dtype
 
@@ -225,6 +239,7 @@ __all__ = [
     "param_groups",
     "param_signature",
     "partial_reduce_output",
+    "post_divide_factor",
     "reduce_scatter_group",
     "replicate_group",
     "reshards_after_forward",

@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..codec import RngKey
-from ..collectives.grad_reduce import reduce_scatter_quantized
+from ..collectives.grad_reduce import reduce_scatter_plain, reduce_scatter_quantized
 from ..collectives.level_sync import LevelSync
 from ..collectives.topology import Topology, node_topology, private_group
 from ..config import QCommConfig
@@ -40,7 +40,9 @@ class PreparedGroup:
 
 
 class QuantizedReduceScatter(ReduceScatter):
-    """The reduce-scatter of one FSDP module, with quantized gradients.
+    """The reduce-scatter of one FSDP module, with quantized gradients (or, with
+    ``grad_scheme="none"`` and ``grad_overlap``, FSDP's unquantized reduction moved to the
+    background thread: the reference that shows the gain of quantization alone).
 
     ``bucket`` (the module's index) and a per-instance call counter key the stochastic
     rounding: call ``i`` of bucket ``b`` on global rank ``r`` uses
@@ -59,10 +61,11 @@ class QuantizedReduceScatter(ReduceScatter):
         *, prepared: Optional[PreparedGroup] = None,
         prepared_overlap: Optional[PreparedGroup] = None,
     ) -> None:
-        if config.grad_scheme == "none":
+        if config.grad_scheme == "none" and not config.grad_overlap:
             raise ValueError(
                 "QuantizedReduceScatter needs QCommConfig.grad_scheme 'one_level' or "
-                "'two_level'; with 'none' keep FSDP's own reduce-scatter"
+                "'two_level' (or grad_overlap=True, which runs FSDP's unquantized reduction on "
+                "the background thread); otherwise keep FSDP's own reduce-scatter"
             )
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
             raise ValueError(f"bucket must be a non-negative int (module index), got {bucket!r}")
@@ -106,16 +109,19 @@ class QuantizedReduceScatter(ReduceScatter):
                 own, own_topology = private_group(group), None
                 if self.config.grad_scheme == "two_level":
                     own_topology = node_topology(own, self.config.ranks_per_node)
-            job = partial(reduce_scatter_quantized, output_tensor, input_tensor, own,
-                          self.config, key, op=op, stats=self.stats, levels=levels,
-                          topology=own_topology)
-            QUEUE.submit(job)
+            QUEUE.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
+                                 levels, own_topology))
             return None
-        reduce_scatter_quantized(
-            output_tensor, input_tensor, group, self.config, key, op=op, stats=self.stats,
-            levels=levels, topology=topology,
-        )
+        self._reduce(output_tensor, input_tensor, group, op, key, levels, topology)
         return None
+
+    def _reduce(self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, op: Any,
+                key: RngKey, levels: Optional[torch.Tensor], topology: Optional[Topology]) -> None:
+        if self.config.grad_scheme == "none":
+            reduce_scatter_plain(output, input, group, op=op, stats=self.stats, topology=topology)
+            return
+        reduce_scatter_quantized(output, input, group, self.config, key, op=op,
+                                 stats=self.stats, levels=levels, topology=topology)
 
     def _prepared_topology(self, group: ProcessGroup) -> Optional[Topology]:
         if self.prepared is None:
