@@ -86,14 +86,26 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def build_fsdp_gpt(shape: GPTShape, seed: int) -> GPT:
-    """The same initial weights on every rank, then FSDP2 per block and at the root."""
+def build_fsdp_gpt(shape: GPTShape, seed: int, mesh=None) -> GPT:
+    """The same initial weights on every rank, then FSDP2 per block and at the root (on
+    ``mesh``: None for the default 1-D mesh, a 2-D ``(replicate, shard)`` mesh for HSDP)."""
     torch.manual_seed(seed)
     model = GPT(shape)
+    kw = {} if mesh is None else {"mesh": mesh}
     for blk in model.blocks:
-        fully_shard(blk)
-    fully_shard(model)
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
     return model
+
+
+def hsdp_mesh(ranks_per_node: int):
+    """HSDP's standard layout: shard inside a node, replicate across nodes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    nodes = dist.get_world_size() // ranks_per_node
+    return init_device_mesh("cpu", (nodes, ranks_per_node),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 class CharData:

@@ -2,7 +2,8 @@
 
 ``install()`` wraps the ``torch.distributed`` collectives FSDP2 and fsdp_qcomm call
 (``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``, ...) and the
-fsdp_qcomm hooks (``QuantizedAllGather.__call__``, ``QuantizedReduceScatter.__call__``). Time is
+fsdp_qcomm hooks (``QuantizedAllGather``, ``QuantizedReduceScatter``, HSDP's
+``ReplicaAllReduce``: their ``__call__``). Time is
 counted while the caller is blocked: in the call itself and, for an async collective, in
 ``wait()`` of the returned work (wrapped in a real ``dist.Work`` subclass, since FSDP waits only
 on those). So "communication" is the *exposed* communication time, overlap excluded:
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 _COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
                 "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
-                "reduce_scatter")
+                "reduce_scatter", "all_reduce")
 
 
 class Totals:
@@ -139,13 +140,14 @@ def _wrap_hook(fn: Callable) -> Callable:
 def install() -> Totals:
     """Wrap the collectives and the hooks (idempotent); returns the running totals."""
     from fsdp_qcomm.fsdp.all_gather import QuantizedAllGather
+    from fsdp_qcomm.fsdp.hsdp import ReplicaAllReduce
     from fsdp_qcomm.fsdp.reduce_scatter import QuantizedReduceScatter
 
     for name in _COLLECTIVES:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "_qcomm_timed", False):
             setattr(dist, name, _wrap_collective(fn))
-    for cls in (QuantizedAllGather, QuantizedReduceScatter):
+    for cls in (QuantizedAllGather, QuantizedReduceScatter, ReplicaAllReduce):
         if not getattr(cls.__call__, "_qcomm_timed", False):
             cls.__call__ = _wrap_hook(cls.__call__)
     return TOTALS

@@ -44,10 +44,18 @@ REPO = HERE.parent
 ADDR0, ADDR1 = "10.77.0.1", "10.77.0.2"
 PORT = 29577
 
-#: label -> QCommConfig preset (None: FSDP2's own collectives)
-SCHEMES = {"baseline": None, "sdp4bit": "sdp4bit", "zeropp": "zeropp", "qsdp": "qsdp",
-           "qwd": "qwd", "tlq_hs": "tlq_hs", "qw4": "qw4", "tlq": "tlq"}
+#: label -> (QCommConfig preset or None for FSDP2's own collectives, mesh). Flat rows shard
+#: over all 4 ranks; "hsdp" rows shard inside a node and replicate across the two nodes.
+#: ``baseline_thread``: fsdp-qcomm's baseline preset with the background reduction thread
+#: (grad_overlap): unquantized, so it isolates the gain of quantization from the thread's.
+SCHEMES = {"baseline": (None, "flat"), "sdp4bit": ("sdp4bit", "flat"),
+           "zeropp": ("zeropp", "flat"), "qsdp": ("qsdp", "flat"), "qwd": ("qwd", "flat"),
+           "tlq_hs": ("tlq_hs", "flat"), "qw4": ("qw4", "flat"), "tlq": ("tlq", "flat"),
+           "baseline_thread": ("baseline", "flat"),
+           "hsdp": (None, "hsdp"), "hsdp_baseline_thread": ("baseline", "hsdp"),
+           "hsdp_sdp4bit": ("sdp4bit", "hsdp")}
 DEFAULT_SCHEMES = "baseline,sdp4bit,zeropp,qsdp"
+HSDP_SCHEMES = "hsdp,hsdp_baseline_thread,hsdp_sdp4bit,sdp4bit"
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -55,7 +63,8 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rates", default="1gbit",
                     help="comma-separated tc rates, e.g. 100mbit,1gbit,10gbit (default 1gbit)")
     ap.add_argument("--schemes", default=DEFAULT_SCHEMES,
-                    help=f"comma-separated subset of {', '.join(SCHEMES)}")
+                    help=f"comma-separated subset of {', '.join(SCHEMES)}; 'hsdp-set' = "
+                         f"{HSDP_SCHEMES}")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per scheme")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per scheme")
     ap.add_argument("--dim", type=int, default=384)
@@ -77,7 +86,8 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ifname", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json-out", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    a.schemes = [s.strip() for s in a.schemes.split(",") if s.strip()]
+    a.schemes = [s.strip() for s in a.schemes.replace("hsdp-set", HSDP_SCHEMES).split(",")
+                 if s.strip()]
     bad = [s for s in a.schemes if s not in SCHEMES]
     if bad:
         ap.error(f"unknown scheme(s) {bad}; choose from {list(SCHEMES)}")
@@ -111,7 +121,7 @@ def _worker(a: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(HERE))
-    from _model import GPTShape, build_fsdp_gpt
+    from _model import GPTShape, build_fsdp_gpt, hsdp_mesh
     from _timing import install
 
     import fsdp_qcomm
@@ -125,10 +135,12 @@ def _worker(a: argparse.Namespace) -> None:
     shape = GPTShape(a.vocab, a.dim, a.layers, a.heads, a.seq)
     results = {"params": shape.params(), "world": world, "ranks_per_node": rpn, "schemes": {}}
     for label in a.schemes:
-        model = build_fsdp_gpt(shape, a.seed)
+        preset, layout = SCHEMES[label]
+        model = build_fsdp_gpt(shape, a.seed, hsdp_mesh(rpn) if layout == "hsdp" else None)
         handle = None
-        if SCHEMES[label] is not None:
-            cfg = fsdp_qcomm.QCommConfig.preset(SCHEMES[label], ranks_per_node=rpn, seed=a.seed,
+        if preset is not None:
+            # nodes emulated on one host: the node size must be explicit (topology)
+            cfg = fsdp_qcomm.QCommConfig.preset(preset, ranks_per_node=rpn, seed=a.seed,
                                                 grad_overlap=a.grad_overlap)
             handle = fsdp_qcomm.enable(model, cfg)
         # foreach: one multi-tensor kernel per Adam op; the CPU default (a Python loop over
@@ -170,9 +182,9 @@ def _worker(a: argparse.Namespace) -> None:
             "hook": hook, "comm_by": comm_by, "cpu": cpu, "pg_bytes_outside": {
                 k: v - pg0.get(k, 0) for k, v in totals.bytes_outside.items()
                 if k in ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
-                         "all_gather_into_tensor", "reduce_scatter_tensor")},
+                         "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")},
             "veth_tx": after[0] - before[0], "veth_rx": after[1] - before[1],
-            "stats": ({k: v for k, v in handle.stats().items() if k != "notes"}
+            "stats": ({k: v for k, v in handle.stats().items() if k not in ("notes", "summary")}
                       if handle is not None else None),
             "gather_modes": handle.gather_modes() if handle is not None else None,
             "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
@@ -210,14 +222,17 @@ def _summarize(ranks: list[dict], n: int) -> dict:
     for r in ranks:
         for kind, v in (r["stats"] or {}).items():
             s = stats.setdefault(kind, {"calls": 0, "sent_bytes": 0, "recv_bytes": 0,
-                                        "elements": 0, "baseline_bytes": 0})
+                                        "elements": 0, "baseline_bytes": 0,
+                                        "cross_node_bytes": 0})
             for f in s:
-                s[f] += v[f]
+                s[f] += v.get(f, 0)
     return {
         "median_step_s": m, "step_s": step,
         "comm_s": comm_in + comm_out, "quant_s": hook - comm_in,
         "rest_s": max(0.0, statistics.fmean(med(r["steps"]) for r in ranks) - hook - comm_out),
         "link_bytes_per_step": sum(r["veth_tx"] for r in ranks) / n,
+        # the link is full duplex: the busier direction bounds the time on it
+        "link_busier_direction_bytes_per_step": max(r["veth_tx"] for r in ranks) / n,
         "link_rx_bytes_per_step": sum(r["veth_rx"] for r in ranks) / n,
         "stats_per_step_all_ranks": {k: {f: x / n for f, x in s.items()}
                                      for k, s in stats.items()},
@@ -337,20 +352,26 @@ def _tables(res: dict) -> str:
     out = []
     for rate, r in res["rates"].items():
         sch = r["schemes"]
-        base = sch.get("baseline")
         out.append(f"### link {rate}\n")
         out.append("| scheme | median step s | speedup | comm s | quant s | compute+rest s | "
-                   "comm share | link MB/step | CPU s, all ranks | CPU floor s |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+                   "comm share | link MB/step | link bytes vs FSDP2 | CPU s, all ranks | "
+                   "CPU floor s | link floor s | compute+bytes floor s |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         cores = res.get("cores") or 1
         for label, s in sch.items():
-            sp = f"{base['median_step_s'] / s['median_step_s']:.2f}x" if base else "-"
+            # HSDP rows against FSDP2's own HSDP, flat rows against FSDP2's flat sharding
+            ref = sch.get("hsdp" if SCHEMES[label][1] == "hsdp" else "baseline")
+            sp = f"{ref['median_step_s'] / s['median_step_s']:.2f}x" if ref else "-"
+            ratio = (f"{s['link_bytes_per_step'] / ref['link_bytes_per_step']:.3f}"
+                     if ref and ref["link_bytes_per_step"] else "-")
             share = s["comm_s"] / s["median_step_s"]
             cpu = s.get("cpu_all_ranks_s", float("nan"))
+            busier = s.get("link_busier_direction_bytes_per_step", s["link_bytes_per_step"] / 2)
+            link_s = 8 * busier / _rate_bps(rate)
             out.append(f"| {label} | {s['median_step_s']:.3f} | {sp} | {s['comm_s']:.3f} | "
                        f"{s['quant_s']:.3f} | {s['rest_s']:.3f} | {100 * share:.0f}% | "
-                       f"{s['link_bytes_per_step'] / 1e6:.2f} | {cpu:.3f} | "
-                       f"{cpu / cores:.3f} |")
+                       f"{s['link_bytes_per_step'] / 1e6:.2f} | {ratio} | {cpu:.3f} | "
+                       f"{cpu / cores:.3f} | {link_s:.3f} | {cpu / cores + link_s:.3f} |")
         out.append("")
     return "\n".join(out)
 

@@ -220,7 +220,7 @@ def reduce_scatter_plain(
     stats: Optional[CommStats] = None,
     topology: Optional[Topology] = None,
 ) -> None:
-    """An unquantized ``reduce_scatter_tensor`` (SUM, then ``op`` applied like the quantized
+    """An unquantized ``reduce_scatter_single`` (SUM, then ``op`` applied like the quantized
     one) that reports its bytes like the quantized ones: the reference point that shows what
     quantization alone gains (``QCommConfig.grad_overlap`` with ``grad_scheme="none"``).
     Blocking. Stats: ``sent_bytes`` = the input handed to the process group, ``recv_bytes`` =
@@ -234,7 +234,7 @@ def reduce_scatter_plain(
         res = input.reshape(-1).to(torch.float32)
         output.view(-1).copy_(finish(res.clone()) if finish is not None else res)
         return
-    dist.reduce_scatter_tensor(output.view(-1), input.reshape(-1), op=ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(output.view(-1), input.reshape(-1), op=ReduceOp.SUM, group=group)
     if finish is not None:
         output.copy_(finish(output.to(torch.float32)))
     if stats is not None:
