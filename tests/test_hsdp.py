@@ -417,6 +417,23 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
     restored = [internals.replicate_group(g).size() for g in _groups(mdl)]
     c = _train_steps(mdl, None, 1, rank)["grads"][0]
     res["disable"] = (swapped, restored, all(torch.equal(a[k], c[k]) for k in a))
+    # the consistency guard compares the replicas too: silent normally, loud on a corruption
+    # (last: after the error FSDP's prefetched gathers are left in flight)
+    mdl, h, _ = _build(shape, sdp4.replace(consistency_check_every=1))
+    opt = torch.optim.AdamW(mdl.parameters(), lr=3e-3)
+    _train_steps(mdl, h, 2, rank, opt=opt)
+    # Rank 2's shard of blocks.0.fc1.weight drifts (written through .data, which no version
+    # counter sees: a replica that skipped an update, say). Its shard group still agrees with
+    # itself (qWD sends the difference to its peer), the replicas no longer do.
+    if rank == 2:
+        mdl.blocks[0].fc1.weight.to_local().data.add_(1.0)
+    try:
+        _train_steps(mdl, h, 1, rank, opt=opt)
+        res["guard_replicas"] = "no error"
+    except RuntimeError as e:
+        res["guard_replicas"] = str(e)
+    dist.barrier()  # no rank leaves (tearing down its connections) while a peer still checks
+
     return res
 
 
@@ -550,6 +567,15 @@ def test_overlap_defers_the_replica_all_reduce(two_by_two):
         # replica in each of the reduce-scatter and all-gather phases
         assert st["grad_replica"]["sent_bytes"] == 3 * 4 * numel
         assert st["grad_replica"]["cross_node_bytes"] == 3 * 4 * numel
+
+
+def test_consistency_guard_compares_replicas(two_by_two):
+    for r in two_by_two:  # every rank raises (none is left waiting in a collective)
+        msg = r["guard_replicas"]
+        assert "consistency check failed" in msg and "blocks.0.fc1.weight" in msg, msg
+        # each shard group agrees with itself (qWD sent the drift to the peer): only the
+        # replicas (whose gathered buffers both hold a slot of the drifted shard) differ
+        assert "across HSDP replicas" in msg
 
 
 def test_disable_restores_native_hsdp(two_by_two):

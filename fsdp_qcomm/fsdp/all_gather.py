@@ -67,7 +67,7 @@ from ..collectives.weight_gather import (
 from ..config import QCommConfig
 from ..stats import CommStats
 from . import internals as fsdp
-from .consistency import check_consistent
+from .consistency import check_consistent, consistency_error
 
 KIND = "weight_allgather"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -119,6 +119,8 @@ class QuantizedAllGather(AllGather):
         self._names: Optional[list[str]] = None
         # members of the gather group on other nodes (set by ``enable``; None: count all peers)
         self.remote_peers: Optional[int] = None
+        # HSDP: the replicas of this shard group, compared too by the consistency check
+        self.replica_group: Optional[dist.ProcessGroup] = None
 
     # ---- state queries used by the handle ---------------------------------------------------
     @property
@@ -456,7 +458,17 @@ class QuantizedAllGather(AllGather):
 
         def done(o: GatherOutcome) -> None:
             self._record(o)
-            check_consistent(output, world, segs, names, group, where)
+            if self.replica_group is None:
+                check_consistent(output, world, segs, names, group, where)
+                return
+            # HSDP: the replicas must compute with the same weights too. Both comparisons run
+            # before anything raises (each is collective; no peer may be left waiting).
+            errors = [consistency_error(output, world, segs, names, group, where),
+                      consistency_error(output, world, segs, names, self.replica_group,
+                                        f"{where}, across HSDP replicas")]
+            msg = next((e for e in errors if e is not None), None)
+            if msg is not None:
+                raise RuntimeError(msg)
 
         return done
 

@@ -4,7 +4,8 @@ Quantized gathers are correct only while every rank decodes the same bytes into 
 reference; a flipped bit, a rank that skipped an update or a bug would make ranks train
 different models without any error. With ``QCommConfig.consistency_check_every = K`` every K-th
 forward gather of each FSDP module checksums the gathered (unsharded) buffer, per parameter,
-and all ranks of the module's group compare their checksums.
+and all ranks of the module's group compare their checksums; under HSDP the replicas of the
+group compare them too (they must compute with the same weights).
 
 Checksum: the raw bits of each value (fp32 as int32, bf16/fp16 as int16), split into 16-bit
 halves, summed plainly and weighted by position (``index % 251 + 1``) in int64. Integer sums are
@@ -17,7 +18,7 @@ int64 values.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,35 @@ def weight_checksums(flat: torch.Tensor, world: int, segments: Sequence[int]) ->
     return torch.stack(rows)
 
 
+def consistency_error(
+    flat: torch.Tensor,
+    world: int,
+    segments: Sequence[int],
+    names: Sequence[str],
+    group: dist.ProcessGroup,
+    where: str,
+) -> Optional[str]:
+    """Compare ``weight_checksums`` across ``group``; the message naming the first parameter
+    whose bits differ, or None. Every rank sees the same gathered checksums, so either all ranks
+    get a message or none does. Collective: callers that run several comparisons must run all of
+    them before raising, or a peer is left waiting in the next one."""
+    mine = weight_checksums(flat, world, segments)
+    every = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(every, mine, group=group)
+    every = [e.cpu() for e in every]
+    for k, name in enumerate(names):
+        bad = [r for r in range(len(every)) if not torch.equal(every[r][k], every[0][k])]
+        if bad:
+            return (
+                f"fsdp_qcomm consistency check failed at {where}: the gathered weights of "
+                f"parameter {name!r} differ between group rank 0 and group rank(s) {bad}, so the "
+                "ranks are training different models. Resume from the last checkpoint (or call "
+                "handle.reset() on every rank to resend full-precision weights) and report it: "
+                "this is a bug or memory corruption, not a numerical effect."
+            )
+    return None
+
+
 def check_consistent(
     flat: torch.Tensor,
     world: int,
@@ -62,23 +92,10 @@ def check_consistent(
     group: dist.ProcessGroup,
     where: str,
 ) -> None:
-    """Compare ``weight_checksums`` across ``group``; raise on every rank, naming the first
-    parameter whose bits differ. Every rank sees the same gathered checksums, so either all
-    ranks raise or none does (no rank is left waiting in a collective)."""
-    mine = weight_checksums(flat, world, segments)
-    every = [torch.empty_like(mine) for _ in range(group.size())]
-    dist.all_gather(every, mine, group=group)
-    every = [e.cpu() for e in every]
-    for k, name in enumerate(names):
-        bad = [r for r in range(len(every)) if not torch.equal(every[r][k], every[0][k])]
-        if bad:
-            raise RuntimeError(
-                f"fsdp_qcomm consistency check failed at {where}: the gathered weights of "
-                f"parameter {name!r} differ between group rank 0 and group rank(s) {bad}, so the "
-                "ranks are training different models. Resume from the last checkpoint (or call "
-                "handle.reset() on every rank to resend full-precision weights) and report it: "
-                "this is a bug or memory corruption, not a numerical effect."
-            )
+    """``consistency_error``, raised as a RuntimeError on every rank."""
+    msg = consistency_error(flat, world, segments, names, group, where)
+    if msg is not None:
+        raise RuntimeError(msg)
 
 
-__all__ = ["check_consistent", "weight_checksums"]
+__all__ = ["check_consistent", "consistency_error", "weight_checksums"]

@@ -377,6 +377,9 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
         gather_group = fsdp.shard_group(i.group)
         i.all_gather = QuantizedAllGather(i.group, run, stats, i.index, i.name, names)
         i.all_gather.remote_peers = group_layout(gather_group, run.ranks_per_node).remote_peers
+        replicas = hsdp.original_replicate_group(i.group)
+        if replicas is not None and replicas.size() > 1:
+            i.all_gather.replica_group = replicas
         if our_reduction:
             i.reduce_scatter = _build_reduce_scatter(i, run, stats)
             # grad_overlap: FSDP must not divide the output right after the call (the reduction
