@@ -23,7 +23,6 @@ the Triton interpreter: a smoke test of this script, its timings mean nothing.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -59,16 +58,9 @@ def _load(interpret: bool):
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     sys.path.insert(0, str(ROOT))
-    import fsdp_qcomm  # noqa: F401
+    import fsdp_qcomm.kernels as kernels
 
-    spec = importlib.util.spec_from_file_location(
-        "fsdp_qcomm.kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")],
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fsdp_qcomm.kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return kernels
 
 
 @dataclass

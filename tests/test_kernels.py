@@ -50,7 +50,6 @@ def _in_parent(fn):
 
 
 KEY = RngKey(seed=7, step=3, rank=1, bucket=2)
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,15 +74,10 @@ def test_kernels_under_the_interpreter():
 
 
 def _load_kernels():
-    """``fsdp_qcomm.kernels`` from this checkout (the installed package may point elsewhere)."""
-    spec = importlib.util.spec_from_file_location(
-        "fsdp_qcomm.kernels", KERNELS_DIR / "__init__.py",
-        submodule_search_locations=[str(KERNELS_DIR)],
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fsdp_qcomm.kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """``fsdp_qcomm.kernels`` (its sources are this checkout's ``kernels/`` folder)."""
+    import fsdp_qcomm.kernels as kernels
+
+    return kernels
 
 
 @pytest.fixture(scope="module")
