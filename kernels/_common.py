@@ -278,6 +278,19 @@ def hadamard32(x, M: tl.constexpr):
 
 # ---- device side: decode and encode -----------------------------------------------------------
 @triton.jit
+def load_codes8(row_b, e8, ok, G, BITS: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr):
+    """Codes of the 8-blocks ``e8`` [B] of one wire row -> int32 [B, 8] (``row_b``: the byte
+    where the row's scale section starts; ok: [B] mask)."""
+    NSEC: tl.constexpr = 1 if SYM else 2
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
+    k = tl.arange(0, 8)
+    bmask = ok[:, None] & (k[None, :] < BITS)
+    byts = tl.load(row_b + G * (NSEC * SBYTES) + e8[:, None] * BITS + k[None, :], mask=bmask,
+                   other=0)
+    return unpack8(byts, BITS)
+
+
+@triton.jit
 def decode8(
     row_b, row_s, e8, ok, G,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
@@ -287,13 +300,7 @@ def decode8(
 
     row_b: the row's first byte; row_s: the same row as scale-width integers; ok: [B] mask.
     """
-    NSEC: tl.constexpr = 1 if SYM else 2
-    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    k = tl.arange(0, 8)
-    bmask = ok[:, None] & (k[None, :] < BITS)
-    byts = tl.load(row_b + G * (NSEC * SBYTES) + e8[:, None] * BITS + k[None, :], mask=bmask,
-                   other=0)
-    codes = unpack8(byts, BITS)
+    codes = load_codes8(row_b, e8, ok, G, BITS, SYM, SKIND)
     grp = (e8 * 8) // GS
     scale = bits_to_scale(tl.load(row_s + grp, mask=ok, other=0), SKIND)
     if SYM:
@@ -353,8 +360,6 @@ def encode_codes(
     i: element index in the row [GPB, B, 8]; e8: 8-block index [GPB, B]; e8_ok: which 8-blocks
     hold at least one element of the row (partial blocks store zero codes past ``numel``).
     """
-    NSEC: tl.constexpr = 1 if SYM else 2
-    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
     s3 = scale[:, None, None]
     if SYM:
         t = tl.math.div_rn(v, s3)
@@ -371,6 +376,16 @@ def encode_codes(
     q = tl.minimum(tl.maximum(tl.math.floor(t), lo), QMAX)
     q = tl.where(bad[:, None, None] != 0, 0.0, q)  # a non-finite group sends the zero code
     codes = tl.where(valid, q + bias, 0.0).to(tl.int32)  # padding past the row encodes as 0
+    store_codes(codes, row_b, G, e8, e8_ok, BITS, SYM, SKIND)
+
+
+@triton.jit
+def store_codes(codes, row_b, G, e8, e8_ok, BITS: tl.constexpr, SYM: tl.constexpr,
+                SKIND: tl.constexpr):
+    """Pack codes [GPB, B, 8] (int32, < 2^BITS) into the code section of the row whose scale
+    section starts at ``row_b``; e8 [GPB, B]: 8-block indices, e8_ok: which to store."""
+    NSEC: tl.constexpr = 1 if SYM else 2
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
     byts = pack8(codes, BITS)
     k = tl.arange(0, 8)
     off = G * (NSEC * SBYTES) + e8[:, :, None] * BITS + k[None, None, :]

@@ -69,7 +69,7 @@ print(k.__file__)
 for m, f in sorted(mods.items()):
     print(m, f)
 print("top-level kernels:", importlib.util.find_spec("kernels"))
-assert callable(k.quantize)
+assert callable(k.quantize) and callable(k.quantize_levels)
 """
 
 

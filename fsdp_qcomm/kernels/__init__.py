@@ -1,14 +1,15 @@
 """Triton kernels of the codec (``fsdp_qcomm.kernels``).
 
 ``fsdp_qcomm.codec`` routes CUDA tensors here; each function has the signature of its torch twin
-in ``fsdp_qcomm.codec.torch_codec`` and writes the same
+in ``fsdp_qcomm.codec.torch_codec`` (or ``codec.levels`` for learned levels) and writes the same
 bytes (wire format: ``fsdp_qcomm.codec.wire``; the rules that keep them bit-identical:
 ``_common``). One fused kernel per concern:
 
 * ``quantize``: (x - ref) -> optional Hadamard-32 -> scales -> rounding -> packed codes;
 * ``dequantize``: codes -> values -> optional inverse Hadamard -> write or add into ``out``;
 * ``reduce_requantize``: decode k chunks, sum, re-encode (hop 1 -> hop 2);
-* ``reduce_dequantize``: decode k chunks, sum, inverse Hadamard, write (last hop).
+* ``reduce_dequantize``: decode k chunks, sum, inverse Hadamard, write (last hop);
+* ``levels``: learned (non-uniform) level tables, encode and decode-sum.
 
 Where the sources live. The kernel modules sit in the repository's top-level ``kernels/``
 folder (no ``__init__.py``: it is not a package of its own, so a checkout on ``sys.path``
@@ -31,13 +32,16 @@ if not (_HERE / "_common.py").is_file():  # a source checkout: the sources are i
     __path__.append(str(_SRC))  # noqa: F821 - __path__ is set by the import system
 
 from .dequantize import dequantize  # noqa: E402
+from .levels import dequantize_levels_sum, quantize_levels  # noqa: E402
 from .quantize import quantize  # noqa: E402
 from .reduce_dequantize import reduce_dequantize  # noqa: E402
 from .reduce_requantize import reduce_requantize  # noqa: E402
 
 __all__ = [
     "dequantize",
+    "dequantize_levels_sum",
     "quantize",
+    "quantize_levels",
     "reduce_dequantize",
     "reduce_requantize",
 ]
