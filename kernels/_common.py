@@ -134,6 +134,41 @@ def group_tiling(group_size: int) -> tuple[int, int, int]:
     return gs_p2, 1, TILE
 
 
+# ---- device side: program layout ------------------------------------------------------------
+@triton.jit
+def row_block(nblk):
+    """(row, block in the row, row as int64) of this program: programs are rows x nblk."""
+    pid = tl.program_id(0)
+    row = pid // nblk
+    blk = pid - row * nblk
+    return row, blk, row.to(tl.int64)
+
+
+@triton.jit
+def group_tile(grp, gmask, s, n, GS: tl.constexpr, NB8: tl.constexpr):
+    """Sub-tile ``s`` (NB8 8-blocks) of the groups ``grp`` [GPB] of a row of ``n`` values:
+    (e8 [GPB, NB8] 8-block indices, e8_ok: blocks inside a group and the row, i [GPB, NB8, 8]
+    element indices, valid: elements inside a group and the row). Whole groups: s = 0."""
+    b8 = tl.arange(0, NB8)
+    e8 = grp[:, None] * (GS // 8) + s * NB8 + b8[None, :]
+    e8_ok = gmask[:, None] & ((s * NB8 + b8) < GS // 8)[None, :] & (e8 * 8 < n)
+    i = e8[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    valid = e8_ok[:, :, None] & (i < n)
+    return e8, e8_ok, i, valid
+
+
+@triton.jit
+def write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE: tl.constexpr):
+    """Write (``ACCUMULATE``: add) the values v [B, 8] of the 8-blocks e8 [B] into output row
+    ``row64`` (any float dtype), the first ``n`` elements only."""
+    i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
+    mask = i < n
+    o = out_ptr + row64 * out_stride + i
+    if ACCUMULATE:
+        v = load_f32(o, mask) + v
+    store_f32(o, v, mask)
+
+
 # ---- device side: RNG -------------------------------------------------------------------------
 @triton.jit
 def _mix32(x):

@@ -101,10 +101,7 @@ def _quantize_levels_kernel(
     """out_b / out_s / out_l: the output as bytes / scale-width integers / fp32; TB, TBS: the
     table's size in bytes and in scale words (the row's scale section starts there)."""
     K: tl.constexpr = 1 << BITS
-    pid = tl.program_id(0)
-    row = pid // nblk
-    blk = pid - row * nblk
-    row64 = row.to(tl.int64)
+    row, blk, row64 = C.row_block(nblk)
     x_row = x_ptr + row64 * x_stride
     row_b = out_b + row64 * W + TB
     row_s = out_s + row64 * WS + TBS
@@ -113,13 +110,8 @@ def _quantize_levels_kernel(
     grp = blk * GPB + tl.arange(0, GPB)
     gmask = grp < G
     NB8: tl.constexpr = SUB // 8
-    b8 = tl.arange(0, NB8)
-    jj = tl.arange(0, 8)
     if SUB == GS_P2:
-        e8 = grp[:, None] * (GS // 8) + b8[None, :]
-        e8_ok = gmask[:, None] & (b8 < GS // 8)[None, :] & (e8 * 8 < n)
-        i = e8[:, :, None] * 8 + jj[None, None, :]
-        valid = e8_ok[:, :, None] & (i < n)
+        e8, e8_ok, i, valid = C.group_tile(grp, gmask, 0, n, GS, NB8)
         v, bad, lo, hi = _stats(x_row, i, valid, n, SYM)
         scale, mins = _level_scales(lo, hi, SYM, SKIND)
         C.store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM, SKIND)
@@ -131,10 +123,7 @@ def _quantize_levels_kernel(
         lo = tl.full([GPB], float("inf"), tl.float32)
         hi = tl.full([GPB], -float("inf"), tl.float32)
         for s in range(NSUB):
-            e8 = grp[:, None] * (GS // 8) + s * NB8 + b8[None, :]
-            e8_ok = gmask[:, None] & ((s * NB8 + b8) < GS // 8)[None, :] & (e8 * 8 < n)
-            i = e8[:, :, None] * 8 + jj[None, None, :]
-            valid = e8_ok[:, :, None] & (i < n)
+            e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, n, GS, NB8)
             v, b_, l_, h_ = _stats(x_row, i, valid, n, SYM)
             bad = tl.maximum(bad, b_)
             lo = tl.minimum(lo, l_)
@@ -142,10 +131,7 @@ def _quantize_levels_kernel(
         scale, mins = _level_scales(lo, hi, SYM, SKIND)
         C.store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM, SKIND)
         for s in range(NSUB):
-            e8 = grp[:, None] * (GS // 8) + s * NB8 + b8[None, :]
-            e8_ok = gmask[:, None] & ((s * NB8 + b8) < GS // 8)[None, :] & (e8 * 8 < n)
-            i = e8[:, :, None] * 8 + jj[None, None, :]
-            valid = e8_ok[:, :, None] & (i < n)
+            e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, n, GS, NB8)
             v = C.load_f32(x_row + i, valid)
             _encode_level_codes(v, valid, i, e8, e8_ok, row, n, row_b, G, scale, mins, bad,
                                 lv_ptr, k0, k1, BITS, SYM, SKIND, STOCH)
@@ -174,10 +160,7 @@ def _decode_levels_kernel(
     BITS: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr, GS: tl.constexpr,
     BLK8: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = pid // nblk
-    blk = pid - row * nblk
-    row64 = row.to(tl.int64)
+    row, blk, row64 = C.row_block(nblk)
     e8 = blk * BLK8 + tl.arange(0, BLK8)
     ok = e8 * 8 < n
     row_b = data_b + row64 * W
@@ -188,12 +171,7 @@ def _decode_levels_kernel(
         c64 = tl.cast(c, tl.int64)
         v = v + _decode_levels8(row_b + c64 * chunk_b, row_s + c64 * chunk_s,
                                 row_l + c64 * chunk_l, e8, ok, G, TB, TBS, BITS, SYM, SKIND, GS)
-    i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
-    mask = i < n
-    o = out_ptr + row64 * out_stride + i
-    if ACCUMULATE:
-        v = C.load_f32(o, mask) + v
-    C.store_f32(o, v, mask)
+    C.write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE)
 
 
 def _layout(n: int, spec: QuantSpec) -> tuple[C.RowLayout, int]:

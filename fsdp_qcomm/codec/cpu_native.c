@@ -266,6 +266,17 @@ static int group_minmax(const float *v, int64_t len, float *pmn, float *pmx) {
     return nf != 0;
 }
 
+/* group_minmax for group g of a row, which also handles a non-finite group: its scale (and
+ * min) get the NaN bits, its len codes the zero code; returns 1 then (the caller skips it). */
+static int group_bounds(const float *x, int64_t len, const spec_t *s, uint8_t *row, int64_t G,
+                        int64_t g, uint8_t *c, int zero_code, float *mn, float *mx) {
+    if (!group_minmax(x, len, mn, mx)) return 0;
+    store_u32(row + 4 * g, NAN_BITS_F32);
+    if (!s->symmetric) store_u32(row + 4 * (G + g), NAN_BITS_F32);
+    memset(c, zero_code, (size_t)len);
+    return 1;
+}
+
 /* Quantize the groups of window [w0, w1) of one row (values v[0, w1 - w0), overwritten) into
  * codes and the row's scale / min section. ctr0: the RNG counter of element w0 (row * n + w0, mod 2^32). */
 static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int64_t w1,
@@ -281,12 +292,7 @@ static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int6
         float *x = v + (g0 - w0);
         uint8_t *c = codes + (g0 - w0);
         float mn, mx, scale, mins = 0.0f;
-        if (group_minmax(x, len, &mn, &mx)) {
-            store_u32(row + 4 * g, NAN_BITS_F32);
-            if (!s->symmetric) store_u32(row + 4 * (G + g), NAN_BITS_F32);
-            memset(c, bias, (size_t)len);
-            continue;
-        }
+        if (group_bounds(x, len, s, row, G, g, c, bias, &mn, &mx)) continue;
         if (s->symmetric) {
             float amax = mx > -mn ? mx : -mn;
             scale = amax / fq;
@@ -338,12 +344,7 @@ static void encode_window_levels(float *v, int64_t n, const spec_t *s, const flo
         float *x = v + (g0 - w0);
         uint8_t *c = codes + (g0 - w0);
         float mn, mx, scale, mins = 0.0f;
-        if (group_minmax(x, len, &mn, &mx)) {
-            store_u32(row + 4 * g, NAN_BITS_F32);
-            if (!s->symmetric) store_u32(row + 4 * (G + g), NAN_BITS_F32);
-            memset(c, 0, (size_t)len);
-            continue;
-        }
+        if (group_bounds(x, len, s, row, G, g, c, 0, &mn, &mx)) continue;
         if (s->symmetric) {
             float amax = mx > -mn ? mx : -mn;
             scale = amax + 0.0f;
