@@ -14,7 +14,7 @@ Each case runs on its own: a failure is printed and the others still run. The ex
 1 if any check failed or crashed (``--strict``: also if a kernel is below the target).
 
     python benchmarks/gpu_kernels_bench.py [--numel N] [--rows R] [--iters I]
-        [--check-numel M] [--only SUBSTRING] [--tile T] [--strict] [--interpret]
+        [--check-numel M] [--only SUBSTRING] [--tile T] [--strict] [--interpret] [--json FILE]
 
 Without CUDA it prints why and exits 0. ``--interpret`` runs a small version on the CPU under
 the Triton interpreter: a smoke test of this script, its timings mean nothing.
@@ -23,7 +23,6 @@ the Triton interpreter: a smoke test of this script, its timings mean nothing.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -51,6 +50,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--strict", action="store_true", help="exit 1 if a kernel is below target")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke test under the Triton interpreter (small sizes)")
+    p.add_argument("--json", default="", help="also write the table to this JSON file")
     return p.parse_args()
 
 
@@ -59,16 +59,9 @@ def _load(interpret: bool):
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     sys.path.insert(0, str(ROOT))
-    import fsdp_qcomm  # noqa: F401
+    import fsdp_qcomm.kernels as kernels
 
-    spec = importlib.util.spec_from_file_location(
-        "fsdp_qcomm.kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")],
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fsdp_qcomm.kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return kernels
 
 
 @dataclass
@@ -147,6 +140,42 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
                 list(d["chunks"].unbind(0)), d["n"], spec, hadamard, None)
         return Case(name, make, run, moved=lambda d, out: nbytes(d["chunks"]) + nbytes(out))
 
+    def levels_quant(name, spec):
+        def make(rows, n, dev, check):
+            return {"x": values(rows, n, dev, check, 0), "table": table(spec).to(dev)}
+
+        return Case(
+            name, make,
+            run=lambda impl, d: impl.quantize_levels(d["x"], spec, d["table"], key),
+            moved=lambda d, out: nbytes(d["x"]) + nbytes(out),
+        )
+
+    def levels_dequant(name, spec, out_dtype=None, accumulate=False):
+        def make(rows, n, dev, check):
+            x = values(rows, n, dev, check, 0)
+            if check:
+                data = torch_codec.quantize_levels(x.cpu(), spec, table(spec), key).to(dev)
+            else:
+                data = _K.quantize_levels(x, spec, table(spec).to(dev), key)
+            d = {"data": data, "n": n, "out": None}
+            if out_dtype is not None:
+                d["out"] = values(rows, n, dev, False, 1).to(out_dtype)
+            return d
+
+        return Case(
+            name, make,
+            run=lambda impl, d: impl.dequantize_levels_sum([d["data"]], d["n"], spec, d["out"],
+                                                           accumulate),
+            moved=lambda d, out: nbytes(d["data"]) + nbytes(out) * (2 if accumulate else 1),
+        )
+
+    def table(spec):
+        """A fitted (non-uniform) level table for ``spec`` (deterministic)."""
+        from fsdp_qcomm.codec import levels as lv
+
+        g = torch.Generator().manual_seed(5)
+        return lv.fit_levels(lv.histogram(torch.randn(4, 8192, generator=g) ** 3, spec), spec)
+
     def dispatch_run(impl, d):
         # Through the public API, which picks the kernels for CUDA tensors and the torch code
         # otherwise: 3-D rows, Hadamard, a round trip accumulated into bf16.
@@ -165,6 +194,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
     s8 = QuantSpec(bits=8, group_size=128)
     w4 = QuantSpec(bits=4, group_size=2048)
     q8 = QuantSpec(bits=8, group_size=1024, symmetric=False)
+    l4 = QuantSpec(bits=4, group_size=1024, symmetric=False)
     return [
         quant("quantize 4b g128 sym stoch", s4),
         quant("quantize 8b g128 sym stoch +H32", s8, hadamard=True),
@@ -175,6 +205,10 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         dequant("dequantize 8b g128 +H32^-1 -> fp32", s8, hadamard=True),
         reduce("reduce_requantize k=8 8b->4b g128", 8, s8, spec_out=s4),
         reduce("reduce_dequantize k=4 4b g128 +H32^-1", 4, s4, hadamard=True),
+        levels_quant("quantize_levels 8b g1024 asym stoch (QSDP)", q8),
+        levels_quant("quantize_levels 4b g1024 asym stoch", l4),
+        levels_dequant("dequantize_levels 8b g1024 -> bf16", q8, torch.bfloat16),
+        levels_dequant("dequantize_levels 4b g1024 += fp32", l4, torch.float32, accumulate=True),
         dispatch,
     ]
 
@@ -275,7 +309,7 @@ def main() -> int:
     print(f"torch.clone: {t_copy * 1e3:8.3f} ms  {bw_copy / 1e9:8.1f} GB/s (reference)")
     del x
 
-    failures, slow = [], []
+    failures, slow, rows_out = [], [], []
     print(f"{'case':44s} {'check':>6s} {'ms':>9s} {'GB/s':>8s} {'x copy':>7s}")
     n_chk = args.check_numel // 3 | 1  # odd: not a multiple of 8, 32 or any group
     for case in cases:
@@ -292,6 +326,8 @@ def main() -> int:
             status = "ERROR"
             failures.append(f"{case.name}: check raised {type(e).__name__}: {e}")
             traceback.print_exc()
+        row = {"case": case.name, "check": status}
+        rows_out.append(row)
         if not case.timed:
             print(f"{case.name:44s} {status:>6s}", flush=True)
             continue
@@ -301,6 +337,7 @@ def main() -> int:
             t = _time(torch, dev, lambda c=case, d=d: c.run(_K, d), args.iters)
             bw = case.moved(d, out) / t
             ratio = bw / bw_copy
+            row.update(ms=t * 1e3, gbps=bw / 1e9, x_copy=ratio)
             if ratio < TARGET:
                 slow.append(f"{case.name}: {ratio:.2f}x")
             print(f"{case.name:44s} {status:>6s} {t * 1e3:9.3f} {bw / 1e9:8.1f} {ratio:7.2f}"
@@ -320,6 +357,15 @@ def main() -> int:
         print("  FAILED", f)
     for s in slow:
         print("  below target", s)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                       "interpret": args.interpret, "rows": rows, "numel": rows * n_big,
+                       "clone_ms": t_copy * 1e3, "clone_gbps": bw_copy / 1e9, "target": TARGET,
+                       "cases": rows_out, "failures": failures, "below_target": slow}, f,
+                      indent=1)
     return 1 if failures or (args.strict and slow) else 0
 
 

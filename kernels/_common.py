@@ -134,6 +134,41 @@ def group_tiling(group_size: int) -> tuple[int, int, int]:
     return gs_p2, 1, TILE
 
 
+# ---- device side: program layout ------------------------------------------------------------
+@triton.jit
+def row_block(nblk):
+    """(row, block in the row, row as int64) of this program: programs are rows x nblk."""
+    pid = tl.program_id(0)
+    row = pid // nblk
+    blk = pid - row * nblk
+    return row, blk, row.to(tl.int64)
+
+
+@triton.jit
+def group_tile(grp, gmask, s, n, GS: tl.constexpr, NB8: tl.constexpr):
+    """Sub-tile ``s`` (NB8 8-blocks) of the groups ``grp`` [GPB] of a row of ``n`` values:
+    (e8 [GPB, NB8] 8-block indices, e8_ok: blocks inside a group and the row, i [GPB, NB8, 8]
+    element indices, valid: elements inside a group and the row). Whole groups: s = 0."""
+    b8 = tl.arange(0, NB8)
+    e8 = grp[:, None] * (GS // 8) + s * NB8 + b8[None, :]
+    e8_ok = gmask[:, None] & ((s * NB8 + b8) < GS // 8)[None, :] & (e8 * 8 < n)
+    i = e8[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    valid = e8_ok[:, :, None] & (i < n)
+    return e8, e8_ok, i, valid
+
+
+@triton.jit
+def write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE: tl.constexpr):
+    """Write (``ACCUMULATE``: add) the values v [B, 8] of the 8-blocks e8 [B] into output row
+    ``row64`` (any float dtype), the first ``n`` elements only."""
+    i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
+    mask = i < n
+    o = out_ptr + row64 * out_stride + i
+    if ACCUMULATE:
+        v = load_f32(o, mask) + v
+    store_f32(o, v, mask)
+
+
 # ---- device side: RNG -------------------------------------------------------------------------
 @triton.jit
 def _mix32(x):
@@ -278,6 +313,19 @@ def hadamard32(x, M: tl.constexpr):
 
 # ---- device side: decode and encode -----------------------------------------------------------
 @triton.jit
+def load_codes8(row_b, e8, ok, G, BITS: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr):
+    """Codes of the 8-blocks ``e8`` [B] of one wire row -> int32 [B, 8] (``row_b``: the byte
+    where the row's scale section starts; ok: [B] mask)."""
+    NSEC: tl.constexpr = 1 if SYM else 2
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
+    k = tl.arange(0, 8)
+    bmask = ok[:, None] & (k[None, :] < BITS)
+    byts = tl.load(row_b + G * (NSEC * SBYTES) + e8[:, None] * BITS + k[None, :], mask=bmask,
+                   other=0)
+    return unpack8(byts, BITS)
+
+
+@triton.jit
 def decode8(
     row_b, row_s, e8, ok, G,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
@@ -287,13 +335,7 @@ def decode8(
 
     row_b: the row's first byte; row_s: the same row as scale-width integers; ok: [B] mask.
     """
-    NSEC: tl.constexpr = 1 if SYM else 2
-    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    k = tl.arange(0, 8)
-    bmask = ok[:, None] & (k[None, :] < BITS)
-    byts = tl.load(row_b + G * (NSEC * SBYTES) + e8[:, None] * BITS + k[None, :], mask=bmask,
-                   other=0)
-    codes = unpack8(byts, BITS)
+    codes = load_codes8(row_b, e8, ok, G, BITS, SYM, SKIND)
     grp = (e8 * 8) // GS
     scale = bits_to_scale(tl.load(row_s + grp, mask=ok, other=0), SKIND)
     if SYM:
@@ -353,8 +395,6 @@ def encode_codes(
     i: element index in the row [GPB, B, 8]; e8: 8-block index [GPB, B]; e8_ok: which 8-blocks
     hold at least one element of the row (partial blocks store zero codes past ``numel``).
     """
-    NSEC: tl.constexpr = 1 if SYM else 2
-    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
     s3 = scale[:, None, None]
     if SYM:
         t = tl.math.div_rn(v, s3)
@@ -371,6 +411,16 @@ def encode_codes(
     q = tl.minimum(tl.maximum(tl.math.floor(t), lo), QMAX)
     q = tl.where(bad[:, None, None] != 0, 0.0, q)  # a non-finite group sends the zero code
     codes = tl.where(valid, q + bias, 0.0).to(tl.int32)  # padding past the row encodes as 0
+    store_codes(codes, row_b, G, e8, e8_ok, BITS, SYM, SKIND)
+
+
+@triton.jit
+def store_codes(codes, row_b, G, e8, e8_ok, BITS: tl.constexpr, SYM: tl.constexpr,
+                SKIND: tl.constexpr):
+    """Pack codes [GPB, B, 8] (int32, < 2^BITS) into the code section of the row whose scale
+    section starts at ``row_b``; e8 [GPB, B]: 8-block indices, e8_ok: which to store."""
+    NSEC: tl.constexpr = 1 if SYM else 2
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
     byts = pack8(codes, BITS)
     k = tl.arange(0, 8)
     off = G * (NSEC * SBYTES) + e8[:, :, None] * BITS + k[None, None, :]

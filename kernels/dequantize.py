@@ -24,22 +24,14 @@ def _dequantize_kernel(
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, BLK8: tl.constexpr, HADAMARD: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = pid // nblk
-    blk = pid - row * nblk
-    row64 = row.to(tl.int64)
+    row, blk, row64 = C.row_block(nblk)
     e8 = blk * BLK8 + tl.arange(0, BLK8)
     v = C.decode8(data_b + row64 * W, data_s + row64 * WS, e8, e8 * 8 < m, G,
                   BITS, QMAX, SYM, SKIND, GS)
     if HADAMARD:
         v = tl.reshape(C.hadamard32(tl.reshape(v, [BLK8 // 4, 32]), BLK8 // 4), [BLK8, 8])
         v = v * (1.0 / 32)
-    i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
-    mask = i < n
-    o = out_ptr + row64 * out_stride + i
-    if ACCUMULATE:
-        v = C.load_f32(o, mask) + v
-    C.store_f32(o, v, mask)
+    C.write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE)
 
 
 def dequantize(

@@ -38,10 +38,7 @@ def _quantize_kernel(
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
     STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = pid // nblk
-    blk = pid - row * nblk
-    row64 = row.to(tl.int64)
+    row, blk, row64 = C.row_block(nblk)
     x_row = x_ptr + row64 * x_stride
     r_row = r_ptr + row64 * r_stride
     row_b = out_b + row64 * W
@@ -50,14 +47,9 @@ def _quantize_kernel(
     gmask = grp < G
     NB8: tl.constexpr = SUB // 8
     M32: tl.constexpr = GPB * SUB // 32
-    b8 = tl.arange(0, NB8)
-    jj = tl.arange(0, 8)
     if SUB == GS_P2:
         # Whole groups in registers: one load, statistics, codes.
-        e8 = grp[:, None] * (GS // 8) + b8[None, :]
-        e8_ok = gmask[:, None] & (b8 < GS // 8)[None, :] & (e8 * 8 < m)
-        i = e8[:, :, None] * 8 + jj[None, None, :]
-        valid = e8_ok[:, :, None] & (i < m)
+        e8, e8_ok, i, valid = C.group_tile(grp, gmask, 0, m, GS, NB8)
         v = _values(x_row, r_row, i, valid & (i < n), HAS_REF, HADAMARD, M32)
         bad, lo, hi = C.group_stats(v, valid, SYM)
         scale, mins = C.group_scales(lo, hi, QMAX, SYM, SKIND)
@@ -71,10 +63,7 @@ def _quantize_kernel(
         lo = tl.full([GPB], float("inf"), tl.float32)
         hi = tl.full([GPB], -float("inf"), tl.float32)
         for s in range(NSUB):
-            e8 = grp[:, None] * (GS // 8) + s * NB8 + b8[None, :]
-            e8_ok = gmask[:, None] & ((s * NB8 + b8) < GS // 8)[None, :] & (e8 * 8 < m)
-            i = e8[:, :, None] * 8 + jj[None, None, :]
-            valid = e8_ok[:, :, None] & (i < m)
+            e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, m, GS, NB8)
             v = _values(x_row, r_row, i, valid & (i < n), HAS_REF, HADAMARD, M32)
             b_, l_, h_ = C.group_stats(v, valid, SYM)
             bad = tl.maximum(bad, b_)
@@ -83,10 +72,7 @@ def _quantize_kernel(
         scale, mins = C.group_scales(lo, hi, QMAX, SYM, SKIND)
         C.store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM, SKIND)
         for s in range(NSUB):
-            e8 = grp[:, None] * (GS // 8) + s * NB8 + b8[None, :]
-            e8_ok = gmask[:, None] & ((s * NB8 + b8) < GS // 8)[None, :] & (e8 * 8 < m)
-            i = e8[:, :, None] * 8 + jj[None, None, :]
-            valid = e8_ok[:, :, None] & (i < m)
+            e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, m, GS, NB8)
             v = _values(x_row, r_row, i, valid & (i < n), HAS_REF, HADAMARD, M32)
             C.encode_codes(v, valid, i, e8, e8_ok, row, m, row_b, G, scale, mins, bad, k0, k1,
                            BITS, QMAX, SYM, SKIND, STOCH)
@@ -96,10 +82,7 @@ def _quantize_kernel(
 def _hadamard_rows_kernel(x_ptr, r_ptr, y_ptr, n, m, x_stride, r_stride, nblk,
                           NB32: tl.constexpr, HAS_REF: tl.constexpr):
     """y[R, m] = H32 (x - ref) zero-padded; used when groups do not hold whole 32-blocks."""
-    pid = tl.program_id(0)
-    row = pid // nblk
-    blk = pid - row * nblk
-    row64 = row.to(tl.int64)
+    row, blk, row64 = C.row_block(nblk)
     i = (blk * NB32 + tl.arange(0, NB32))[:, None] * 32 + tl.arange(0, 32)[None, :]
     lmask = i < n
     v = C.load_f32(x_ptr + row64 * x_stride + i, lmask)

@@ -24,10 +24,7 @@ def _reduce_dequantize_kernel(
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, BLK8: tl.constexpr, HADAMARD: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = pid // nblk
-    blk = pid - row * nblk
-    row64 = row.to(tl.int64)
+    row, blk, row64 = C.row_block(nblk)
     e8 = blk * BLK8 + tl.arange(0, BLK8)
     ok = e8 * 8 < m
     row_b = data_b + row64 * W
@@ -40,8 +37,7 @@ def _reduce_dequantize_kernel(
     if HADAMARD:
         v = tl.reshape(C.hadamard32(tl.reshape(v, [BLK8 // 4, 32]), BLK8 // 4), [BLK8, 8])
         v = v * (1.0 / 32)
-    i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
-    C.store_f32(out_ptr + row64 * out_stride + i, v, i < n)
+    C.write_values(out_ptr, row64, out_stride, e8, v, n, False)
 
 
 def reduce_dequantize(

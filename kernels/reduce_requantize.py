@@ -46,10 +46,7 @@ def _reduce_requantize_kernel(
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
     STOCH: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = pid // nblk
-    blk = pid - row * nblk
-    row64 = row.to(tl.int64)
+    row, blk, row64 = C.row_block(nblk)
     rin_b = in_b + row64 * W_in
     rin_s = in_s + row64 * WS_in
     row_b = out_b + row64 * W
@@ -57,13 +54,8 @@ def _reduce_requantize_kernel(
     grp = blk * GPB + tl.arange(0, GPB)
     gmask = grp < G
     NB8: tl.constexpr = SUB // 8
-    b8 = tl.arange(0, NB8)
-    jj = tl.arange(0, 8)
     if SUB == GS_P2:
-        e8 = grp[:, None] * (GS // 8) + b8[None, :]
-        e8_ok = gmask[:, None] & (b8 < GS // 8)[None, :] & (e8 * 8 < n)
-        i = e8[:, :, None] * 8 + jj[None, None, :]
-        valid = e8_ok[:, :, None] & (i < n)
+        e8, e8_ok, i, valid = C.group_tile(grp, gmask, 0, n, GS, NB8)
         v = _sum_values(rin_b, rin_s, k, chunk_b, chunk_s, e8, e8_ok, G_in,
                         I_BITS, I_QMAX, I_SYM, I_SKIND, I_GS)
         bad, lo, hi = C.group_stats(v, valid, SYM)
@@ -77,10 +69,7 @@ def _reduce_requantize_kernel(
         lo = tl.full([GPB], float("inf"), tl.float32)
         hi = tl.full([GPB], -float("inf"), tl.float32)
         for s in range(NSUB):
-            e8 = grp[:, None] * (GS // 8) + s * NB8 + b8[None, :]
-            e8_ok = gmask[:, None] & ((s * NB8 + b8) < GS // 8)[None, :] & (e8 * 8 < n)
-            i = e8[:, :, None] * 8 + jj[None, None, :]
-            valid = e8_ok[:, :, None] & (i < n)
+            e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, n, GS, NB8)
             v = _sum_values(rin_b, rin_s, k, chunk_b, chunk_s, e8, e8_ok, G_in,
                             I_BITS, I_QMAX, I_SYM, I_SKIND, I_GS)
             b_, l_, h_ = C.group_stats(v, valid, SYM)
@@ -90,10 +79,7 @@ def _reduce_requantize_kernel(
         scale, mins = C.group_scales(lo, hi, QMAX, SYM, SKIND)
         C.store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM, SKIND)
         for s in range(NSUB):
-            e8 = grp[:, None] * (GS // 8) + s * NB8 + b8[None, :]
-            e8_ok = gmask[:, None] & ((s * NB8 + b8) < GS // 8)[None, :] & (e8 * 8 < n)
-            i = e8[:, :, None] * 8 + jj[None, None, :]
-            valid = e8_ok[:, :, None] & (i < n)
+            e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, n, GS, NB8)
             v = _sum_values(rin_b, rin_s, k, chunk_b, chunk_s, e8, e8_ok, G_in,
                             I_BITS, I_QMAX, I_SYM, I_SKIND, I_GS)
             C.encode_codes(v, valid, i, e8, e8_ok, row, n, row_b, G, scale, mins, bad, k0, k1,

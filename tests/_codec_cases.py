@@ -35,3 +35,24 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     ia, ib = a.view(ints)[~na], b.view(ints)[~nb]
     assert torch.equal(ia, ib), f"{(ia != ib).sum().item()} of {ia.numel()} values differ"
+
+
+def fitted_levels(spec, seed: int) -> torch.Tensor:
+    """A learned (non-uniform) level table for ``spec``, fitted to heavy-tailed data, plus
+    every uniform level's value hit exactly by some input in ``level_rows``."""
+    from fsdp_qcomm.codec import levels as lv
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(4, 4096, generator=g)
+    heavy = z / torch.randn(4, 4096, 3, generator=g).pow(2).sum(-1).div(3).sqrt()
+    return lv.fit_levels(lv.histogram(heavy, spec, bins=512), spec)
+
+
+def level_rows(rows: int, n: int, seed: int, levels: torch.Tensor, dtype=torch.float32):
+    """``sample_rows`` with a few values placed exactly on levels (scaled by a group's range)
+    so the search's ``<=`` boundary and ``p = 0`` occur."""
+    x = sample_rows(rows, n, seed, True, torch.float32)
+    k = min(n - 12, len(levels))
+    if k > 0:
+        x[:, 12:12 + k] = levels[:k] * 2.0
+    return x.to(dtype)

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from _codec_cases import assert_same_bits as _same
-from _codec_cases import sample_rows
+from _codec_cases import fitted_levels, level_rows, sample_rows
 
 from fsdp_qcomm.codec import RngKey, cpu_native, torch_codec, wire
 from fsdp_qcomm.config import QuantSpec
@@ -181,6 +181,96 @@ def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
         assert any("fused CPU codec is unavailable" in str(m.message) for m in w)
         _same(cpu_native.quantize(x, spec, KEY), want)
         assert list(tmp_path.iterdir()) == []  # no partial library left behind
+    finally:
+        cpu_native._state.clear()
+        cpu_native._state.update(saved)
+
+
+# ---- learned levels (codec.levels) ------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_levels_quantize_and_decode_match_torch(bits, sym, rounding):
+    for gs, rows, n in [(8, 3, 61), (40, 2, 333), (128, 2, 1001), (2048, 1, 9000)]:
+        spec = _spec(bits, sym, rounding, gs)
+        table = fitted_levels(spec, seed=bits)
+        x = level_rows(rows, n, bits * 7 + gs, table)
+        got = cpu_native.quantize_levels(x, spec, table, KEY)
+        _same(got, torch_codec.quantize_levels(x, spec, table, KEY))
+        assert got.shape == (rows, wire.levels_wire_bytes(n, spec))
+        _same(cpu_native.dequantize_levels_sum([got], n, spec),
+              torch_codec.dequantize_levels_sum([got], n, spec))
+
+
+@needs_native
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_levels_decode_sums_and_outputs_match_torch(k):
+    n = 777
+    for sym in (True, False):
+        spec = _spec(4, sym, "stochastic", 64)
+        table = fitted_levels(spec, seed=k)
+        recv = torch.stack([torch_codec.quantize_levels(_data(2, n, seed=j, specials=j == 0),
+                                                        spec, table, KEY.fold(j))
+                            for j in range(k)])
+        chunks = list(recv.unbind(0))
+        _same(cpu_native.dequantize_levels_sum(chunks, n, spec),
+              torch_codec.dequantize_levels_sum(chunks, n, spec))
+        base = _data(2, n + 9, seed=3, specials=False)
+        for dtype in (torch.float32, torch.bfloat16):
+            for accumulate in (False, True):
+                got, want = base.to(dtype), base.to(dtype)
+                cpu_native.dequantize_levels_sum(chunks, n, spec, got[:, 9:], accumulate)
+                torch_codec.dequantize_levels_sum(chunks, n, spec, want[:, 9:], accumulate)
+                _same(got, want)
+
+
+@needs_native
+def test_levels_strided_low_precision_and_zero_groups():
+    spec = _spec(3, False, "stochastic", 16)
+    table = fitted_levels(spec, seed=1)
+    base = _data(3, 500, seed=8)
+    base[:, 96:112] = -0.0  # a group of -0 only: zero range and min stored as +0
+    base[1, 192:208] = 0.0
+    base[1, 197] = -0.0
+    for x in (base[:, 20:420], base.to(torch.bfloat16), base.to(torch.float16)):
+        got = cpu_native.quantize_levels(x, spec, table, KEY)
+        _same(got, torch_codec.quantize_levels(x, spec, table, KEY))
+    got = cpu_native.quantize_levels(base, spec, table, KEY)
+    sb = wire.scale_section_bytes(500, spec) // 2
+    scales = got[:, wire.table_bytes(spec):wire.table_bytes(spec) + sb].view(torch.int32)
+    assert (scales[:, 96 // 16] == 0).all() and scales[1, 192 // 16] == 0  # +0, not -0
+
+
+@pytest.mark.parametrize("compiler", ["gcc", "clang"])
+def test_every_compiler_builds_the_same_bytes(compiler, monkeypatch, tmp_path):
+    """The C file needs no compiler-specific float flags (no fast-math attribute, which GCC
+    documents as a debugging aid and clang ignores): built with each compiler found, it writes
+    torch_codec's bytes, NaN/Inf and signed-zero groups included."""
+    cc = shutil.which(compiler)
+    if cc is None:
+        pytest.skip(f"{compiler} is not installed")
+    saved = dict(cpu_native._state)
+    try:
+        cpu_native._state.clear()
+        monkeypatch.setenv("CC", cc)
+        monkeypatch.setenv("FSDP_QCOMM_CACHE", str(tmp_path))
+        monkeypatch.setenv("FSDP_QCOMM_NATIVE", "1")
+        assert cpu_native.available(), f"{compiler} could not build the C codec"
+        x = _data(3, 4133, seed=21)
+        x[1, 64:96] = -0.0
+        x[2, 256:288] = torch.tensor([0.0, -0.0] * 16)
+        x[0, 1000:1010] = float("inf")
+        for spec in (_spec(4, True, "stochastic", 32), _spec(8, False, "nearest", 32),
+                     _spec(3, False, "stochastic", 40)):
+            got = cpu_native.quantize(x, spec, KEY)
+            _same(got, torch_codec.quantize(x, spec, KEY))
+            _same(cpu_native.dequantize(got, 4133, spec), torch_codec.dequantize(got, 4133, spec))
+            table = fitted_levels(spec, seed=spec.bits)
+            got = cpu_native.quantize_levels(x, spec, table, KEY)
+            _same(got, torch_codec.quantize_levels(x, spec, table, KEY))
+        _same(cpu_native.quantize(x, spec, KEY, x * 0.5, True),
+              torch_codec.quantize(x, spec, KEY, x * 0.5, True))
     finally:
         cpu_native._state.clear()
         cpu_native._state.update(saved)

@@ -1,13 +1,15 @@
-"""The Triton kernels against the torch codec, bit for bit, under the Triton interpreter.
+"""The Triton kernels against the torch codec, bit for bit: on a GPU when there is one, else
+under the Triton interpreter; and compiled ahead of time for sm_80, sm_90 and sm_100 without one.
 
-The interpreter runs the kernels on CPU tensors, so the module-level functions of
-``fsdp_qcomm.kernels`` are called directly (the dispatcher only routes CUDA tensors there).
-``TRITON_INTERPRET=1`` has to be set before triton itself is imported (triton.language's own
-jitted helpers such as ``tl.max`` are decorated at import), and once set it would turn every
-later ``@triton.jit`` of the process into interpreted code. So a normal pytest run collects two
-tests here: one runs this file's other tests in a child pytest started with the variable set
-(``test_kernels_under_the_interpreter``), the other compiles the kernels for a Hopper GPU
-without one. Running this file with ``TRITON_INTERPRET=1`` already set runs the interpreted
+The module-level functions of ``fsdp_qcomm.kernels`` are called directly (the dispatcher only
+routes CUDA tensors there). On a machine with CUDA the bit-exact tests below run in this process
+on CUDA tensors (``scripts/gpu_check.sh``). Without CUDA they run on CPU tensors under the
+interpreter; ``TRITON_INTERPRET=1`` has to be set before triton itself is imported
+(triton.language's own jitted helpers such as ``tl.max`` are decorated at import), and once set
+it would turn every later ``@triton.jit`` of the process into interpreted code. So a normal
+pytest run without CUDA collects a test that runs this file's exactness tests in a child pytest
+started with the variable set (``test_kernels_under_the_interpreter``), and the ahead-of-time
+compile tests. Running this file with ``TRITON_INTERPRET=1`` already set runs the interpreted
 tests directly.
 """
 
@@ -22,8 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _codec_cases import assert_same_bits as _assert_same_bits
-from _codec_cases import sample_rows
+from _codec_cases import assert_same_bits, fitted_levels, level_rows, sample_rows
 
 import fsdp_qcomm
 from fsdp_qcomm import QuantSpec
@@ -31,33 +32,34 @@ from fsdp_qcomm.codec import RngKey, torch_codec, wire
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed; the kernel tests need its interpreter",
-                allow_module_level=True)
+    pytest.skip("triton is not installed; the kernel tests need it", allow_module_level=True)
+CUDA = not INTERPRET and torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
 
 # NaN/Inf groups make numpy warn inside the interpreter; the results are checked bit for bit.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def _in_child(fn):
-    """Collect the test only in the interpreter process (``__test__`` is pytest's switch)."""
-    fn.__test__ = INTERPRET
+def _exact(fn):
+    """A bit-exactness test: runs on CUDA, or in the interpreter child (``__test__`` is
+    pytest's switch)."""
+    fn.__test__ = INTERPRET or CUDA
     return fn
 
 
-def _in_parent(fn):
+def _compile(fn):
     fn.__test__ = not INTERPRET
     return fn
 
 
 KEY = RngKey(seed=7, step=3, rank=1, bucket=2)
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 
 
-@_in_parent
 def test_kernels_under_the_interpreter():
-    """Runs every test below in a child pytest with TRITON_INTERPRET=1 and reports its result."""
+    """Runs the exactness tests below in a child pytest with TRITON_INTERPRET=1."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     # The child must import the same fsdp_qcomm as this process.
     src = str(Path(fsdp_qcomm.__file__).resolve().parents[1])
@@ -74,67 +76,138 @@ def test_kernels_under_the_interpreter():
     assert not re.search("failed|error|skipped", summary), summary
 
 
-def _load_kernels():
-    """``fsdp_qcomm.kernels`` from this checkout (the installed package may point elsewhere)."""
-    spec = importlib.util.spec_from_file_location(
-        "fsdp_qcomm.kernels", KERNELS_DIR / "__init__.py",
-        submodule_search_locations=[str(KERNELS_DIR)],
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fsdp_qcomm.kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+test_kernels_under_the_interpreter.__test__ = not INTERPRET and not CUDA
 
 
 @pytest.fixture(scope="module")
 def K():
-    if not INTERPRET:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_under_the_interpreter")
-    return _load_kernels()
+    import fsdp_qcomm.kernels as kernels
+
+    return kernels
 
 
-@_in_parent
-def test_kernels_compile_for_hopper_exactly():
-    """What the interpreter cannot show: every kernel compiles to sm_90 code (no GPU needed),
-    divisions are IEEE ``div.rn``, no multiply-add was contracted into an ``fma`` and nothing
-    flushes subnormals to zero."""
+def _d(t):
+    """A test input on the kernels' device (a list element-wise; None stays None)."""
+    if isinstance(t, (list, tuple)):
+        return [c.to(DEV) for c in t]
+    return None if t is None else t.to(DEV)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.device.type == DEV
+    assert_same_bits(got.cpu(), want)
+
+
+# ---- ahead-of-time compilation ------------------------------------------------------------------
+def _compile_cases():
+    """(kernel, pointer types, constexprs, divides) for every kernel and each tiling branch."""
+    m = {n: importlib.import_module(f"fsdp_qcomm.kernels.{n}") for n in
+         ("_common", "quantize", "dequantize", "reduce_requantize", "reduce_dequantize", "levels")}
+    common = m["_common"]
+
+    def grp(gs):
+        gs_p2, gpb, sub = common.group_tiling(gs)
+        return dict(GS=gs, GS_P2=gs_p2, GPB=gpb, SUB=sub)
+
+    blk8 = common.TILE // 8
+    q5 = dict(BITS=5, QMAX=31, SYM=False, SKIND=1)
+    q4 = dict(BITS=4, QMAX=7, SYM=True, SKIND=0)
+    u8s16 = {"out_b": "*u8", "out_s": "*i16"}
+    return [
+        (m["quantize"]._quantize_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", **u8s16},
+         dict(**q5, **grp(96), STOCH=True, HAS_REF=True, HADAMARD=True), True),
+        (m["quantize"]._quantize_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32", "out_b": "*u8",
+         "out_s": "*i32"}, dict(**q4, **grp(4104), STOCH=True, HAS_REF=True, HADAMARD=False),
+         True),
+        (m["quantize"]._hadamard_rows_kernel, {"x_ptr": "*fp16", "r_ptr": "*fp16",
+         "y_ptr": "*fp32"}, dict(NB32=64, HAS_REF=True), False),
+        (m["dequantize"]._dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
+         "out_ptr": "*bf16"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, ACCUMULATE=True), False),
+        (m["reduce_dequantize"]._reduce_dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
+         "out_ptr": "*fp32"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True), False),
+        (m["reduce_requantize"]._reduce_requantize_kernel, {"in_b": "*u8", "in_s": "*i16",
+         "out_b": "*u8", "out_s": "*i32"}, dict(I_BITS=5, I_QMAX=31, I_SYM=False, I_SKIND=1,
+         I_GS=40, BITS=3, QMAX=3, SYM=True, SKIND=0, **grp(96), STOCH=True), True),
+        (m["reduce_requantize"]._reduce_requantize_kernel, {"in_b": "*u8", "in_s": "*i32",
+         "out_b": "*u8", "out_s": "*i16"}, dict(I_BITS=8, I_QMAX=127, I_SYM=True, I_SKIND=0,
+         I_GS=128, BITS=4, QMAX=15, SYM=False, SKIND=2, **grp(4096), STOCH=False), True),
+        (m["levels"]._quantize_levels_kernel, {"x_ptr": "*bf16", "lv_ptr": "*fp32", **u8s16,
+         "out_l": "*fp32"}, dict(BITS=8, SYM=False, SKIND=1, **grp(1024), STOCH=True), True),
+        (m["levels"]._quantize_levels_kernel, {"x_ptr": "*fp32", "lv_ptr": "*fp32", **u8s16,
+         "out_l": "*fp32"}, dict(BITS=4, SYM=True, SKIND=2, **grp(4104), STOCH=False), True),
+        (m["levels"]._decode_levels_kernel, {"data_b": "*u8", "data_s": "*i16",
+         "data_l": "*fp32", "out_ptr": "*bf16"},
+         dict(BITS=6, SYM=False, SKIND=1, GS=1024, BLK8=blk8, ACCUMULATE=True), False),
+    ]
+
+
+def _jit_kernels() -> set[str]:
+    """Names of every launchable ``@triton.jit`` kernel (``*_kernel``) in fsdp_qcomm.kernels."""
+    import triton
+
+    import fsdp_qcomm.kernels as kernels
+
+    names = set()
+    for path in kernels.__path__:
+        for f in Path(path).glob("*.py"):
+            if f.stem == "__init__":
+                continue
+            mod = importlib.import_module(f"fsdp_qcomm.kernels.{f.stem}")
+            for k, v in vars(mod).items():
+                if isinstance(v, triton.runtime.JITFunction) and k.endswith("_kernel"):
+                    names.add(f"{f.stem}.{k}")
+    return names
+
+
+def _sass_resources(cubin: bytes, tmp: Path) -> dict[str, int]:
+    """``REG``, ``STACK``, ``LOCAL`` of a cubin from triton's bundled ``cuobjdump``."""
+    from triton.backends.nvidia import compiler
+
+    tool = Path(compiler.__file__).parent / "bin" / "cuobjdump"
+    if not tool.is_file():
+        return {}
+    f = tmp / "k.cubin"
+    f.write_bytes(cubin)
+    out = subprocess.run([str(tool), "--dump-resource-usage", str(f)], capture_output=True,
+                         text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out)}
+
+
+@_compile
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_kernel_compiles_ahead_of_time_exactly(target, tmp_path):
+    """What the interpreter cannot show, for each GPU generation and without a GPU: every
+    kernel goes through Triton's whole pipeline down to a cubin (ptxas included) for the target,
+    divisions are IEEE ``div.rn``, no multiply-add was contracted into an ``fma``, nothing
+    flushes subnormals to zero, and nothing spills registers to local memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    _load_kernels()
-    common = sys.modules["fsdp_qcomm.kernels._common"]
-    opts = common.launch_opts(common.TILE)  # what the launches use
-    mods = {n: sys.modules[f"fsdp_qcomm.kernels.{n}"]
-            for n in ("quantize", "dequantize", "reduce_requantize", "reduce_dequantize")}
-    gs_p2, gpb, sub = common.group_tiling(96)
-    grp = dict(GS=96, GS_P2=gs_p2, GPB=gpb, SUB=sub)
-    blk8 = common.TILE // 8
-    q5 = dict(BITS=5, QMAX=31, SYM=False, SKIND=1)
-    cases = [
-        (mods["quantize"]._quantize_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "out_b": "*u8",
-         "out_s": "*i16"}, dict(**q5, **grp, STOCH=True, HAS_REF=True, HADAMARD=True), True),
-        (mods["quantize"]._hadamard_rows_kernel, {"x_ptr": "*fp16", "r_ptr": "*fp16",
-         "y_ptr": "*fp32"}, dict(NB32=64, HAS_REF=True), False),
-        (mods["dequantize"]._dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
-         "out_ptr": "*bf16"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, ACCUMULATE=True), False),
-        (mods["reduce_dequantize"]._reduce_dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
-         "out_ptr": "*fp32"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True), False),
-        (mods["reduce_requantize"]._reduce_requantize_kernel, {"in_b": "*u8", "in_s": "*i16",
-         "out_b": "*u8", "out_s": "*i32"}, dict(I_BITS=5, I_QMAX=31, I_SYM=False, I_SKIND=1,
-         I_GS=40, BITS=3, QMAX=3, SYM=True, SKIND=0, **grp, STOCH=True), True),
-    ]
+    common = importlib.import_module("fsdp_qcomm.kernels._common")
+    cases = _compile_cases()
+    covered = {f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}" for fn, *_ in cases}
+    assert covered == _jit_kernels(), "a kernel is missing from _compile_cases"
+    cap = TARGETS[target]
     for fn, ptrs, const, divides in cases:
+        name = f"{fn.__name__} {const}"
         sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
+        opts = common.launch_opts(const.get("GPB", 1) * const.get("SUB", common.TILE))
         compiled = triton.compile(ASTSource(fn, sig, constexprs=const),
-                                  target=GPUTarget("cuda", 90, 32), options=opts)
+                                  target=GPUTarget("cuda", cap, 32), options=opts)
         ptx = compiled.asm["ptx"]
-        assert not re.search(r"\bfma\.", ptx), fn.__name__
-        assert ".ftz" not in ptx, fn.__name__
-        assert not re.search(r"div\.(full|approx)", ptx), fn.__name__
-        assert bool(re.search(r"div\.rn\.f32", ptx)) == divides, fn.__name__
+        arch = re.search(r"^\.target (sm_\d+)a?\b", ptx, re.M)
+        assert arch and arch.group(1) == target, (name, arch and arch.group(0))
+        assert len(compiled.asm["cubin"]) > 0, name
+        assert not re.search(r"\bfma\.", ptx), name
+        assert ".ftz" not in ptx, name
+        assert not re.search(r"div\.(full|approx)", ptx), name
+        assert bool(re.search(r"div\.rn\.f32", ptx)) == divides, name
+        res = _sass_resources(compiled.asm["cubin"], tmp_path)
+        assert res.get("LOCAL", 0) == 0, (name, res)  # no register spills
 
 
+# ---- quantize ---------------------------------------------------------------------------------
 def _data(rows: int, n: int, dtype: torch.dtype, seed: int, specials: bool = True) -> torch.Tensor:
     return sample_rows(rows, n, seed, specials, dtype)
 
@@ -143,8 +216,7 @@ def _spec(bits, sym, rounding, sdt, gs) -> QuantSpec:
     return QuantSpec(bits=bits, group_size=gs, symmetric=sym, rounding=rounding, scale_dtype=sdt)
 
 
-# ---- quantize ---------------------------------------------------------------------------------
-@_in_child
+@_exact
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -157,13 +229,12 @@ def test_quantize_same_bytes(K, bits, sym, rounding):
     spec = _spec(bits, sym, rounding, sdt, gs)
     for rows, n in ((3, 203), (1, 7)):
         x = _data(rows, n, dtype, seed=c + n)
-        got = K.quantize(x, spec, KEY, None, False)
-        want = torch_codec.quantize(x, spec, KEY, None, False)
-        _assert_same_bits(got, want)
+        got = K.quantize(_d(x), spec, KEY, None, False)
+        _same(got, torch_codec.quantize(x, spec, KEY, None, False))
         assert got.shape == (rows, wire.wire_bytes(n, spec))
 
 
-@_in_child
+@_exact
 @pytest.mark.parametrize("gs", [32, 96, 24])  # whole 32-blocks per group (pow2 or not), or not
 @pytest.mark.parametrize("ref", [False, True])
 @pytest.mark.parametrize("hadamard", [False, True])
@@ -172,57 +243,56 @@ def test_quantize_difference_and_hadamard(K, gs, ref, hadamard):
     spec = _spec(4 if gs != 96 else 8, gs != 24, "stochastic", SCALE_DTYPES[gs % 3], gs)
     x = _data(2, 133, dtype, seed=gs)
     r = _data(2, 133, dtype, seed=gs + 1, specials=False) if ref else None
-    got = K.quantize(x, spec, KEY, r, hadamard)
-    want = torch_codec.quantize(x, spec, KEY, r, hadamard)
-    _assert_same_bits(got, want)
+    got = K.quantize(_d(x), spec, KEY, _d(r), hadamard)
+    _same(got, torch_codec.quantize(x, spec, KEY, r, hadamard))
 
 
-@_in_child
+@_exact
 @pytest.mark.parametrize("sym", [True, False])
 def test_quantize_groups_larger_than_a_tile(K, sym):
     # 4104 > TILE (2048): each group is read in sub-tiles, statistics first, then codes.
     spec = _spec(4, sym, "stochastic", "bfloat16", 4104)
     x = _data(2, 9001, torch.float32, seed=11)
     for hadamard in (False, True):
-        got = K.quantize(x, spec, KEY, None, hadamard)
-        _assert_same_bits(got, torch_codec.quantize(x, spec, KEY, None, hadamard))
+        got = K.quantize(_d(x), spec, KEY, None, hadamard)
+        _same(got, torch_codec.quantize(x, spec, KEY, None, hadamard))
 
 
-@_in_child
+@_exact
 def test_quantize_scale_edge_cases(K):
     # fp16 scales: amax / qmax overflows to inf (codes 0) or underflows to 0 (scale 1).
     spec = _spec(2, True, "nearest", "float16", 8)
     x = torch.tensor([[1e6, -3e5, 2.0, 0, 0, 0, 0, 0, 1e-9, -2e-9, 0, 0, 0, 0, 0, 3e-9]])
-    _assert_same_bits(K.quantize(x, spec, None, None, False),
-                      torch_codec.quantize(x, spec, None, None, False))
+    _same(K.quantize(_d(x), spec, None, None, False),
+          torch_codec.quantize(x, spec, None, None, False))
     # A group whose minimum is -0 stores +0 (wire.py), whichever zero a min-reduction picks.
     spec = _spec(4, False, "nearest", "float32", 8)
     x = torch.tensor([[1.0, -0.0, 2.0, 0.5, 3.0, 1.5, 2.5, 0.25]])
-    got = K.quantize(x, spec, None, None, False)
-    _assert_same_bits(got, torch_codec.quantize(x, spec, None, None, False))
+    got = K.quantize(_d(x), spec, None, None, False).cpu()
+    assert_same_bits(got, torch_codec.quantize(x, spec, None, None, False))
     assert got[0, 4:8].view(torch.int32).item() == 0
 
 
-@_in_child
+@_exact
 def test_quantize_needs_key_for_stochastic(K):
     with pytest.raises(ValueError, match="needs key"):
-        K.quantize(torch.ones(1, 8), _spec(4, True, "stochastic", "float32", 8), None)
+        K.quantize(_d(torch.ones(1, 8)), _spec(4, True, "stochastic", "float32", 8), None)
 
 
-@_in_child
+@_exact
 def test_nan_scale_bit_patterns(K):
     x = torch.full((1, 16), float("nan"))
     for sdt, bits, ints in (("float32", 0x7FC00000, torch.int32), ("bfloat16", 0x7FC0, torch.int16),
                             ("float16", 0x7E00, torch.int16)):
         spec = _spec(4, False, "nearest", sdt, 8)
-        got = K.quantize(x, spec, None, None, False)
-        _assert_same_bits(got, torch_codec.quantize(x, spec, None, None, False))
+        got = K.quantize(_d(x), spec, None, None, False).cpu()
+        assert_same_bits(got, torch_codec.quantize(x, spec, None, None, False))
         sb = wire.scale_section_bytes(16, spec)
         assert (got[0, :sb].view(ints) == bits).all()
 
 
 # ---- dequantize -------------------------------------------------------------------------------
-@_in_child
+@_exact
 @pytest.mark.parametrize("bits,sym,sdt,gs", [
     (4, True, "float32", 128), (3, False, "bfloat16", 24), (8, False, "float16", 40),
     (2, True, "bfloat16", 8), (5, False, "float32", 64), (7, True, "float16", 32),
@@ -232,26 +302,26 @@ def test_dequantize_same_values(K, bits, sym, sdt, gs, hadamard):
     spec = _spec(bits, sym, "stochastic", sdt, gs)
     n = 157
     data = torch_codec.quantize(_data(3, n, torch.float32, seed=bits), spec, KEY, None, hadamard)
-    _assert_same_bits(K.dequantize(data, n, spec, hadamard, None, False),
-                      torch_codec.dequantize(data, n, spec, hadamard, None, False))
+    _same(K.dequantize(_d(data), n, spec, hadamard, None, False),
+          torch_codec.dequantize(data, n, spec, hadamard, None, False))
     for dtype, accumulate in ((torch.float32, True), (torch.bfloat16, True),
                               (torch.float16, False), (torch.bfloat16, False)):
         base = _data(3, n, dtype, seed=bits + 1, specials=False)
-        got, want = base.clone(), base.clone()
-        K.dequantize(data, n, spec, hadamard, got, accumulate)
+        got, want = _d(base.clone()), base.clone()
+        K.dequantize(_d(data), n, spec, hadamard, got, accumulate)
         torch_codec.dequantize(data, n, spec, hadamard, want, accumulate)
-        _assert_same_bits(got, want)
+        _same(got, want)
 
 
-@_in_child
+@_exact
 def test_dequantize_into_strided_out(K):
     spec = _spec(4, True, "nearest", "float32", 16)
     data = torch_codec.quantize(_data(2, 50, torch.float32, seed=5), spec, None)
     big = torch.zeros(2, 60, dtype=torch.bfloat16)
-    want = big.clone()
-    K.dequantize(data, 50, spec, False, big[:, 5:55], True)
-    torch_codec.dequantize(data, 50, spec, False, want[:, 5:55], True)
-    _assert_same_bits(big, want)
+    got = _d(big.clone())
+    K.dequantize(_d(data), 50, spec, False, got[:, 5:55], True)
+    torch_codec.dequantize(data, 50, spec, False, big[:, 5:55], True)
+    _same(got, big)
 
 
 # ---- reductions -------------------------------------------------------------------------------
@@ -265,7 +335,7 @@ def _chunks(k: int, rows: int, n: int, spec: QuantSpec, hadamard: bool, seed: in
     return torch.stack(blocks)
 
 
-@_in_child
+@_exact
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("spec_in,spec_out", [
     (_spec(8, True, "stochastic", "float32", 128), _spec(4, True, "stochastic", "float32", 128)),
@@ -276,13 +346,14 @@ def test_reduce_requantize_same_bytes(K, k, spec_in, spec_out):
     n = 213
     buf = _chunks(k, 2, n, spec_in, False, seed=k)
     want = torch_codec.reduce_requantize(list(buf.unbind(0)), n, spec_in, spec_out, KEY)
-    _assert_same_bits(K.reduce_requantize(list(buf.unbind(0)), n, spec_in, spec_out, KEY), want)
+    dev = _d(buf)
+    _same(K.reduce_requantize(list(dev.unbind(0)), n, spec_in, spec_out, KEY), want)
     # Separate allocations take the stacking path.
-    _assert_same_bits(
-        K.reduce_requantize([c.clone() for c in buf.unbind(0)], n, spec_in, spec_out, KEY), want)
+    _same(K.reduce_requantize([c.clone() for c in dev.unbind(0)], n, spec_in, spec_out, KEY),
+          want)
 
 
-@_in_child
+@_exact
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_reduce_dequantize_same_values(K, k, hadamard):
@@ -290,28 +361,75 @@ def test_reduce_dequantize_same_values(K, k, hadamard):
     n = 150
     buf = _chunks(k, 3, n, spec, hadamard, seed=10 * k)
     chunks = list(buf.unbind(0))
-    _assert_same_bits(K.reduce_dequantize(chunks, n, spec, hadamard, None),
-                      torch_codec.reduce_dequantize(chunks, n, spec, hadamard, None))
+    dev = list(_d(buf).unbind(0))
+    _same(K.reduce_dequantize(dev, n, spec, hadamard, None),
+          torch_codec.reduce_dequantize(chunks, n, spec, hadamard, None))
     for dtype in (torch.float32, torch.bfloat16):
-        got = torch.empty(3, n, dtype=dtype)
+        got = torch.empty(3, n, dtype=dtype, device=DEV)
         want = torch.empty(3, n, dtype=dtype)
-        K.reduce_dequantize([c.clone() for c in chunks], n, spec, hadamard, got)
+        K.reduce_dequantize([c.clone() for c in dev], n, spec, hadamard, got)
         torch_codec.reduce_dequantize(chunks, n, spec, hadamard, want)
-        _assert_same_bits(got, want)
+        _same(got, want)
 
 
-@_in_child
+@_exact
 def test_two_level_pipeline_round_trip(K):
     # The TLq-HS chain (Hadamard + 8 bit, reduce, 4 bit, reduce + inverse Hadamard) end to end.
     s8 = _spec(8, True, "stochastic", "float32", 128)
     s4 = _spec(4, True, "stochastic", "float32", 128)
     n, m = 300, wire.hadamard_len(300)
     xs = [_data(2, n, torch.float32, seed=40 + j, specials=False) for j in range(2)]
-    hop1 = [K.quantize(x, s8, KEY.fold(j), None, True) for j, x in enumerate(xs)]
+    hop1 = [K.quantize(_d(x), s8, KEY.fold(j), None, True) for j, x in enumerate(xs)]
     hop2 = K.reduce_requantize(hop1, m, s8, s4, KEY)
     got = K.reduce_dequantize([hop2, hop2], n, s4, True, None)
     t1 = [torch_codec.quantize(x, s8, KEY.fold(j), None, True) for j, x in enumerate(xs)]
     t2 = torch_codec.reduce_requantize(t1, m, s8, s4, KEY)
-    _assert_same_bits(got, torch_codec.reduce_dequantize([t2, t2], n, s4, True, None))
+    _same(got, torch_codec.reduce_dequantize([t2, t2], n, s4, True, None))
     exact = 2 * (xs[0] + xs[1])
-    assert (got - exact).abs().max().item() < 0.2 * exact.abs().max().item()
+    assert (got.cpu() - exact).abs().max().item() < 0.2 * exact.abs().max().item()
+
+
+# ---- learned levels ---------------------------------------------------------------------------
+@_exact
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_levels_same_bytes_and_values(K, bits, sym, rounding):
+    c = bits * 4 + sym * 2 + (rounding == "stochastic")
+    spec = _spec(bits, sym, rounding, SCALE_DTYPES[c % 3], (8, 24, 64, 40, 128)[c % 5])
+    table = fitted_levels(spec, seed=bits)
+    for rows, n in ((3, 203), (1, 7)):
+        x = level_rows(rows, n, seed=c + n, levels=table, dtype=IN_DTYPES[(c // 3) % 3])
+        got = K.quantize_levels(_d(x), spec, _d(table), KEY)
+        want = torch_codec.quantize_levels(x, spec, table, KEY)
+        _same(got, want)
+        _same(K.dequantize_levels_sum([got], n, spec),
+              torch_codec.dequantize_levels_sum([want], n, spec))
+
+
+@_exact
+@pytest.mark.parametrize("sym", [True, False])
+def test_levels_large_groups_sums_and_outputs(K, sym):
+    spec = _spec(4, sym, "stochastic", "bfloat16", 4104)  # sub-tiled groups
+    table = fitted_levels(spec, seed=3)
+    x = level_rows(2, 9001, seed=5, levels=table)
+    _same(K.quantize_levels(_d(x), spec, _d(table), KEY),
+          torch_codec.quantize_levels(x, spec, table, KEY))
+    spec = _spec(5, sym, "stochastic", "float32", 40)
+    table = fitted_levels(spec, seed=4)
+    n = 333
+    recv = torch.stack([torch_codec.quantize_levels(_data(2, n, torch.float32, seed=j), spec,
+                                                    table, KEY.fold(j)) for j in range(3)])
+    chunks = list(recv.unbind(0))
+    dev = list(_d(recv).unbind(0))
+    _same(K.dequantize_levels_sum(dev, n, spec),
+          torch_codec.dequantize_levels_sum(chunks, n, spec))
+    _same(K.dequantize_levels_sum([c.clone() for c in dev], n, spec),
+          torch_codec.dequantize_levels_sum(chunks, n, spec))
+    base = _data(2, n + 5, torch.float32, seed=9, specials=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        for accumulate in (False, True):
+            got, want = _d(base.to(dtype)), base.to(dtype)
+            K.dequantize_levels_sum(dev[:1], n, spec, got[:, 5:], accumulate)
+            torch_codec.dequantize_levels_sum(chunks[:1], n, spec, want[:, 5:], accumulate)
+            _same(got, want)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_qcomm import QCommConfig, QuantSpec
-from fsdp_qcomm.codec import RngKey, dequantize, quantize, wire_bytes
+from fsdp_qcomm.codec import RngKey, dequantize, quantize, torch_codec, wire_bytes
 from fsdp_qcomm.codec import levels as lv
 from fsdp_qcomm.testing import run_ranks
 
@@ -95,7 +95,7 @@ def test_learned_levels_beat_uniform_on_bell_shaped_and_heavy_tailed_data(roundi
 
 def _fit_by_gradient(x: torch.Tensor, spec: QuantSpec, steps: int = 400) -> torch.Tensor:
     """QSDP's way: gradient steps on the expected stochastic-rounding error (t-L_k)(L_k+1 - t)."""
-    t, _, _, _ = lv._groups(x.reshape(-1, x.shape[-1]).float(), spec)
+    t, _, _, _ = torch_codec.level_groups(x.reshape(-1, x.shape[-1]).float(), spec)
     t = t.reshape(-1).double()
     inner = lv.uniform_levels(spec).double()[1:-1].clone().requires_grad_(True)
     opt = torch.optim.Adam([inner], lr=2e-3)

@@ -23,6 +23,8 @@ Chunks = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 def _impl(t: torch.Tensor):
+    """The implementation for ``t``'s device (used by ``levels`` too): Triton on CUDA, else the
+    C loops (which fall back to ``torch_codec``)."""
     if t.is_cuda:
         from .. import kernels  # imported lazily: triton is only needed on GPUs
 

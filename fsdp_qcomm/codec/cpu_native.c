@@ -7,6 +7,10 @@
  * torch code performs, in the same order, and the file is built with -ffp-contract=off (no
  * fused multiply-adds), so results are bit-identical; tests/test_codec_native.py checks it.
  *
+ * Learned-levels rows (fsdp_qcomm/codec/levels.py: the 2^b fp32 levels in front of the same
+ * sections, codes that index the table) use the same windows and source (fq_encode_levels,
+ * fq_decode_levels_sum).
+ *
  * Only fp32 scales are handled here; fsdp_qcomm/codec/cpu_native.py falls back to the torch
  * code for other scale dtypes. Built and loaded by cpu_native.py (plain C, no Python API).
  */
@@ -52,7 +56,11 @@ typedef struct {
     int bits;
     int64_t gs;
     int symmetric;
+    int learned; /* rows start with a table of 2^bits fp32 levels (codec/levels.py) */
 } spec_t;
+
+/* Bytes in front of a row's scale section: the level table of learned-levels rows. */
+static inline int64_t table_bytes(const spec_t *s) { return s->learned ? (int64_t)4 << s->bits : 0; }
 
 static inline int64_t num_groups(int64_t n, int64_t gs) { return (n + gs - 1) / gs; }
 
@@ -161,21 +169,32 @@ static void unpack(const uint8_t *src, int64_t cnt, int bits, uint8_t *codes) {
 
 /* ---- decode ---------------------------------------------------------------------------------- */
 /* dst[i] (=, or += when add) decoded element w0 + i of one wire row, for i in [0, w1 - w0).
- * w0 is a multiple of the group size; decoded value = (code - bias) * scale (+ min). */
+ * w0 is a multiple of the group size; decoded value = (code - bias) * scale (+ min), or for
+ * learned levels L[code] * scale (+ min) with L the row's own table. */
 static void decode_window(const uint8_t *row, int64_t n, const spec_t *s, int64_t w0, int64_t w1,
                           float *dst, int add, uint8_t *codes) {
     int64_t cnt = ((w1 - w0) + 7) / 8 * 8;
     int64_t G = num_groups(n, s->gs);
-    const uint8_t *cb = row + code_offset(n, s) + w0 / 8 * s->bits;
+    const uint8_t *base = row + table_bytes(s); /* the scale section */
+    const uint8_t *cb = base + code_offset(n, s) + w0 / 8 * s->bits;
     unpack(cb, cnt, s->bits, codes);
+    float lv[256];
+    if (s->learned) memcpy(lv, row, (size_t)table_bytes(s));
     float bias = s->symmetric ? (float)qmax_of(s) : 0.0f;
     for (int64_t g0 = w0; g0 < w1; g0 += s->gs) {
         int64_t g = g0 / s->gs, e = g0 + s->gs < w1 ? g0 + s->gs : w1;
-        float scale = load_f32(row + 4 * g);
+        float scale = load_f32(base + 4 * g);
+        float mn = s->symmetric ? 0.0f : load_f32(base + 4 * (G + g));
         const uint8_t *c = codes + (g0 - w0);
         float *d = dst + (g0 - w0);
         int64_t len = e - g0;
-        if (s->symmetric) {
+        if (s->learned) {
+            for (int64_t i = 0; i < len; i++) {
+                float x = lv[c[i]] * scale;
+                if (!s->symmetric) x = x + mn;
+                d[i] = add ? d[i] + x : x;
+            }
+        } else if (s->symmetric) {
             if (add)
                 for (int64_t i = 0; i < len; i++) {
                     float x = ((float)c[i] - bias) * scale;
@@ -184,7 +203,6 @@ static void decode_window(const uint8_t *row, int64_t n, const spec_t *s, int64_
             else
                 for (int64_t i = 0; i < len; i++) d[i] = ((float)c[i] - bias) * scale;
         } else {
-            float mn = load_f32(row + 4 * (G + g));
             if (add)
                 for (int64_t i = 0; i < len; i++) {
                     float x = (float)c[i] * scale;
@@ -202,15 +220,40 @@ static void decode_window(const uint8_t *row, int64_t n, const spec_t *s, int64_
 
 /* ---- encode ---------------------------------------------------------------------------------- */
 /* Min / max of v[0, len) and whether any value is NaN or infinite (then min/max are unused).
- * The non-finite test is integer arithmetic, so the two flags below, which only let the compiler
- * use vector min/max instructions, cannot change a result: min and max are exact, NaN and
- * infinities never reach them in a used result, and a zero's sign cannot matter (a zero scale
- * becomes 1, a zero minimum is stored as +0). */
-__attribute__((optimize("finite-math-only", "no-signed-zeros")))
+ * The non-finite test is integer arithmetic. Eight-lane vectors keep eight independent running
+ * min / max (lane l sees elements l, l + 8, ...), each updated with `a < m ? a : m` written as
+ * a compare and a bit select, which is exact IEEE arithmetic the compiler may not reorder and
+ * needs no fast-math flag (it becomes vector compare/blend or min/max instructions). Min and max
+ * of finite values do not depend on that order, except for which zero comes out of {-0, +0},
+ * and no result depends on a zero's sign (a zero scale becomes 1, a zero minimum or range is
+ * stored as +0). */
 static int group_minmax(const float *v, int64_t len, float *pmn, float *pmx) {
+    const v8i expo = {0x7F800000, 0x7F800000, 0x7F800000, 0x7F800000,
+                      0x7F800000, 0x7F800000, 0x7F800000, 0x7F800000};
     float mn = v[0], mx = v[0];
     uint32_t nf = 0;
-    for (int64_t i = 0; i < len; i++) {
+    int64_t i = 0;
+    if (len >= 8) {
+        v8f vmn, vmx;
+        memcpy(&vmn, v, sizeof vmn);
+        vmx = vmn;
+        v8i bad = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (; i + 8 <= len; i += 8) {
+            v8f a;
+            memcpy(&a, v + i, sizeof a);
+            v8i ai = (v8i)a;
+            bad |= (ai & expo) == expo;
+            v8i lt = a < vmn, gt = a > vmx;
+            vmn = (v8f)((ai & lt) | ((v8i)vmn & ~lt));
+            vmx = (v8f)((ai & gt) | ((v8i)vmx & ~gt));
+        }
+        for (int l = 0; l < 8; l++) {
+            nf |= (uint32_t)bad[l];
+            mn = vmn[l] < mn ? vmn[l] : mn;
+            mx = vmx[l] > mx ? vmx[l] : mx;
+        }
+    }
+    for (; i < len; i++) {
         float a = v[i];
         uint32_t b;
         memcpy(&b, &a, 4);
@@ -221,6 +264,17 @@ static int group_minmax(const float *v, int64_t len, float *pmn, float *pmx) {
     *pmn = mn;
     *pmx = mx;
     return nf != 0;
+}
+
+/* group_minmax for group g of a row, which also handles a non-finite group: its scale (and
+ * min) get the NaN bits, its len codes the zero code; returns 1 then (the caller skips it). */
+static int group_bounds(const float *x, int64_t len, const spec_t *s, uint8_t *row, int64_t G,
+                        int64_t g, uint8_t *c, int zero_code, float *mn, float *mx) {
+    if (!group_minmax(x, len, mn, mx)) return 0;
+    store_u32(row + 4 * g, NAN_BITS_F32);
+    if (!s->symmetric) store_u32(row + 4 * (G + g), NAN_BITS_F32);
+    memset(c, zero_code, (size_t)len);
+    return 1;
 }
 
 /* Quantize the groups of window [w0, w1) of one row (values v[0, w1 - w0), overwritten) into
@@ -238,12 +292,7 @@ static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int6
         float *x = v + (g0 - w0);
         uint8_t *c = codes + (g0 - w0);
         float mn, mx, scale, mins = 0.0f;
-        if (group_minmax(x, len, &mn, &mx)) {
-            store_u32(row + 4 * g, NAN_BITS_F32);
-            if (!s->symmetric) store_u32(row + 4 * (G + g), NAN_BITS_F32);
-            memset(c, bias, (size_t)len);
-            continue;
-        }
+        if (group_bounds(x, len, s, row, G, g, c, bias, &mn, &mx)) continue;
         if (s->symmetric) {
             float amax = mx > -mn ? mx : -mn;
             scale = amax / fq;
@@ -276,6 +325,56 @@ static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int6
             q = q < ilo ? ilo : q;
             q = q > qmax ? qmax : q;
             c[i] = (uint8_t)(q + bias);
+        }
+    }
+}
+
+/* encode_window for learned levels (codec/levels.py): scale = absmax or max - min (a zero stored
+ * as +0), t = x / scale or (x - min) / scale (a zero scale divides by 1) clamped to the table's
+ * domain, k = the last level <= t among L[0 .. K-2] (binary search), p = (t - L[k]) /
+ * (L[k+1] - L[k]), code k + (u < p) or k + (p >= 1/2). */
+static void encode_window_levels(float *v, int64_t n, const spec_t *s, const float *lv,
+                                 int64_t w0, int64_t w1, int stochastic, uint32_t k0,
+                                 uint32_t k1, uint32_t ctr0, uint8_t *row, uint8_t *codes) {
+    int64_t G = num_groups(n, s->gs);
+    int K = 1 << s->bits;
+    float dlo = s->symmetric ? -1.0f : 0.0f;
+    for (int64_t g0 = w0; g0 < w1; g0 += s->gs) {
+        int64_t g = g0 / s->gs, len = (g0 + s->gs < w1 ? g0 + s->gs : w1) - g0;
+        float *x = v + (g0 - w0);
+        uint8_t *c = codes + (g0 - w0);
+        float mn, mx, scale, mins = 0.0f;
+        if (group_bounds(x, len, s, row, G, g, c, 0, &mn, &mx)) continue;
+        if (s->symmetric) {
+            float amax = mx > -mn ? mx : -mn;
+            scale = amax + 0.0f;
+        } else {
+            mins = mn + 0.0f;
+            scale = (mx - mins) + 0.0f;
+        }
+        memcpy(row + 4 * g, &scale, 4);
+        if (!s->symmetric) memcpy(row + 4 * (G + g), &mins, 4);
+        float safe = scale == 0.0f ? 1.0f : scale;
+        uint32_t ctr = ctr0 + (uint32_t)(g0 - w0);
+        for (int64_t i = 0; i < len; i++) {
+            float t = s->symmetric ? x[i] / safe : (x[i] - mins) / safe;
+            t = t < dlo ? dlo : t;
+            t = t > 1.0f ? 1.0f : t;
+            int k = 0;
+            for (int step = K >> 1; step > 0; step >>= 1) {
+                int cand = k + step;
+                if (cand <= K - 2 && lv[cand] <= t) k = cand;
+            }
+            float left = lv[k], right = lv[k + 1];
+            float p = (t - left) / (right - left);
+            int up;
+            if (stochastic) {
+                uint32_t h = mix32(mix32((ctr + (uint32_t)i) ^ k0) ^ k1);
+                up = (float)(h >> 8) * 0x1p-24f < p;
+            } else {
+                up = p >= 0.5f;
+            }
+            c[i] = (uint8_t)(k + up);
         }
     }
 }
@@ -335,25 +434,31 @@ static void window_free(window_t *w) {
 /* Encode `rows` rows of n values from src into out (row stride out_stride bytes). hadamard:
  * rotate each 32-block first (n a multiple of 32). Returns 0, or -1 when out of memory. */
 static int encode_rows(const source_t *src, int64_t rows, int64_t n, const spec_t *s,
-                       int hadamard, int stochastic, uint32_t k0, uint32_t k1, uint8_t *out,
-                       int64_t out_stride) {
+                       const float *levels, int hadamard, int stochastic, uint32_t k0,
+                       uint32_t k1, uint8_t *out, int64_t out_stride) {
     int64_t W = window_len(s->gs, src->k ? src->in.gs : 1);
     window_t win;
     if (window_alloc(&win, W)) return -1;
     float *v = win.v;
     uint8_t *codes = win.codes;
+    int64_t tb = table_bytes(s);
     int64_t coff = code_offset(n, s);
     int64_t cbytes = (n + 7) / 8 * s->bits;
     int64_t total = coff + cbytes, padded = (total + 3) / 4 * 4;
     for (int64_t r = 0; r < rows; r++) {
-        uint8_t *row = out + r * out_stride;
+        uint8_t *row = out + r * out_stride + tb; /* the scale section */
+        if (levels) memcpy(out + r * out_stride, levels, (size_t)tb);
         memset(row + total, 0, (size_t)(padded - total));
         for (int64_t w0 = 0; w0 < n; w0 += W) {
             int64_t w1 = w0 + W < n ? w0 + W : n;
+            uint32_t ctr0 = (uint32_t)(r * n + w0);
             fill_window(src, r, w0, w1, n, v, codes);
             if (hadamard) hadamard32(v, w1 - w0);
-            encode_window(v, n, s, w0, w1, stochastic, k0, k1, (uint32_t)(r * n + w0), row,
-                          codes);
+            if (levels)
+                encode_window_levels(v, n, s, levels, w0, w1, stochastic, k0, k1, ctr0, row,
+                                     codes);
+            else
+                encode_window(v, n, s, w0, w1, stochastic, k0, k1, ctr0, row, codes);
             int64_t cnt = (w1 - w0 + 7) / 8 * 8;
             for (int64_t i = w1 - w0; i < cnt; i++) codes[i] = 0; /* padding encodes as 0 */
             pack(codes, cnt, s->bits, row + coff + w0 / 8 * s->bits);
@@ -367,45 +472,60 @@ int fq_encode(const float *x, int64_t x_stride, const float *ref, int64_t ref_st
               int64_t rows, int64_t n0, int64_t n, int bits, int64_t gs, int symmetric,
               int hadamard, int stochastic, uint32_t k0, uint32_t k1, uint8_t *out,
               int64_t out_stride) {
-    source_t src = {x, x_stride, ref, ref_stride, n0, NULL, NULL, 0, {0, 0, 0}};
-    spec_t s = {bits, gs, symmetric};
-    return encode_rows(&src, rows, n, &s, hadamard, stochastic, k0, k1, out, out_stride);
+    source_t src = {x, x_stride, ref, ref_stride, n0, NULL, NULL, 0, {0, 0, 0, 0}};
+    spec_t s = {bits, gs, symmetric, 0};
+    return encode_rows(&src, rows, n, &s, NULL, hadamard, stochastic, k0, k1, out, out_stride);
+}
+
+/* Learned levels: rows of x (n values, row stride x_stride) on the table levels[2^bits]. */
+int fq_encode_levels(const float *x, int64_t x_stride, int64_t rows, int64_t n, int bits,
+                     int64_t gs, int symmetric, int stochastic, uint32_t k0, uint32_t k1,
+                     const float *levels, uint8_t *out, int64_t out_stride) {
+    source_t src = {x, x_stride, NULL, 0, n, NULL, NULL, 0, {0, 0, 0, 0}};
+    spec_t s = {bits, gs, symmetric, 1};
+    return encode_rows(&src, rows, n, &s, levels, 0, stochastic, k0, k1, out, out_stride);
 }
 
 int fq_reduce_requantize(const uint8_t *const *chunks, const int64_t *chunk_strides, int k,
                          int64_t rows, int64_t n, int bits_in, int64_t gs_in, int symmetric_in,
                          int bits, int64_t gs, int symmetric, int stochastic, uint32_t k0,
                          uint32_t k1, uint8_t *out, int64_t out_stride) {
-    source_t src = {NULL, 0, NULL, 0, n, chunks, chunk_strides, k, {bits_in, gs_in, symmetric_in}};
-    spec_t s = {bits, gs, symmetric};
-    return encode_rows(&src, rows, n, &s, 0, stochastic, k0, k1, out, out_stride);
+    source_t src = {NULL, 0, NULL, 0, n, chunks, chunk_strides, k,
+                    {bits_in, gs_in, symmetric_in, 0}};
+    spec_t s = {bits, gs, symmetric, 0};
+    return encode_rows(&src, rows, n, &s, NULL, 0, stochastic, k0, k1, out, out_stride);
 }
 
 /* Sum over k wire rows (in order) of their decoded values; hadamard: then H32 / 32 and keep
- * the first n_out; written to (accumulate: added into) out[r * out_stride + i], i < n_out. */
-int fq_decode_sum(const uint8_t *const *chunks, const int64_t *chunk_strides, int k,
-                  int64_t rows, int64_t n, int64_t n_out, int bits, int64_t gs, int symmetric,
-                  int hadamard, int accumulate, float *out, int64_t out_stride) {
-    spec_t s = {bits, gs, symmetric};
-    int64_t W = window_len(gs, 1);
+ * the first n_out; written to (accumulate: added into) out[r * out_stride + i], i < n_out.
+ * learned: learned-levels rows; with accumulate the sum is formed first, then added. */
+static int decode_sum(const uint8_t *const *chunks, const int64_t *chunk_strides, int k,
+                      int64_t rows, int64_t n, int64_t n_out, const spec_t *s, int hadamard,
+                      int accumulate, float *out, int64_t out_stride) {
+    int64_t W = window_len(s->gs, 1);
     window_t win;
     if (window_alloc(&win, W)) return -1;
     float *v = win.v;
     uint8_t *codes = win.codes;
+    int sum_first = hadamard || (s->learned && accumulate);
     for (int64_t r = 0; r < rows; r++) {
         float *o = out + r * out_stride;
         for (int64_t w0 = 0; w0 < n; w0 += W) {
             int64_t w1 = w0 + W < n ? w0 + W : n;
-            if (!hadamard) {
+            if (!sum_first) {
                 for (int j = 0; j < k; j++)
-                    decode_window(chunks[j] + r * chunk_strides[j], n, &s, w0, w1, o + w0,
+                    decode_window(chunks[j] + r * chunk_strides[j], n, s, w0, w1, o + w0,
                                   accumulate || j > 0, codes);
                 continue;
             }
             for (int j = 0; j < k; j++)
-                decode_window(chunks[j] + r * chunk_strides[j], n, &s, w0, w1, v, j > 0, codes);
-            hadamard32(v, w1 - w0);
+                decode_window(chunks[j] + r * chunk_strides[j], n, s, w0, w1, v, j > 0, codes);
             int64_t e = w1 < n_out ? w1 : n_out;
+            if (!hadamard) {
+                for (int64_t i = w0; i < e; i++) o[i] = o[i] + v[i - w0];
+                continue;
+            }
+            hadamard32(v, w1 - w0);
             if (accumulate)
                 for (int64_t i = w0; i < e; i++) o[i] = o[i] + v[i - w0] * (1.0f / 32);
             else
@@ -414,4 +534,19 @@ int fq_decode_sum(const uint8_t *const *chunks, const int64_t *chunk_strides, in
     }
     window_free(&win);
     return 0;
+}
+
+int fq_decode_sum(const uint8_t *const *chunks, const int64_t *chunk_strides, int k,
+                  int64_t rows, int64_t n, int64_t n_out, int bits, int64_t gs, int symmetric,
+                  int hadamard, int accumulate, float *out, int64_t out_stride) {
+    spec_t s = {bits, gs, symmetric, 0};
+    return decode_sum(chunks, chunk_strides, k, rows, n, n_out, &s, hadamard, accumulate, out,
+                      out_stride);
+}
+
+int fq_decode_levels_sum(const uint8_t *const *chunks, const int64_t *chunk_strides, int k,
+                         int64_t rows, int64_t n, int bits, int64_t gs, int symmetric,
+                         int accumulate, float *out, int64_t out_stride) {
+    spec_t s = {bits, gs, symmetric, 1};
+    return decode_sum(chunks, chunk_strides, k, rows, n, n, &s, 0, accumulate, out, out_stride);
 }

@@ -6,10 +6,10 @@ does the same float operations per element in one pass over a cache-resident win
 faster (``benchmarks/codec_bench.py``, ``benchmarks/hook_profile.py``) and bit-identical
 (``tests/test_codec_native.py``): still one wire format.
 
-Same entry points as ``torch_codec``; cases the C code does not cover (bf16/fp16 scales, an
-``out`` that is not fp32 with unit stride) and machines without a working C compiler use
-``torch_codec``. ``FSDP_QCOMM_NATIVE=0`` turns the C path off; ``FSDP_QCOMM_CACHE`` sets where
-the built library is kept (default ``~/.cache/fsdp_qcomm``).
+Same entry points as ``torch_codec`` (learned levels included); cases the C code does not
+cover (bf16/fp16 scales, an ``out`` that is not fp32 with unit stride) and machines without a
+working C compiler use ``torch_codec``. ``FSDP_QCOMM_NATIVE=0`` turns the C path off;
+``FSDP_QCOMM_CACHE`` sets where the built library is kept (default ``~/.cache/fsdp_qcomm``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fq_reduce_requantize.argtypes = [p, p, i32, i64, i64, i32, i64, i32, i32, i64, i32, i32,
                                          u32, u32, p, i64]
     lib.fq_decode_sum.argtypes = [p, p, i32, i64, i64, i64, i32, i64, i32, i32, i32, p, i64]
-    for f in (lib.fq_encode, lib.fq_reduce_requantize, lib.fq_decode_sum):
+    lib.fq_encode_levels.argtypes = [p, i64, i64, i64, i32, i64, i32, i32, u32, u32, p, p, i64]
+    lib.fq_decode_levels_sum.argtypes = [p, p, i32, i64, i64, i32, i64, i32, i32, p, i64]
+    for f in (lib.fq_encode, lib.fq_reduce_requantize, lib.fq_decode_sum, lib.fq_encode_levels,
+              lib.fq_decode_levels_sum):
         f.restype = ctypes.c_int
 
 
@@ -173,21 +176,30 @@ def quantize(
     return out
 
 
-def _decode_sum(chunks: Sequence[torch.Tensor], n: int, n_out: int, spec: QuantSpec,
-                hadamard: bool, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
-    lib = library()
-    rows = chunks[0].shape[0]
+def _decode_into(decode, rows: int, n: int, n_out: int, out: Optional[torch.Tensor],
+                 accumulate: bool) -> torch.Tensor:
+    """Run ``decode(target, accumulate)`` (a C decode-sum writing fp32 rows) into ``out`` when it
+    is fp32 with unit stride, else into a fresh buffer that is then written into ``out``."""
     direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1
     target = out if direct else torch.empty(rows, n_out, dtype=torch.float32)
     if rows and n:
-        cs, ptrs, strides = _chunk_args(chunks)
-        _check(lib.fq_decode_sum(ptrs, strides, len(cs), rows, n, n_out, spec.bits,
-                                 spec.group_size, int(spec.symmetric), int(hadamard),
-                                 int(accumulate and direct), target.data_ptr(),
-                                 target.stride(0)))
+        _check(decode(target, int(accumulate and direct)))
     if out is None or direct:
         return target
     return torch_codec._write(target, out, accumulate)
+
+
+def _decode_sum(chunks: Sequence[torch.Tensor], n: int, n_out: int, spec: QuantSpec,
+                hadamard: bool, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    lib = library()
+    cs, ptrs, strides = _chunk_args(chunks)
+
+    def decode(target: torch.Tensor, acc: int) -> int:
+        return lib.fq_decode_sum(ptrs, strides, len(cs), target.shape[0], n, n_out, spec.bits,
+                                 spec.group_size, int(spec.symmetric), int(hadamard), acc,
+                                 target.data_ptr(), target.stride(0))
+
+    return _decode_into(decode, chunks[0].shape[0], n, n_out, out, accumulate)
 
 
 def dequantize(
@@ -245,3 +257,47 @@ def reduce_dequantize(
     m = wire.hadamard_len(n) if hadamard else n
     return _decode_sum(chunks, m, n, spec, hadamard, out, False)
 
+
+
+# ---- learned levels (codec.levels) ------------------------------------------------------------
+def quantize_levels(
+    rows: torch.Tensor, spec: QuantSpec, levels: torch.Tensor, key: Optional[RngKey]
+) -> torch.Tensor:
+    """As ``torch_codec.quantize_levels``."""
+    lib = library()
+    if lib is None or not _covers(spec):
+        return torch_codec.quantize_levels(rows, spec, levels, key)
+    k0, k1 = _words(spec, key)
+    v = _rows_f32(rows)
+    R, n = v.shape
+    out = torch.empty(R, wire.levels_wire_bytes(n, spec), dtype=torch.uint8)
+    if n == 0 or R == 0:
+        return out
+    if spec.stochastic:
+        check_counter_range(R, n)
+    lv = levels.to("cpu", wire.LEVELS_DTYPE).contiguous()
+    _check(lib.fq_encode_levels(v.data_ptr(), v.stride(0), R, n, spec.bits, spec.group_size,
+                                int(spec.symmetric), int(spec.stochastic), k0, k1,
+                                lv.data_ptr(), out.data_ptr(), out.stride(0)))
+    return out
+
+
+def dequantize_levels_sum(
+    chunks: Sequence[torch.Tensor],
+    n: int,
+    spec: QuantSpec,
+    out: Optional[torch.Tensor] = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """As ``torch_codec.dequantize_levels_sum``."""
+    lib = library()
+    if lib is None or not _covers(spec):
+        return torch_codec.dequantize_levels_sum(chunks, n, spec, out, accumulate)
+    cs, ptrs, strides = _chunk_args(chunks)
+
+    def decode(target: torch.Tensor, acc: int) -> int:
+        return lib.fq_decode_levels_sum(ptrs, strides, len(cs), target.shape[0], n, spec.bits,
+                                        spec.group_size, int(spec.symmetric), acc,
+                                        target.data_ptr(), target.stride(0))
+
+    return _decode_into(decode, chunks[0].shape[0], n, n, out, accumulate)

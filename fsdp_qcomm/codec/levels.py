@@ -34,48 +34,32 @@ Lloyd-Max (levels = centroids, boundaries = midpoints). Both start from the
 ``p^(1/3)`` companding quantiles, the high-resolution optimum, and run in fp64 numpy on the
 CPU. The result is mixed 1% with the uniform table so levels are strictly increasing.
 
-Implementation: torch only. CUDA tensors run these same torch ops on the GPU (there is no
-Triton kernel for learned levels); bytes are the same on every device.
+Implementations: like the uniform codec, CUDA tensors run Triton kernels
+(``fsdp_qcomm.kernels.levels``), CPU tensors the fused C loops (``cpu_native``) where a compiler
+exists, else the torch reference (``torch_codec.quantize_levels``); all three write the same
+bytes (``tests/test_codec_native.py``, ``tests/test_kernels.py``). Encoding and decoding never
+synchronize with the host: a table is validated (a host read) once per tensor version, not per
+call.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from ..config import QuantSpec
-from . import wire
+from . import _impl, torch_codec
 from ._checks import chunk_list, float_rows, out_rows, require_key, wire_rows
-from .rng import RngKey, uniform_rows
-from .torch_codec import pack_codes, unpack_codes
+from .rng import RngKey
+from .wire import LEVELS_DTYPE, levels_wire_bytes, num_levels, table_bytes
+from .wire import levels_domain as domain
 
-LEVELS_DTYPE = torch.float32
 DEFAULT_BINS = 4096
 _FIT_ITERS = 40
 _UNIFORM_MIX = 0.01
-_BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def num_levels(spec: QuantSpec) -> int:
-    return 1 << spec.bits
-
-
-def domain(spec: QuantSpec) -> tuple[float, float]:
-    """Normalized space of the table: [-1, 1] for symmetric specs, [0, 1] for min-max."""
-    return (-1.0, 1.0) if spec.symmetric else (0.0, 1.0)
-
-
-def table_bytes(spec: QuantSpec) -> int:
-    return num_levels(spec) * LEVELS_DTYPE.itemsize
-
-
-def levels_wire_bytes(numel: int, spec: QuantSpec) -> int:
-    """Exact bytes of one learned-levels row of ``numel`` values (table included)."""
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    return 0 if numel == 0 else table_bytes(spec) + wire.wire_bytes(numel, spec)
 
 
 def uniform_levels(spec: QuantSpec, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
@@ -84,8 +68,17 @@ def uniform_levels(spec: QuantSpec, device: Union[str, torch.device] = "cpu") ->
     return torch.linspace(lo, hi, num_levels(spec), dtype=torch.float64).to(LEVELS_DTYPE).to(device)
 
 
+# Tables already validated, by id: (weak reference, version counter, spec bits and domain). A
+# table is checked once per in-place change, so encoding on a CUDA table reads nothing back to
+# the host on later calls (the check itself needs the values on the host).
+_CHECKED: dict[int, tuple[weakref.ref, int, tuple]] = {}
+
+
 def check_levels(levels: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Validate a table: 2^b fp32 values, strictly increasing, ends at the domain bounds."""
+    """Validate a table: 2^b fp32 values, strictly increasing, ends at the domain bounds.
+
+    The value check reads the table on the host once per table and in-place change (cached by
+    identity and version counter); shape and dtype are checked every call."""
     k = num_levels(spec)
     if levels.dtype != LEVELS_DTYPE or levels.shape != (k,):
         raise ValueError(
@@ -93,48 +86,24 @@ def check_levels(levels: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
             f"{levels.dtype} {tuple(levels.shape)}; build one with uniform_levels or fit_levels"
         )
     lo, hi = domain(spec)
+    tag = (k, lo, hi)
+    hit = _CHECKED.get(id(levels))
+    if hit is not None and hit[0]() is levels and hit[1] == levels._version and hit[2] == tag:
+        return levels
     lv = levels.detach().to("cpu")
     if not bool((lv[1:] > lv[:-1]).all()) or lv[0].item() != lo or lv[-1].item() != hi:
         raise ValueError(
             f"level table must increase strictly from {lo} to {hi} "
             f"({'symmetric' if spec.symmetric else 'min-max'} spec), got {lv.tolist()}"
         )
+    if len(_CHECKED) > 4096:  # drop entries of tables that are gone
+        for key in [i for i, (ref, _, _) in _CHECKED.items() if ref() is None]:
+            del _CHECKED[key]
+    _CHECKED[id(levels)] = (weakref.ref(levels), levels._version, tag)
     return levels
 
 
 # ---- group statistics ------------------------------------------------------------------------
-def _pad_edge(v: torch.Tensor, width: int) -> torch.Tensor:
-    n = v.shape[1]
-    if width == n:
-        return v
-    return torch.cat((v, v[:, -1:].expand(-1, width - n)), dim=1)
-
-
-def _groups(v: torch.Tensor, spec: QuantSpec):
-    """Per-group normalized values ``t``, stored scale and min, and the non-finite mask."""
-    rows, n = v.shape
-    gs = spec.group_size
-    groups = wire.num_groups(n, spec)
-    g = _pad_edge(v, groups * gs).view(rows, groups, gs)
-    sdt = spec.torch_scale_dtype
-    if spec.symmetric:
-        amax = g.abs().amax(-1)
-        bad = ~torch.isfinite(amax)
-        scale = amax.to(sdt).to(torch.float32)
-        mins = None
-        t = g / torch.where(scale == 0, torch.ones_like(scale), scale)[..., None]
-    else:
-        mn, mx = g.amin(-1), g.amax(-1)
-        bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
-        mins = mn.to(sdt).to(torch.float32) + 0.0  # + 0.0 turns a -0 minimum into +0
-        scale = (mx - mins).to(sdt).to(torch.float32)
-        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        t = (g - mins[..., None]) / safe[..., None]
-    lo, hi = domain(spec)
-    t = torch.where(bad[..., None], torch.zeros_like(t), t).clamp_(lo, hi)
-    return t, scale, mins, bad
-
-
 def histogram(x: torch.Tensor, spec: QuantSpec, bins: int = DEFAULT_BINS) -> torch.Tensor:
     """fp64 histogram of the normalized values ``t`` of rows ``x[..., n]`` over ``bins`` equal
     bins of the domain, each value weighted by its group's ``scale^2`` (padding lanes and
@@ -148,7 +117,7 @@ def histogram(x: torch.Tensor, spec: QuantSpec, bins: int = DEFAULT_BINS) -> tor
     n = rows.shape[1]
     if n == 0 or rows.shape[0] == 0:
         return torch.zeros(bins, dtype=torch.float64)
-    t, scale, _, bad = _groups(rows, spec)
+    t, scale, _, bad = torch_codec.level_groups(rows, spec)
     valid = (torch.arange(t.shape[1] * t.shape[2], device=t.device) < n).view(1, *t.shape[1:])
     valid = valid & ~bad[..., None]
     lo, hi = domain(spec)
@@ -239,77 +208,6 @@ def fit_levels(counts: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 # ---- encode / decode -------------------------------------------------------------------------
-def _encode(v: torch.Tensor, spec: QuantSpec, levels: torch.Tensor, key: Optional[RngKey]):
-    rows, n = v.shape
-    tb = table_bytes(spec)
-    out = torch.zeros(rows, levels_wire_bytes(n, spec), dtype=torch.uint8, device=v.device)
-    if n == 0:
-        return out
-    L = levels.to(v.device)
-    t, scale, mins, bad = _groups(v, spec)
-    k = torch.searchsorted(L, t.contiguous(), right=True).sub_(1).clamp_(0, num_levels(spec) - 2)
-    left, right = L[k], L[k + 1]
-    p = (t - left) / (right - left)
-    if spec.stochastic:
-        if key is None:
-            raise ValueError("stochastic rounding needs an RngKey; pass key=RngKey(...)")
-        groups, gs = t.shape[1], t.shape[2]
-        u = uniform_rows(rows, groups * gs, n, key, v.device).view_as(t)
-        q = k + (u < p).to(k.dtype)
-    else:
-        q = k + (p >= 0.5).to(k.dtype)
-    q = torch.where(bad[..., None], torch.zeros_like(q), q)
-    n8 = -(-n // 8) * 8
-    codes = q.view(rows, -1)[:, :n8].clone()
-    codes[:, n:] = 0
-    sdt = spec.torch_scale_dtype
-    nan = torch.tensor(wire.NAN_BITS[spec.scale_dtype], dtype=_BITS_DTYPE[sdt], device=v.device)
-    sbytes = wire.num_groups(n, spec) * sdt.itemsize
-
-    def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
-        s = torch.where(bad, nan, s.to(sdt).view(_BITS_DTYPE[sdt]))
-        return s.view(torch.uint8).view(rows, sbytes)
-
-    out[:, :tb] = L.view(torch.uint8)[None, :]
-    off = tb
-    out[:, off:off + sbytes] = _scale_bytes(scale)
-    off += sbytes
-    if mins is not None:
-        out[:, off:off + sbytes] = _scale_bytes(mins)
-        off += sbytes
-    out[:, off:off + wire.code_bytes(n, spec)] = pack_codes(codes, spec.bits)
-    return out
-
-
-def _decode(data: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
-    rows = data.shape[0]
-    if n == 0:
-        return torch.empty(rows, 0, dtype=torch.float32, device=data.device)
-    tb = table_bytes(spec)
-    L = data[:, :tb].contiguous().view(LEVELS_DTYPE)  # [rows, 2^b]
-    sdt = spec.torch_scale_dtype
-    groups = wire.num_groups(n, spec)
-    sbytes = groups * sdt.itemsize
-    off = tb
-    scale = data[:, off:off + sbytes].contiguous().view(sdt).to(torch.float32)
-    off += sbytes
-    mins = None
-    if not spec.symmetric:
-        mins = data[:, off:off + sbytes].contiguous().view(sdt).to(torch.float32)
-        off += sbytes
-    codes = unpack_codes(data[:, off:off + wire.code_bytes(n, spec)], spec.bits).to(torch.int64)
-    gs = spec.group_size
-    width = groups * gs
-    if codes.shape[1] < width:
-        codes = torch.nn.functional.pad(codes, (0, width - codes.shape[1]))
-    codes = codes[:, :width]
-    lv = torch.gather(L, 1, codes).view(rows, groups, gs)
-    x = lv * scale[..., None]
-    if mins is not None:
-        x = x + mins[..., None]
-    return x.view(rows, -1)[:, :n]
-
-
 def _wire_rows(data: torch.Tensor, n: int, spec: QuantSpec, what: str) -> torch.Tensor:
     return wire_rows(
         data, levels_wire_bytes(n, spec), what, f"{n} values with learned levels under {spec}"
@@ -323,8 +221,8 @@ def quantize_levels(
     ``W = levels_wire_bytes(n, spec)``. ``key`` is required for stochastic rounding."""
     require_key(spec, key)
     check_levels(levels, spec)
-    rows = float_rows(x, "x").to(torch.float32).contiguous()
-    out = _encode(rows, spec, levels, key)
+    rows = float_rows(x, "x")
+    out = _impl(rows).quantize_levels(rows, spec, levels, key)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -339,11 +237,8 @@ def dequantize_levels(
     """Decode learned-levels rows into ``[..., n]`` fp32 (or into ``out``; ``accumulate`` adds)."""
     rows = _wire_rows(data, n, spec, "data")
     o = out_rows(out, rows.shape[0], n, accumulate)
-    x = _decode(rows, n, spec)
-    if o is None:
-        return x.view(*data.shape[:-1], n)
-    o.copy_(o.to(torch.float32) + x if accumulate else x)
-    return out
+    res = _impl(rows).dequantize_levels_sum([rows], n, spec, o, accumulate)
+    return out if out is not None else res.view(*data.shape[:-1], n)
 
 
 def reduce_dequantize_levels(
@@ -352,12 +247,10 @@ def reduce_dequantize_levels(
     spec: QuantSpec,
 ) -> torch.Tensor:
     """Decode k learned-levels blocks and sum them in fp32, in order 0..k-1."""
-    seq = chunk_list(chunks)
-    shape = seq[0].shape[:-1]
-    acc = _decode(_wire_rows(seq[0], n, spec, "chunk"), n, spec)
-    for c in seq[1:]:
-        acc = acc + _decode(_wire_rows(c, n, spec, "chunk"), n, spec)
-    return acc.view(*shape, n)
+    seq = [_wire_rows(c, n, spec, "chunk") for c in chunk_list(chunks)]
+    shape = chunk_list(chunks)[0].shape[:-1]
+    res = _impl(seq[0]).dequantize_levels_sum(seq, n, spec)
+    return res.view(*shape, n)
 
 
 __all__ = [

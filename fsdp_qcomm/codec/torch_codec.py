@@ -14,7 +14,7 @@ import torch
 
 from ..config import QuantSpec
 from . import wire
-from .rng import RngKey, add_uniform_, check_counter_range, row_starts
+from .rng import RngKey, add_uniform_, check_counter_range, row_starts, uniform_rows
 
 _PACK_SHIFTS: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -570,3 +570,133 @@ def _write(x: torch.Tensor, out: Optional[torch.Tensor], accumulate: bool) -> to
     else:
         out.copy_(x)
     return out
+
+
+# ---- learned levels (codec.levels) ------------------------------------------------------------
+def _pad_edge(v: torch.Tensor, width: int) -> torch.Tensor:
+    return _pad_cols(v, width, "edge")
+
+
+def level_groups(v: torch.Tensor, spec: QuantSpec):
+    """fp32 rows [R, n] -> per-group normalized values ``t`` [R, G, gs] (clamped to the table's
+    domain, 0 in non-finite groups), the stored scale and min [R, G] (fp32, rounded to the
+    scale dtype; min None for symmetric specs) and the non-finite mask [R, G].
+
+    The scale is the group's absmax (symmetric) or max - min; a zero scale or min is stored as
+    +0 (``+ 0.0``), so the bytes do not depend on which zero a reduction returns."""
+    rows, n = v.shape
+    gs = spec.group_size
+    groups = wire.num_groups(n, spec)
+    g = _pad_edge(v, groups * gs).view(rows, groups, gs)
+    sdt = spec.torch_scale_dtype
+    if spec.symmetric:
+        amax = g.abs().amax(-1)
+        bad = ~torch.isfinite(amax)
+        scale = amax.to(sdt).to(torch.float32) + 0.0
+        mins = None
+        t = g / torch.where(scale == 0, torch.ones_like(scale), scale)[..., None]
+    else:
+        mn, mx = g.amin(-1), g.amax(-1)
+        bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
+        mins = mn.to(sdt).to(torch.float32) + 0.0
+        scale = (mx - mins).to(sdt).to(torch.float32) + 0.0
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        t = (g - mins[..., None]) / safe[..., None]
+    lo, hi = wire.levels_domain(spec)
+    t = torch.where(bad[..., None], torch.zeros_like(t), t).clamp_(lo, hi)
+    return t, scale, mins, bad
+
+
+def quantize_levels(
+    rows: torch.Tensor, spec: QuantSpec, levels: torch.Tensor, key: Optional[RngKey]
+) -> torch.Tensor:
+    """Float rows [R, n] -> learned-levels wire rows [R, levels_wire_bytes(n)] on the table
+    ``levels`` (fp32 [2^b], on any device)."""
+    v = rows.to(torch.float32)
+    R, n = v.shape
+    tb = wire.table_bytes(spec)
+    out = torch.zeros(R, wire.levels_wire_bytes(n, spec), dtype=torch.uint8, device=v.device)
+    if n == 0 or R == 0:
+        return out
+    if spec.stochastic and key is None:
+        raise ValueError("stochastic rounding needs an RngKey; pass key=RngKey(...)")
+    L = levels.to(device=v.device, dtype=wire.LEVELS_DTYPE)
+    t, scale, mins, bad = level_groups(v, spec)
+    k = torch.searchsorted(L, t.contiguous(), right=True).sub_(1)
+    k.clamp_(0, wire.num_levels(spec) - 2)
+    left, right = L[k], L[k + 1]
+    p = (t - left) / (right - left)
+    if spec.stochastic:
+        groups, gs = t.shape[1], t.shape[2]
+        u = uniform_rows(R, groups * gs, n, key, v.device).view_as(t)
+        q = k + (u < p).to(k.dtype)
+    else:
+        q = k + (p >= 0.5).to(k.dtype)
+    q = torch.where(bad[..., None], torch.zeros_like(q), q)
+    n8 = -(-n // 8) * 8
+    codes = q.view(R, -1)[:, :n8].clone()
+    codes[:, n:] = 0
+    sdt = spec.torch_scale_dtype
+    bdt = _BITS_DTYPE[sdt]
+    nan = torch.tensor(wire.NAN_BITS[spec.scale_dtype], dtype=bdt, device=v.device)
+    sbytes = wire.num_groups(n, spec) * sdt.itemsize
+
+    def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
+        s = torch.where(bad, nan, s.to(sdt).view(bdt))
+        return s.view(torch.uint8).view(R, sbytes)
+
+    out[:, :tb] = L.view(torch.uint8)[None, :]
+    off = tb
+    out[:, off:off + sbytes] = _scale_bytes(scale)
+    off += sbytes
+    if mins is not None:
+        out[:, off:off + sbytes] = _scale_bytes(mins)
+        off += sbytes
+    out[:, off:off + wire.code_bytes(n, spec)] = pack_codes(codes, spec.bits)
+    return out
+
+
+def _decode_levels(data: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
+    rows = data.shape[0]
+    tb = wire.table_bytes(spec)
+    L = data[:, :tb].contiguous().view(wire.LEVELS_DTYPE)  # [rows, 2^b]
+    sdt = spec.torch_scale_dtype
+    groups = wire.num_groups(n, spec)
+    sbytes = groups * sdt.itemsize
+    off = tb
+    scale = data[:, off:off + sbytes].contiguous().view(sdt).to(torch.float32)
+    off += sbytes
+    mins = None
+    if not spec.symmetric:
+        mins = data[:, off:off + sbytes].contiguous().view(sdt).to(torch.float32)
+        off += sbytes
+    codes = unpack_codes(data[:, off:off + wire.code_bytes(n, spec)], spec.bits).to(torch.int64)
+    gs = spec.group_size
+    width = groups * gs
+    if codes.shape[1] < width:
+        codes = torch.nn.functional.pad(codes, (0, width - codes.shape[1]))
+    codes = codes[:, :width]
+    lv = torch.gather(L, 1, codes).view(rows, groups, gs)
+    x = lv * scale[..., None]
+    if mins is not None:
+        x = x + mins[..., None]
+    return x.view(rows, -1)[:, :n]
+
+
+def dequantize_levels_sum(
+    chunks: Sequence[torch.Tensor],
+    n: int,
+    spec: QuantSpec,
+    out: Optional[torch.Tensor] = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Sum over k learned-levels blocks [R, W] (in order) of their decoded fp32 [R, n]; written
+    into (``accumulate``: added to) ``out`` when given."""
+    rows = chunks[0].shape[0]
+    if n == 0 or rows == 0:
+        acc = torch.empty(rows, n, dtype=torch.float32, device=chunks[0].device)
+    else:
+        acc = _decode_levels(chunks[0], n, spec)
+        for c in chunks[1:]:
+            acc = acc + _decode_levels(c, n, spec)
+    return _write(acc, out, accumulate)

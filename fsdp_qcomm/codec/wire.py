@@ -23,9 +23,14 @@ garbage. That NaN is the bit pattern ``NAN_BITS[scale_dtype]`` and a zero minimu
 minimum otherwise differ between CPU code paths and GPUs).
 
 Decoding: symmetric ``x = (u - (2^(b-1)-1)) * scale``; asymmetric ``x = u * scale + min``.
+
+Learned-levels rows (``codec.levels``) put the ``2^b`` fp32 levels in front of the same
+sections (``levels_wire_bytes``); their scale is the group's range, not range / qmax.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..config import QuantSpec
 
@@ -70,3 +75,27 @@ def hadamard_len(numel: int) -> int:
 
 def bits_per_element(numel: int, spec: QuantSpec) -> float:
     return 8.0 * wire_bytes(numel, spec) / numel if numel else 0.0
+
+
+# ---- learned-levels rows (codec.levels) -------------------------------------------------------
+LEVELS_DTYPE = torch.float32
+
+
+def num_levels(spec: QuantSpec) -> int:
+    return 1 << spec.bits
+
+
+def levels_domain(spec: QuantSpec) -> tuple[float, float]:
+    """Normalized space of a level table: [-1, 1] for symmetric specs, [0, 1] for min-max."""
+    return (-1.0, 1.0) if spec.symmetric else (0.0, 1.0)
+
+
+def table_bytes(spec: QuantSpec) -> int:
+    return num_levels(spec) * LEVELS_DTYPE.itemsize
+
+
+def levels_wire_bytes(numel: int, spec: QuantSpec) -> int:
+    """Exact bytes of one learned-levels row of ``numel`` values (table included)."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return 0 if numel == 0 else table_bytes(spec) + wire_bytes(numel, spec)

@@ -69,12 +69,21 @@ OnDone = Optional[Callable[[GatherOutcome], None]]
 
 class _DeferredWork(dist.Work):
     """Waits on the collective, then runs the decode step once. A real ``dist.Work`` subclass:
-    FSDP silently skips waiting on anything else."""
+    FSDP silently skips waiting on anything else.
 
-    def __init__(self, inner: dist.Work, finish: Callable[[], None]) -> None:
+    CUDA streams: the decode runs on the stream current at ``wait()``, which may differ from
+    the one the buffers were allocated on at launch (an ``unshard(async_op=True)`` waited on
+    another stream). ``buffers`` (the collective's input and output, which the decode reads) are
+    then marked as used by the waiting stream (``record_stream``), so the caching allocator does
+    not hand their memory to the launch stream before the decode has run."""
+
+    def __init__(self, inner: dist.Work, finish: Callable[[], None],
+                 buffers: tuple[torch.Tensor, ...] = ()) -> None:
         super().__init__()
         self._inner: Optional[dist.Work] = inner
         self._finish: Optional[Callable[[], None]] = finish
+        self._buffers = buffers
+        self._stream = _current_stream(buffers)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self._inner is not None:
@@ -82,6 +91,11 @@ class _DeferredWork(dist.Work):
             self._inner = None
             finish, self._finish = self._finish, None
             finish()
+            now = _current_stream(self._buffers)
+            if now is not None and now != self._stream:
+                for t in self._buffers:
+                    t.record_stream(now)
+            self._buffers = ()
         return True
 
     def is_completed(self) -> bool:
@@ -89,6 +103,13 @@ class _DeferredWork(dist.Work):
 
     def is_success(self) -> bool:
         return self._inner is None
+
+
+def _current_stream(buffers: Sequence[torch.Tensor]) -> Optional[torch.cuda.Stream]:
+    """The current CUDA stream of the buffers' device (None for CPU buffers)."""
+    if not buffers or not buffers[0].is_cuda:
+        return None
+    return torch.cuda.current_stream(buffers[0].device)
 
 
 def _launch(
@@ -101,7 +122,7 @@ def _launch(
     """One ``all_gather_single``, then ``finish`` (now or in the returned Work's wait)."""
     work = dist.all_gather_single(output, input, group=group, async_op=async_op)
     if async_op:
-        return _DeferredWork(work, finish)
+        return _DeferredWork(work, finish, (output, input))
     finish()
     return None
 
