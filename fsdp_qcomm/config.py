@@ -17,6 +17,7 @@ import torch
 Rounding = Literal["nearest", "stochastic"]
 WeightScheme = Literal["none", "direct", "qwd"]
 GradScheme = Literal["none", "one_level", "two_level"]
+ErrorFeedback = Literal["none", "inter", "all"]
 Levels = Literal["uniform", "learned"]
 _QSDP_STRING = re.compile(r"^W(\d+)G(\d+)(?:[-:_](uniform|learned))?$", re.IGNORECASE)
 
@@ -109,6 +110,12 @@ class QCommConfig:
     reductions stay unquantized but run on that thread too: the reference point that isolates
     what quantization gains.
 
+    ``grad_error_feedback`` (``collectives.error_feedback``): keep each rank's quantization
+    residual of the gradient hops and add it to the next step's values: "inter" at the hops
+    whose bytes cross nodes (hop 2 of two levels, HSDP's all-reduce across replicas, a single
+    hop over several nodes), "all" at every quantized gradient hop, "none" off. Costs fp32
+    memory per rank (``handle.stats()["summary"]["error_feedback_bytes"]``, ``docs/``).
+
     ``consistency_check_every`` (0 = off): every K-th forward weight gather of each FSDP module,
     the ranks compare exact integer checksums of the weights they are about to compute with and
     raise naming the first parameter that differs (one tiny all-gather per module and check).
@@ -129,6 +136,7 @@ class QCommConfig:
     grad_hadamard: bool = False
     grad_pipeline_chunks: int = 1
     grad_overlap: bool = False
+    grad_error_feedback: ErrorFeedback = "none"
 
     scale_dtype: str = "float32"
     ranks_per_node: Optional[int] = None
@@ -191,6 +199,14 @@ class QCommConfig:
                 msg = msg.replace(f"{owner}.{prefix}_scale_dtype", f"{owner}.scale_dtype")
                 raise ValueError(msg) from None
         self._check_levels()
+        _check_choice(owner, "grad_error_feedback", self.grad_error_feedback,
+                      ("none", "inter", "all"))
+        if self.grad_error_feedback != "none" and self.grad_scheme == "none":
+            raise ValueError(
+                "QCommConfig.grad_error_feedback needs a quantized gradient scheme (nothing is "
+                "lost to feed back without one); set grad_scheme='one_level' or 'two_level', or "
+                "grad_error_feedback='none'"
+            )
         if self.grad_hadamard and self.grad_scheme == "none":
             raise ValueError(
                 "QCommConfig.grad_hadamard=True needs a quantized gradient scheme; set "
@@ -319,4 +335,5 @@ class QCommConfig:
         return dataclasses.asdict(self)
 
 
-__all__ = ["QuantSpec", "QCommConfig", "Rounding", "WeightScheme", "GradScheme", "Levels"]
+__all__ = ["ErrorFeedback", "GradScheme", "Levels", "QCommConfig", "QuantSpec", "Rounding",
+           "WeightScheme"]

@@ -69,6 +69,7 @@ from ..codec import levels as _levels
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QCommConfig, QuantSpec
 from ..stats import CommStats
+from .error_feedback import Feedback, compensated
 from .topology import NodeLayout, Topology, group_layout, known_ranks_per_node, node_topology
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -137,6 +138,7 @@ def reduce_scatter_quantized(
     stats: Optional[CommStats] = None,
     levels: Optional[torch.Tensor] = None,
     topology: Optional[Topology] = None,
+    feedback: Feedback = None,
 ) -> None:
     """Quantized ``reduce_scatter_single``: writes this rank's reduced shard into ``output``.
 
@@ -145,7 +147,8 @@ def reduce_scatter_quantized(
     front (``node_topology`` for two levels, ``layout_topology`` for one); without it a two-level
     call creates the node subgroups on first use. ``key`` seeds stochastic rounding: the same key
     and inputs give the same bits; pass a fresh key (``RngKey(seed, step, rank, bucket)``) every
-    call.
+    call. ``feedback``: this rank's error-feedback residuals for the module, used at the sites
+    ``config.grad_error_feedback`` names (``feedback_shapes``; ``collectives.error_feedback``).
     """
     if config.grad_scheme == "none":
         raise ValueError(
@@ -170,22 +173,23 @@ def reduce_scatter_quantized(
         return
 
     hadamard = config.grad_hadamard
-    align = math.lcm(config.grad_group_size, HADAMARD_BLOCK) if hadamard else config.grad_group_size
-    padded = codec.hadamard_len(m) if hadamard else m
-    chunks = max(config.grad_pipeline_chunks, -(-world * padded // _MAX_CALL_ELEMENTS))
-    spans = chunk_spans(m, chunks, align)
+    spans = _spans(config, world, m)
     out = output.view(-1)
     baseline = input.numel() * input.element_size()
 
     if config.grad_scheme == "two_level":
         topo = topology or node_topology(group, config.ranks_per_node)
         lay = topo.layout
+    else:
+        lay = topology.layout if topology is not None else _known_layout(group, config)
+    res = _residuals(feedback, feedback_shapes(config, world, m, lay), input.device)
+    if config.grad_scheme == "two_level":
         if lay.num_nodes > 1 and lay.local_size > 1:
             hop1 = _Hop(topo.intra, config.grad_intra_spec(), "grad_intra")
             hop2 = _Hop(topo.inter, config.grad_inter_spec(), "grad_inter")
             perm = _hop1_perm(tuple(lay.hop1_order()), input.device)
             t1, t2 = _two_hops(out, x, spans, hop1, hop2, perm, lay.local_size, lay.num_nodes,
-                               hadamard, key, finish)
+                               hadamard, key, finish, res.get("a2a"), res.get("requant"))
             if stats is not None:
                 # hop 2 sends one row to each node, all but one of them remote
                 stats.record(hop1.kind, sent_bytes=t1.sent, recv_bytes=t1.recv,
@@ -200,15 +204,55 @@ def reduce_scatter_quantized(
             hop = _Hop(group, config.grad_inter_spec(), "grad_inter")
         remote = lay.remote_peers
     else:
-        lay = topology.layout if topology is not None else _known_layout(group, config)
         kind = "grad_inter" if lay is None or lay.num_nodes > 1 else "grad_intra"
         hop = _Hop(group, config.grad_inter_spec(), kind)
         remote = world - 1 if lay is None else lay.remote_peers
-    t = _one_hop(out, x, spans, hop, hadamard, key, finish, levels)
+    t = _one_hop(out, x, spans, hop, hadamard, key, finish, levels, res.get("a2a"))
     if stats is not None:
         # one equal row per group rank; placement unknown counts every peer as remote
         stats.record(hop.kind, sent_bytes=t.sent, recv_bytes=t.recv, elements=world * m,
                      baseline_bytes=baseline, cross_node_bytes=t.sent * remote // world)
+
+
+def _spans(config: QCommConfig, world: int, m: int) -> list[tuple[int, int]]:
+    """The pipeline spans of a call: ``grad_pipeline_chunks`` (and as many as the RNG counter
+    range needs), aligned to the quantization groups and Hadamard blocks."""
+    hadamard = config.grad_hadamard
+    align = math.lcm(config.grad_group_size, HADAMARD_BLOCK) if hadamard else config.grad_group_size
+    padded = codec.hadamard_len(m) if hadamard else m
+    chunks = max(config.grad_pipeline_chunks, -(-world * padded // _MAX_CALL_ELEMENTS))
+    return chunk_spans(m, chunks, align)
+
+
+def feedback_shapes(
+    config: QCommConfig, world: int, m: int, layout: Optional[NodeLayout]
+) -> dict[str, tuple[int, ...]]:
+    """The error-feedback residuals a call of ``m`` values per rank keeps on each rank:
+    ``"a2a"`` (``[world, m]``, the rows this rank sends in the first or only all-to-all) and
+    ``"requant"`` (``[nodes, P]``, hop 2's re-encoded partial sums, ``P`` the Hadamard-padded
+    span lengths). ``grad_error_feedback="inter"`` keeps the sites whose bytes cross nodes (the
+    single hop when the group spans nodes or its placement is unknown; hop 2), ``"all"`` every
+    site."""
+    mode = config.grad_error_feedback
+    if mode == "none" or world == 1 or m == 0 or config.grad_scheme == "none":
+        return {}
+    two = (config.grad_scheme == "two_level" and layout is not None and layout.num_nodes > 1
+           and layout.local_size > 1)
+    if two:
+        shapes: dict[str, tuple[int, ...]] = {}
+        if mode == "all":
+            shapes["a2a"] = (world, m)
+        pad = codec.hadamard_len if config.grad_hadamard else (lambda n: n)
+        shapes["requant"] = (layout.num_nodes, sum(pad(b - a) for a, b in _spans(config, world, m)))
+        return shapes
+    crosses = layout is None or layout.num_nodes > 1
+    return {"a2a": (world, m)} if mode == "all" or crosses else {}
+
+
+def _residuals(feedback: Feedback, shapes: dict, device: torch.device) -> dict:
+    if feedback is None:
+        return {}
+    return {site: feedback.buffer(site, shape, device) for site, shape in shapes.items()}
 
 
 def reduce_scatter_plain(
@@ -297,17 +341,32 @@ def _write(out: torch.Tensor, res: torch.Tensor, finish: Finish) -> None:
     out.copy_(res.view(-1))
 
 
+def _encoder(spec: QuantSpec, key: RngKey, hadamard: bool, n: int,
+             levels: Optional[torch.Tensor] = None):
+    """(encode, decode) of ``n``-value rows: the pair error feedback needs."""
+    if levels is not None:
+        return (lambda t: _levels.quantize_levels(t, spec, levels, key),
+                lambda w: _levels.dequantize_levels(w, n, spec))
+    return (lambda t: codec.quantize(t, spec, key, hadamard=hadamard),
+            lambda w: codec.dequantize(w, n, spec, hadamard=hadamard))
+
+
+def _encode(x: torch.Tensor, spec: QuantSpec, key: RngKey, hadamard: bool,
+            levels: Optional[torch.Tensor], e: Optional[torch.Tensor]) -> torch.Tensor:
+    enc, dec = _encoder(spec, key, hadamard, x.shape[-1], levels)
+    return enc(x) if e is None else compensated(e, x, enc, dec)
+
+
 def _one_hop(out, x, spans, hop: _Hop, hadamard: bool, key: RngKey, finish: Finish,
-             levels: Optional[torch.Tensor] = None) -> _Tally:
+             levels: Optional[torch.Tensor] = None, e_a2a: Optional[torch.Tensor] = None
+             ) -> _Tally:
     """Single all-to-all: row j of every span goes to group rank j; the transfer of span c
     overlaps quantizing span c + 1."""
     tally = _Tally()
     pending = None
     for c, (a, b) in enumerate(spans):
-        if levels is not None:
-            send = _levels.quantize_levels(x[:, a:b], hop.spec, levels, key.fold(c).fold(1))
-        else:
-            send = codec.quantize(x[:, a:b], hop.spec, key.fold(c).fold(1), hadamard=hadamard)
+        e = None if e_a2a is None else e_a2a[:, a:b]
+        send = _encode(x[:, a:b], hop.spec, key.fold(c).fold(1), hadamard, levels, e)
         work, recv = _a2a(send, hop.group, tally)
         if pending is not None:
             _finish_last_hop(out, pending, hop.spec, hadamard, finish, levels is not None)
@@ -333,7 +392,9 @@ def _finish_last_hop(out, pending, spec: QuantSpec, hadamard: bool, finish: Fini
 
 
 def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: int, nodes: int,
-              hadamard: bool, key: RngKey, finish: Finish) -> tuple[_Tally, _Tally]:
+              hadamard: bool, key: RngKey, finish: Finish,
+              e_a2a: Optional[torch.Tensor] = None, e_requant: Optional[torch.Tensor] = None
+              ) -> tuple[_Tally, _Tally]:
     """Intra-node all-to-all, sum + re-quantize, inter-node all-to-all, sum.
 
     Send buffer of hop 1: ``[local, nodes, W1]``, block ``p`` = rows of the ranks with local
@@ -344,13 +405,15 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: 
 
     def start_hop1(c: int):
         a, b = spans[c]
-        wire = codec.quantize(x[:, a:b], hop1.spec, key.fold(c).fold(1), hadamard=hadamard)
+        e = None if e_a2a is None else e_a2a[:, a:b]
+        wire = _encode(x[:, a:b], hop1.spec, key.fold(c).fold(1), hadamard, None, e)
         send = wire.index_select(0, perm).view(local, nodes, wire.shape[-1])
         work, recv = _a2a(send, hop1.group, t1)
         return work, send, recv
 
     in_hop1 = start_hop1(0)
     in_hop2 = None
+    off = 0  # into e_requant's columns: the spans' Hadamard-padded lengths back to back
     for c, (a, b) in enumerate(spans):
         cur = in_hop1
         if c + 1 < len(spans):
@@ -358,7 +421,14 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: 
         work, _send, recv = cur
         work.wait()
         n = codec.hadamard_len(b - a) if hadamard else b - a
-        send2 = codec.reduce_requantize(recv, n, hop1.spec, hop2.spec, key.fold(c).fold(2))
+        key2 = key.fold(c).fold(2)
+        if e_requant is None:
+            send2 = codec.reduce_requantize(recv, n, hop1.spec, hop2.spec, key2)
+        else:  # decode and sum (rotation kept), then encode with the residual
+            partial = codec.reduce_dequantize(recv, n, hop1.spec)
+            send2 = compensated(e_requant[:, off:off + n], partial,
+                                *_encoder(hop2.spec, key2, False, n))
+        off += n
         work2, recv2 = _a2a(send2, hop2.group, t2)
         if in_hop2 is not None:
             _finish_last_hop(out, in_hop2, hop2.spec, hadamard, finish)
@@ -367,4 +437,5 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: 
     return t1, t2
 
 
-__all__ = ["chunk_spans", "reduce_op_finisher", "reduce_scatter_plain", "reduce_scatter_quantized"]
+__all__ = ["chunk_spans", "feedback_shapes", "reduce_op_finisher", "reduce_scatter_plain",
+           "reduce_scatter_quantized"]

@@ -43,6 +43,7 @@ from ..codec._checks import FLOAT_DTYPES
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QuantSpec
 from ..stats import CommStats
+from .error_feedback import Feedback, compensated
 from .grad_reduce import _MAX_CALL_ELEMENTS, chunk_spans, reduce_op_finisher
 
 KIND = "grad_replica"
@@ -75,12 +76,15 @@ def all_reduce_quantized(
     stats: Optional[CommStats] = None,
     kind: str = KIND,
     remote_peers: Optional[int] = None,
+    feedback: Feedback = None,
 ) -> None:
     """Quantized in-place ``all_reduce`` of a flat float ``tensor`` over ``group`` (blocking).
 
     ``op``: SUM, AVG (sum / R) or PREMUL_SUM (sum * factor), applied once to the fp32 sum.
     ``key`` seeds stochastic rounding (pass a fresh one per call, e.g. ``replica_key``).
     ``remote_peers``: members of ``group`` on other nodes than this rank, for the stats.
+    ``feedback``: error-feedback residuals of both encodings (``feedback_shapes``; the rows
+    sent in the all-to-all, and the reduced row this replica re-encodes for the all-gather).
     A quantization group holding NaN/Inf decodes as NaN on every replica.
     """
     if tensor.dtype not in FLOAT_DTYPES:
@@ -104,17 +108,20 @@ def all_reduce_quantized(
     x = torch.zeros(replicas * c, dtype=tensor.dtype, device=tensor.device)
     x[:m].copy_(flat)
     x = x.view(replicas, c)
-    padded = codec.hadamard_len(c) if hadamard else c
-    align = math.lcm(spec.group_size, HADAMARD_BLOCK) if hadamard else spec.group_size
-    chunks = max(chunks, -(-replicas * padded // _MAX_CALL_ELEMENTS))
-    spans = chunk_spans(c, chunks, align)
+    spans = _spans(c, replicas, spec, hadamard, chunks)
+    res = {} if feedback is None else {
+        site: feedback.buffer(site, shape, tensor.device)
+        for site, shape in feedback_shapes(m, replicas, spec, hadamard, chunks).items()}
+    e_a2a, e_requant = res.get("a2a"), res.get("requant")
     out = torch.empty(replicas, c, dtype=torch.float32, device=tensor.device)
     sent = recv = row = 0  # row: bytes of one a2a row plus one gathered row, over all spans
 
     def start(s: int):
         nonlocal sent, recv, row
         a, b = spans[s]
-        send = codec.quantize(x[:, a:b], spec, key.fold(s).fold(1), hadamard=hadamard)
+        enc, dec = _codec_pair(spec, key.fold(s).fold(1), hadamard, b - a)
+        send = enc(x[:, a:b]) if e_a2a is None else compensated(e_a2a[:, a:b], x[:, a:b], enc,
+                                                                 dec)
         got = torch.empty_like(send)
         work = dist.all_to_all_single(got, send, group=group, async_op=True)
         sent += send.numel()
@@ -128,7 +135,12 @@ def all_reduce_quantized(
         work.wait()
         a, b = spans[s]
         n = codec.hadamard_len(b - a) if hadamard else b - a
-        mine = codec.reduce_requantize(got, n, spec, spec, key.fold(s).fold(2))
+        if e_requant is None:
+            mine = codec.reduce_requantize(got, n, spec, spec, key.fold(s).fold(2))
+        else:  # decode and sum (rotation kept), then encode with the residual
+            off = sum((codec.hadamard_len(q - p) if hadamard else q - p) for p, q in spans[:s])
+            mine = compensated(e_requant[off:off + n], codec.reduce_dequantize(got, n, spec),
+                               *_codec_pair(spec, key.fold(s).fold(2), False, n))
         every = torch.empty(replicas * mine.numel(), dtype=torch.uint8, device=tensor.device)
         gwork = dist.all_gather_single(every, mine, group=group, async_op=True)
         sent += mine.numel()
@@ -167,6 +179,31 @@ def all_reduce_quantized(
         )
 
 
+def _spans(c: int, replicas: int, spec: QuantSpec, hadamard: bool,
+           chunks: int) -> list[tuple[int, int]]:
+    padded = codec.hadamard_len(c) if hadamard else c
+    align = math.lcm(spec.group_size, HADAMARD_BLOCK) if hadamard else spec.group_size
+    return chunk_spans(c, max(chunks, -(-replicas * padded // _MAX_CALL_ELEMENTS)), align)
+
+
+def _codec_pair(spec: QuantSpec, key: RngKey, hadamard: bool, n: int):
+    return (lambda t: codec.quantize(t, spec, key, hadamard=hadamard),
+            lambda w: codec.dequantize(w, n, spec, hadamard=hadamard))
+
+
+def feedback_shapes(m: int, replicas: int, spec: QuantSpec, hadamard: bool,
+                    chunks: int = 1) -> dict[str, tuple[int, ...]]:
+    """Error-feedback residuals of one call on each replica: ``"a2a"`` ``[R, c]`` (the rows it
+    sends) and ``"requant"`` ``[P]`` (its reduced row, rotated, ``P`` the Hadamard-padded span
+    lengths), ``c = ceil(m / R)``: ``(R + 1) c`` fp32 values, about ``(1 + 1/R) m``."""
+    if replicas == 1 or m == 0:
+        return {}
+    c = -(-m // replicas)
+    pad = codec.hadamard_len if hadamard else (lambda n: n)
+    return {"a2a": (replicas, c),
+            "requant": (sum(pad(b - a) for a, b in _spans(c, replicas, spec, hadamard, chunks)),)}
+
+
 def all_reduce_plain(
     tensor: torch.Tensor,
     group: Optional[ProcessGroup],
@@ -196,5 +233,5 @@ def all_reduce_plain(
                      baseline_bytes=nbytes, cross_node_bytes=2 * nbytes * remote // replicas)
 
 
-__all__ = ["KIND", "all_reduce_plain", "all_reduce_quantized", "replica_key",
+__all__ = ["KIND", "all_reduce_plain", "all_reduce_quantized", "feedback_shapes", "replica_key",
            "replica_wire_bytes"]

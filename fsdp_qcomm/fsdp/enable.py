@@ -63,6 +63,7 @@ from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import QUEUE
 from .reduce_scatter import PreparedGroup, QuantizedReduceScatter
+from .residual_state import load_residuals, residual_bytes, residual_entries
 
 
 class _Install:
@@ -83,6 +84,11 @@ class _Install:
     @property
     def label(self) -> str:
         return self.name or "<root>"
+
+    @property
+    def reduction_hooks(self) -> dict[str, Any]:
+        """The gradient hooks that may keep error-feedback residuals, by checkpoint name."""
+        return {"reduce_scatter": self.reduce_scatter, "replica": self.replica}
 
 
 def _is_ours(comm: Any) -> bool:
@@ -129,8 +135,16 @@ class QCommHandle:
         return [i.name for i in self._installs]
 
     def stats(self) -> dict:
-        """Bytes, calls, elements and bits per element per collective kind, plus notes."""
-        return self._stats.snapshot()
+        """Bytes, calls, elements and bits per element per collective kind, a ``summary``
+        (steps, bytes and node-crossing bytes per step, error-feedback memory) and notes."""
+        snap = self._stats.snapshot()
+        ef = sum(residual_bytes(h, i.group) for i in self._installs
+                 for h in i.reduction_hooks.values())
+        params = sum(fp.sharded_param.numel() for i in self._installs
+                     for fp in fsdp.fsdp_params(i.group))
+        snap["summary"]["error_feedback_bytes"] = ef
+        snap["summary"]["error_feedback_bytes_per_parameter"] = ef / params if params else 0.0
+        return snap
 
     def reset_stats(self) -> None:
         self._stats.reset()
@@ -152,7 +166,8 @@ class QCommHandle:
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state, per FSDP module: ``weight_calls`` and ``grad_calls`` (RNG call
-        counters) and, for qWD, ``reference_valid`` and ``reference`` (this rank's shard of the
+        counters), with ``grad_error_feedback`` the ``grad_residuals`` (``residual_state``),
+        and, for qWD, ``reference_valid`` and ``reference`` (this rank's shard of the
         reference, one DTensor per parameter). Save it with torch.distributed.checkpoint (or
         pass the handle itself, a ``Stateful``); the tensors are views of live buffers. Under HSDP
         ``replica_calls`` counts each module's quantized all-reduces across replicas."""
@@ -162,6 +177,9 @@ class QCommHandle:
             state = i.all_gather.checkpoint_state() if i.all_gather is not None else {}
             state["grad_calls"] = i.reduce_scatter.call_count if i.reduce_scatter else 0
             state["replica_calls"] = i.replica.call_count if i.replica is not None else 0
+            residuals = residual_entries(i.reduction_hooks, i.group)
+            if residuals:
+                state["grad_residuals"] = residuals
             modules[i.label] = state
         return {"version": _STATE_VERSION, "modules": modules}
 
@@ -191,6 +209,8 @@ class QCommHandle:
                 i.reduce_scatter.call_count = int(saved[i.label].get("grad_calls", 0))
             if i.replica is not None:
                 i.replica.call_count = int(saved[i.label].get("replica_calls", 0))
+            load_residuals(i.reduction_hooks, i.group, saved[i.label].get("grad_residuals", {}),
+                           i.label)
 
     def reset(self) -> None:
         """Make the next weight gather of every module send full precision (call on every rank,
@@ -449,6 +469,8 @@ def _build_replica(
         chunks=run.grad_pipeline_chunks, remote_peers=remote,
         user_hook=fsdp.all_reduce_hook(i.group), label=i.label,
         overlap_group=private_group(replicas) if run.grad_overlap else None,
+        error_feedback=run.grad_error_feedback == "all" or (
+            run.grad_error_feedback == "inter" and remote > 0),
     )
 
 

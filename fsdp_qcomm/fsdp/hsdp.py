@@ -36,7 +36,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from ..collectives.replica_reduce import all_reduce_plain, all_reduce_quantized, replica_key
+from ..collectives.error_feedback import FeedbackState
+from ..collectives.replica_reduce import (
+    all_reduce_plain,
+    all_reduce_quantized,
+    feedback_shapes,
+    replica_key,
+)
 from ..collectives.topology import is_alive
 from ..config import QuantSpec
 from ..stats import CommStats
@@ -94,6 +100,7 @@ class ReplicaAllReduce:
         user_hook: Optional[Hook] = None,
         label: str = "",
         overlap_group: Optional[ProcessGroup] = None,
+        error_feedback: bool = False,
     ) -> None:
         self.param_group = param_group
         self.replica_group = replica_group
@@ -108,6 +115,7 @@ class ReplicaAllReduce:
         self.label = label or "<root>"
         self.overlap_group = overlap_group
         self.call_count = 0
+        self.feedback = FeedbackState() if error_feedback and spec is not None else None
 
     @property
     def replicas(self) -> int:
@@ -132,8 +140,14 @@ class ReplicaAllReduce:
             return
         all_reduce_quantized(
             tensor, group, self.spec, key, hadamard=self.hadamard, op=op, chunks=self.chunks,
-            stats=self.stats, remote_peers=self.remote_peers,
+            stats=self.stats, remote_peers=self.remote_peers, feedback=self.feedback,
         )
+
+    def feedback_shapes(self, m: int) -> dict[str, tuple[int, ...]]:
+        """The error-feedback residuals a call over ``m`` values keeps."""
+        if self.feedback is None:
+            return {}
+        return feedback_shapes(m, self.replicas, self.spec, self.hadamard, self.chunks)
 
     def check_installed(self) -> None:
         """Raise if FSDP's all-reduce hook of this group is no longer this object."""

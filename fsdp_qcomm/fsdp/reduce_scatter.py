@@ -22,7 +22,12 @@ from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..codec import RngKey
-from ..collectives.grad_reduce import reduce_scatter_plain, reduce_scatter_quantized
+from ..collectives.error_feedback import FeedbackState
+from ..collectives.grad_reduce import (
+    feedback_shapes,
+    reduce_scatter_plain,
+    reduce_scatter_quantized,
+)
 from ..collectives.level_sync import LevelSync
 from ..collectives.topology import Topology, node_topology, private_group
 from ..config import QCommConfig
@@ -76,6 +81,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.prepared = prepared
         self.prepared_overlap = prepared_overlap
         self.call_count = 0
+        self.feedback = FeedbackState() if config.grad_error_feedback != "none" else None
         self.levels = None
         if config.grad_levels == "learned":
             self.levels = LevelSync(config.grad_inter_spec(), config.levels_refresh_every)
@@ -121,7 +127,16 @@ class QuantizedReduceScatter(ReduceScatter):
             reduce_scatter_plain(output, input, group, op=op, stats=self.stats, topology=topology)
             return
         reduce_scatter_quantized(output, input, group, self.config, key, op=op,
-                                 stats=self.stats, levels=levels, topology=topology)
+                                 stats=self.stats, levels=levels, topology=topology,
+                                 feedback=self.feedback)
+
+    def feedback_shapes(self, m: int) -> dict[str, tuple[int, ...]]:
+        """The error-feedback residuals a call with ``m`` output values keeps (checkpoint
+        templates need them before the first step)."""
+        if self.feedback is None or self.prepared is None:
+            return {}
+        group = self.prepared.group
+        return feedback_shapes(self.config, group.size(), m, self.prepared.topology.layout)
 
     def _prepared_topology(self, group: ProcessGroup) -> Optional[Topology]:
         if self.prepared is None:
