@@ -37,12 +37,11 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..codec import RngKey, dequantize, quantize, wire_bytes
+from ..codec import FLOAT_DTYPES, RngKey, dequantize, quantize, wire_bytes
 from ..codec.levels import dequantize_levels, levels_wire_bytes, quantize_levels
 from ..config import QuantSpec
 
 _WEIGHT_SALT = 1 << 40
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -207,7 +206,7 @@ def decode_shards(
 
 
 def _check_float(t: torch.Tensor, what: str) -> None:
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{what} has dtype {t.dtype}; quantized gathers take float32/bfloat16/float16 "
             "(use plain_all_gather for other dtypes)"
@@ -325,7 +324,7 @@ class QwdAllGather:
         *,
         segments: Optional[Sequence[int]] = None,
     ) -> None:
-        if dtype not in _FLOAT_DTYPES:
+        if dtype not in FLOAT_DTYPES:
             raise TypeError(f"qWD keeps a float reference; dtype {dtype} is not supported")
         self.group = group
         self.world, self.rank = _world_rank(group)

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from ..codec import RngKey
+from ..codec import FLOAT_DTYPES, RngKey
 from ..collectives.level_sync import LevelSync
 from ..collectives.weight_gather import (
     GatherOutcome,
@@ -70,7 +70,6 @@ from . import internals as fsdp
 from .consistency import check_consistent, consistency_error
 
 KIND = "weight_allgather"
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _Sig = tuple  # internals.param_signature: param object, versions, data address
 _param_signature = fsdp.param_signature
@@ -169,7 +168,7 @@ class QuantizedAllGather(AllGather):
             return None
         mp_dtype = fsdp.param_dtype(self._pg)
         dtypes = {mp_dtype or fp.sharded_param.dtype for fp in fps}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOAT_DTYPES:
+        if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES:
             return None  # mixed dtypes: FSDP gathers raw bytes, we gather plainly
         return next(iter(dtypes)), segs
 
@@ -287,7 +286,7 @@ class QuantizedAllGather(AllGather):
         """The segments to quantize with, or None and why the gather must stay plain."""
         if self._scheme == "none" or world == 1:
             return None, ""
-        if input_tensor.dtype not in _FLOAT_DTYPES:
+        if input_tensor.dtype not in FLOAT_DTYPES:
             return None, (
                 f"all-gather input dtype is {input_tensor.dtype} (parameters of mixed dtypes, or "
                 "not floating point)"

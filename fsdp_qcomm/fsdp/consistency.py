@@ -23,8 +23,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-             torch.float64: torch.int64}
+from ..codec import BITS_DTYPE
+
+_INT_VIEW = {**BITS_DTYPE, torch.float64: torch.int64}
 
 
 def _bits(x: torch.Tensor) -> list[torch.Tensor]:
