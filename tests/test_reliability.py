@@ -217,9 +217,9 @@ def _guard(rank, world):
     calls = []
     orig = ag_mod.check_consistent
 
-    def counting(flat, w, segs, names, group, where):
+    def counting(flat, w, segs, names, group, where, **kw):
         calls.append(where)
-        return orig(flat, w, segs, names, group, where)
+        return orig(flat, w, segs, names, group, where, **kw)
 
     ag_mod.check_consistent = counting
     try:
