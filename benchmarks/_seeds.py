@@ -15,6 +15,7 @@ difference, instead of being averaged with the new ones.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -96,6 +97,13 @@ def fmt_verdict(s: Optional[Spread], digits: int = 2) -> str:
     return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]%: {word}"
 
 
+def file_digest(path: str | Path) -> str:
+    """Name and content hash of a data file: what a run's setup records, so that checkouts at
+    different paths can share stored runs, and a changed file cannot."""
+    p = Path(path)
+    return f"{p.name} sha256:{hashlib.sha256(p.read_bytes()).hexdigest()[:16]}"
+
+
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", label).strip("_") or "row"
 
@@ -127,8 +135,8 @@ class RunStore:
             what = ", ".join(f"{k}: stored {got['setup'].get(k)!r}, now {self.setup.get(k)!r}"
                              for k in diff)
             raise SetupMismatch(
-                f"{path} was made under other settings ({what}); pass another --out, or "
-                "--fresh to recompute the runs this invocation asks for"
+                f"{path} was made under other settings ({what}); pass another --out (or "
+                f"remove {self.dir} to start over)"
             )
         if row is not None and json.loads(json.dumps(row)) != got["row"]:
             raise SetupMismatch(
@@ -166,5 +174,5 @@ class RunStore:
         return out
 
 
-__all__ = ["RunStore", "SetupMismatch", "Spread", "fmt_spread", "fmt_verdict",
+__all__ = ["RunStore", "SetupMismatch", "Spread", "file_digest", "fmt_spread", "fmt_verdict",
            "paired_gap_pct", "seed_list", "spread"]

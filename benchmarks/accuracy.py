@@ -43,6 +43,8 @@ sys.path.insert(0, str(HERE))
 
 from _seeds import (  # noqa: E402
     RunStore,
+    SetupMismatch,
+    file_digest,
     fmt_spread,
     fmt_verdict,
     paired_gap_pct,
@@ -129,7 +131,7 @@ def _setup(a: argparse.Namespace) -> dict[str, Any]:
 
     data = CharData(a.data)  # fails here, with the message, before spawning ranks
     out = {k: getattr(a, k) for k in _SETUP_ARGS}
-    out["data"] = str(data.path.resolve())
+    out["data"] = file_digest(data.path)
     return out
 
 
@@ -326,7 +328,12 @@ def main(argv=None) -> int:
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     store = RunStore(out_dir, _setup(a))
-    todo = [] if a.report_only else _pending(a, store)
+    try:
+        todo = [] if a.report_only else _pending(a, store)
+        store.all()  # refuse before training, not after, if --out holds other settings
+    except SetupMismatch as e:
+        print(f"accuracy: {e}", file=sys.stderr)
+        return 2
     print(f"accuracy: {len(a.schemes)} schemes x {a.seeds} seed(s) x {a.steps} steps, "
           f"{a.world} ranks ({a.ranks_per_node} per node), gloo, CPU: {len(todo)} run(s) to "
           f"train, the rest stored in {store.dir}", flush=True)

@@ -40,7 +40,9 @@ from fsdp_qcomm.testing import run_ranks  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _seeds import (  # noqa: E402
     RunStore,
+    SetupMismatch,
     Spread,
+    file_digest,
     fmt_spread,
     fmt_verdict,
     paired_gap_pct,
@@ -201,8 +203,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setup = {k: a[k] for k in _SETUP}
-    setup["data"] = str(Path(a["data"]).resolve())
+    setup["data"] = file_digest(a["data"])
     store = RunStore(out, setup)
+    try:
+        store.all()  # refuse now, not after training, if --out holds other settings
+    except SetupMismatch as e:
+        sys.exit(f"qsdp_grid: {e}")
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
     for seed in ([] if args.report_only else seed_list(args.seed, args.seeds)):
         for cell, levels in _runs(cells):
@@ -250,14 +256,14 @@ def _report(stored: dict, a: dict, out: Path) -> None:
         f"seq={a['seq']}, char-level tinyshakespeare, {a['ranks']} gloo ranks x batch "
         f"{a['batch']}, {a['steps']} steps, AdamW lr {a['lr']}, buckets 1024, level refresh "
         f"every {a['refresh']} steps, seeds {seeds}. Validation loss with the trained "
-        "(unquantized) weights, mean ± sd over seeds; gap = to W32G32, paired by seed, with "
-        "its 95% interval (within it: seed noise); bytes = what one rank hands to the process "
-        "group per step.",
+        "(unquantized) weights, mean ± sd over seeds; gap = to W32G32 (and learned vs uniform "
+        "levels), paired by seed, with its 95% interval (within it: seed noise); bytes = what "
+        "one rank hands to the process group per step.",
         "",
         "| cell | val loss uniform | val loss learned | gap uniform | gap learned | "
-        "ppl uniform | ppl learned | paper ppl uniform / learned | bytes/step uniform | "
-        "bytes/step learned |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "learned vs uniform | ppl uniform | ppl learned | paper ppl uniform / learned | "
+        "bytes/step uniform | bytes/step learned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cells = [c for c in CELLS if any(k[0] == c for k in by)]
     cells += sorted({k[0] for k in by} - set(cells))
@@ -265,17 +271,18 @@ def _report(stored: dict, a: dict, out: Path) -> None:
         u, lrn = by.get((c, "uniform")), by.get((c, "learned"))
         pu, pl = PAPER.get(c, (None, None))
 
-        def gap(r):
-            if r is None or r["gap"] is None:
-                return "-"
-            return f"{fmt_spread(r['gap'], 2, '%')} ({fmt_verdict(r['gap'])})"
+        def gap(g):
+            return "-" if g is None else f"{fmt_spread(g, 2, '%')} ({fmt_verdict(g)})"
+
+        lvu = None if not (u and lrn) else paired_gap_pct(lrn["val_loss"], u["val_loss"])
 
         def val(r, key, fmt):
             return fmt.format(r[key]) if r else ""
 
         lines.append(
             f"| {c} | {fmt_spread(u['spread'], 4) if u else ''} | "
-            f"{fmt_spread(lrn['spread'], 4) if lrn else ''} | {gap(u)} | {gap(lrn)} | "
+            f"{fmt_spread(lrn['spread'], 4) if lrn else ''} | {gap(u and u['gap'])} | "
+            f"{gap(lrn and lrn['gap'])} | {gap(lvu)} | "
             f"{val(u, 'ppl', '{:.3f}')} | {val(lrn, 'ppl', '{:.3f}')} | "
             f"{pu if pu else ''} / {pl if pl else '-'} | "
             f"{val(u, 'total_bytes', '{:,.0f}')} | {val(lrn, 'total_bytes', '{:,.0f}')} |"

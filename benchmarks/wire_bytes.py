@@ -35,8 +35,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 SCHEMES = ["baseline", "qw4", "qwd", "tlq", "tlq_hs", "sdp4bit", "qsdp", "zeropp"]
-_PER_STEP = ("calls", "sent_bytes", "recv_bytes", "elements", "baseline_bytes", "sending_calls",
-             "sending_elements")
+_PER_STEP = ("calls", "sent_bytes", "recv_bytes", "elements", "baseline_bytes",
+             "cross_node_bytes", "sending_calls", "sending_elements")
 _PG_FUNCS = ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
              "all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -134,7 +134,7 @@ def _rank_fn(rank: int, world: int, a: argparse.Namespace) -> dict:
             "pg": {k: v / a.steps for k, v in pg.bytes.items()},
             "stats": ({k: {f: (x / a.steps if f in _PER_STEP else x)
                            for f, x in v.items()}
-                       for k, v in handle.stats().items() if k != "notes"}
+                       for k, v in handle.stats().items() if k not in ("notes", "summary")}
                       if handle is not None else {}),
             "modes": handle.gather_modes() if handle is not None else {},
         }

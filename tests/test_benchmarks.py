@@ -84,7 +84,7 @@ def test_run_store_resumes_splits_and_refuses_other_settings(tmp_path):
     assert sorted(again.all()) == ["SDP4Bit", "baseline"]
     assert list(tmp_path.joinpath("runs").glob("*.tmp")) == []
     # other settings or another definition of a row: refused, naming what differs
-    with pytest.raises(_seeds.SetupMismatch, match="steps: stored 60, now 1000.*--out"):
+    with pytest.raises(_seeds.SetupMismatch, match="steps: stored 60, now 1000.*another --out"):
         _seeds.RunStore(tmp_path, {"steps": 1000, "dim": 32}).all()
     with pytest.raises(_seeds.SetupMismatch, match="rename the row or pass --fresh"):
         again.load("SDP4Bit", 1, {**row, "replicate": 2})
