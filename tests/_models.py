@@ -3,11 +3,13 @@ size), and the instruments those tests read weights and bytes with."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 class MLPBlock(nn.Module):
@@ -142,3 +144,17 @@ class GatherBytes:
 
     def __exit__(self, *exc):
         dist.all_gather_single = self._orig
+
+
+def units(model: nn.Module) -> list:
+    """The FSDP parameter groups under ``model`` (one per ``fully_shard``-ed unit)."""
+    groups = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            groups.extend(m._get_fsdp_state()._fsdp_param_groups)
+    return groups
+
+
+def segments(group) -> list[int]:
+    """The padded shard sizes of a group's parameters: the rows of its flat all-gather."""
+    return [math.prod(fp.padded_sharded_param_size) for fp in group.fsdp_params]

@@ -10,13 +10,13 @@ group against the wire format, losses against the run where FSDP itself gathers 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
 from _models import Capture, GatherBytes, TinyLM, batch, lm_loss, shard
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from _models import segments as _segments
+from _models import units as _groups
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig, wire_bytes
@@ -32,18 +32,6 @@ _SCHEMES = {
     ),
     "qwd": QCommConfig(weight_scheme="qwd", weight_group_size=16),
 }
-
-
-def _groups(model: nn.Module) -> list:
-    out = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            out.extend(m._get_fsdp_state()._fsdp_param_groups)
-    return out
-
-
-def _segments(group) -> list[int]:
-    return [math.prod(fp.padded_sharded_param_size) for fp in group.fsdp_params]
 
 
 def _exchange_bytes(name: str, groups: list, first: bool, itemsize: int) -> int:

@@ -9,7 +9,6 @@ unhooked run.
 from __future__ import annotations
 
 import gc
-import math
 
 import pytest
 import torch
@@ -20,9 +19,11 @@ from _models import GatherBytes as _ByteCounter
 from _models import TinyLM
 from _models import batch as _batch
 from _models import lm_loss as _lm_loss
+from _models import segments as _segments
 from _models import shard as _shard
+from _models import units as _units
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import Shard
 
@@ -39,18 +40,6 @@ def _exact(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]:
         full = p.full_tensor().detach().clone()
         out[name] = full if dtype is None else full.to(dtype)
     return out
-
-
-def _units(model: nn.Module) -> list:
-    groups = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            groups.extend(m._get_fsdp_state()._fsdp_param_groups)
-    return groups
-
-
-def _segments(group) -> list[int]:
-    return [math.prod(fp.padded_sharded_param_size) for fp in group.fsdp_params]
 
 
 # ---- FSDP: identical weights, error bounds, bytes --------------------------------------------
