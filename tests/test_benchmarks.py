@@ -103,6 +103,10 @@ def test_accuracy_rows_resume_and_table(tmp_path):
             store.save(label, seed, accuracy._row(label),
                        {"final_val": v, "seconds": 10.0, "train": [v], "val": [[1, v]]})
     assert accuracy._pending(a, store) == []  # resumed: nothing left to train
+    # split by seed: another --seed is the same setup (the held-out batches stay the same)
+    later = accuracy._args(["--data", str(data), "--seed", "1236", "--out", str(a.out)])
+    assert accuracy._setup(later) == store.setup
+    assert accuracy._pending(later, store) == [(s, 1236) for s in accuracy.SCHEMES]
     fresh = accuracy._args(["--data", str(data), "--fresh", "--schemes", "SDP4Bit",
                             "--out", str(tmp_path / "out")])
     assert accuracy._pending(fresh, store) == [("SDP4Bit", 1234)]
