@@ -176,8 +176,11 @@ class QuantizedAllGather(AllGather):
             return
         self._attached = True
         if self._scheme != "none":
+            # not traced by torch.compile, like FSDP's own hooks (wrapped here, not at import:
+            # importing torch._dynamo imports triton, which must see TRITON_INTERPRET first)
+            hook = torch.compiler.disable(self._after_forward)
             for m in fsdp.group_modules(self._pg):
-                self._hooks.append(m.register_forward_hook(self._after_forward))
+                self._hooks.append(m.register_forward_hook(hook))
         self._watch_grads()
 
     def release(self) -> None:
@@ -380,7 +383,6 @@ class QuantizedAllGather(AllGather):
             "checkpoints after the backward, not between a forward and its backward."
         )
 
-    @torch.compiler.disable
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._attached or not torch.is_grad_enabled() or self._gen == 0:
             return
