@@ -13,7 +13,10 @@ gradient schemes take both hops) under each scheme and reports, per rank and ste
   package's counters for the same run.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/wire_bytes.py [--steps 2] [--dim 256]
-        [--cluster-json results/cluster_speed/results.json]
+        [--microbatches K] [--cluster-json results/cluster_speed/results.json]
+
+``--microbatches K`` accumulates gradients over K micro-batches per optimizer step
+(``set_requires_gradient_sync(False)`` on all but the last): bytes are then per optimizer step.
 
 Writes ``results/wire_bytes/{table.md, results.json, bits.png}``.
 """
@@ -32,6 +35,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 SCHEMES = ["baseline", "qw4", "qwd", "tlq", "tlq_hs", "sdp4bit", "qsdp", "zeropp"]
+_PER_STEP = ("calls", "sent_bytes", "recv_bytes", "elements", "baseline_bytes",
+             "cross_node_bytes", "sending_calls", "sending_elements")
 _PG_FUNCS = ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
              "all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -45,6 +50,8 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="micro-batches per optimizer step (gradient accumulation)")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--cluster-json", default=None,
                     help="results.json of cluster_speed.py: add the veth link cross-check")
@@ -54,6 +61,8 @@ def _args(argv=None) -> argparse.Namespace:
     bad = [s for s in a.schemes if s != "baseline" and s not in _presets()]
     if bad:
         ap.error(f"unknown scheme(s) {bad}; choose from {SCHEMES}")
+    if a.microbatches < 1:
+        ap.error(f"--microbatches {a.microbatches} must be >= 1")
     if a.cluster_json and not Path(a.cluster_json).is_file():
         ap.error(f"--cluster-json {a.cluster_json}: no such file; run "
                  "benchmarks/cluster_speed.py first (as root)")
@@ -114,17 +123,18 @@ def _rank_fn(rank: int, world: int, a: argparse.Namespace) -> dict:
                 pg.on = True
                 if handle is not None:
                     handle.reset_stats()
-            x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
-            F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+            for m in range(a.microbatches):
+                model.set_requires_gradient_sync(m == a.microbatches - 1)
+                x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
+                F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         pg.on = False
         out["schemes"][label] = {
             "pg": {k: v / a.steps for k, v in pg.bytes.items()},
-            "stats": ({k: {f: (x / a.steps if f in ("calls", "sent_bytes", "recv_bytes",
-                                                     "elements", "baseline_bytes") else x)
+            "stats": ({k: {f: (x / a.steps if f in _PER_STEP else x)
                            for f, x in v.items()}
-                       for k, v in handle.stats().items() if k != "notes"}
+                       for k, v in handle.stats().items() if k not in ("notes", "summary")}
                       if handle is not None else {}),
             "modes": handle.gather_modes() if handle is not None else {},
         }
@@ -148,8 +158,9 @@ def _tables(res: dict, a: argparse.Namespace) -> tuple[str, dict]:
     ref = _reference(sch["baseline"])
     ag_el = ref["ag_fp32"] / 4  # weight elements FSDP gathers per step (fp32 = 4 bytes)
     rs_el = ref["rs_fp32"] / 4
-    rows = ["| scheme | collective | calls/step | bytes/step | elements/step | bits/elem | "
-            "vs FSDP bf16 | vs FSDP fp32 |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| scheme | collective | calls/step | sending calls/step | bytes/step | "
+            "elements/step | bits/elem | bits/elem when sending | vs FSDP bf16 | vs FSDP fp32 |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     totals = ["| scheme | weight B/step | grad B/step | total B/step | vs FSDP bf16 W/fp32 G | "
               "vs FSDP fp32/fp32 | pg bytes == counters |", "|---|---|---|---|---|---|---|"]
     summary = {}
@@ -168,14 +179,15 @@ def _tables(res: dict, a: argparse.Namespace) -> tuple[str, dict]:
                 fb16, f32 = s["elements"] * 2, s["elements"] * 4
             else:  # against FSDP's fp32 reduce-scatter of the same gradients
                 fb16 = f32 = rs_el * 4
-            rows.append(f"| {label} | {kind} | {s['calls']:.0f} | {s['sent_bytes']:,.0f} | "
-                        f"{s['elements']:,.0f} | {s['bits_per_element']:.3f} | "
+            rows.append(f"| {label} | {kind} | {s['calls']:.0f} | {s['sending_calls']:.0f} | "
+                        f"{s['sent_bytes']:,.0f} | {s['elements']:,.0f} | "
+                        f"{s['bits_per_element']:.3f} | {s['sending_bits_per_element']:.3f} | "
                         f"{s['sent_bytes'] / fb16:.3f} | {s['sent_bytes'] / f32:.3f} |")
         if label == "baseline":
-            rows.append(f"| baseline | FSDP all-gather (fp32) | - | {ref['ag_fp32']:,.0f} | "
-                        f"{ag_el:,.0f} | 32.000 | 2.000 | 1.000 |")
-            rows.append(f"| baseline | FSDP reduce-scatter (fp32) | - | {ref['rs_fp32']:,.0f} | "
-                        f"{rs_el:,.0f} | 32.000 | 1.000 | 1.000 |")
+            rows.append(f"| baseline | FSDP all-gather (fp32) | - | - | {ref['ag_fp32']:,.0f} | "
+                        f"{ag_el:,.0f} | 32.000 | 32.000 | 2.000 | 1.000 |")
+            rows.append(f"| baseline | FSDP reduce-scatter (fp32) | - | - | "
+                        f"{ref['rs_fp32']:,.0f} | {rs_el:,.0f} | 32.000 | 32.000 | 1.000 | 1.000 |")
         counted = sum(s["sent_bytes"] for s in st.values())
         hooked = {"all_gather_single": "weight_allgather" in st,
                   "all_to_all_single": bool(gkinds)}
@@ -189,12 +201,15 @@ def _tables(res: dict, a: argparse.Namespace) -> tuple[str, dict]:
                       f"{total / ref['bf16_fp32']:.3f} (/{ref['bf16_fp32'] / total:.2f}) | "
                       f"{total / ref['fp32_fp32']:.3f} (/{ref['fp32_fp32'] / total:.2f}) | "
                       f"{check} |")
-    md = (f"Per rank and training step, {a.steps} steps after 1 warm-up; "
-          f"{res['params'] / 1e6:.2f}M-param GPT, 4 ranks = 2 nodes x 2.\n\n"
+    md = (f"Per rank and optimizer step ({a.microbatches} micro-batch(es) each), {a.steps} "
+          f"steps after 1 warm-up; {res['params'] / 1e6:.2f}M-param GPT, 4 ranks = 2 nodes "
+          "x 2.\n\n"
           "### Totals\n\n" + "\n".join(totals) +
           "\n\n### Per collective\n\n" + "\n".join(rows) + "\n\n"
           "bits/elem = 8 x bytes sent / logical elements (the package's definition); the "
-          "weight all-gather's elements include qWD's backward re-gathers, which send nothing. "
+          "weight all-gather's elements include the gathers of unchanged weights (backward "
+          "re-gathers, later micro-batches), which send nothing under qWD; 'when sending' "
+          "counts only the gathers that sent. "
           "Gradient hops are compared with FSDP's whole fp32 reduce-scatter input.\n")
     return md, summary
 

@@ -116,6 +116,15 @@ class QCommConfig:
     hop over several nodes), "all" at every quantized gradient hop, "none" off. Costs fp32
     memory per rank (``handle.stats()["summary"]["error_feedback_bytes"]``, ``docs/``).
 
+    ``weight_reuse_unchanged``: a weight gather whose weights nothing changed since the
+    module's previous gather (no optimizer step, no other write: gradient-accumulation
+    micro-batches, backward re-gathers, evaluation between steps) sends nothing and reuses the
+    weights that gather delivered. qWD always does this (its reference is kept anyway); for
+    "direct" and "none" it is this option, because it keeps one unsharded copy of each module's
+    parameters (in the all-gather dtype) plus one shard per rank alive between gathers
+    (``handle.reference_bytes()``). Without it, such gathers re-send the same bytes (direct
+    schemes reuse the RNG key, so the weights are the same either way).
+
     ``consistency_check_every`` (0 = off): every K-th forward weight gather of each FSDP module,
     the ranks compare exact integer checksums of the weights they are about to compute with and
     raise naming the first parameter that differs (one tiny all-gather per module and check).
@@ -126,6 +135,7 @@ class QCommConfig:
     weight_group_size: int = 2048
     weight_symmetric: bool = True
     weight_rounding: Rounding = "stochastic"
+    weight_reuse_unchanged: bool = False
 
     grad_scheme: GradScheme = "none"
     grad_intra_bits: int = 8
@@ -176,7 +186,8 @@ class QCommConfig:
         owner = "QCommConfig"
         _check_choice(owner, "weight_scheme", self.weight_scheme, ("none", "direct", "qwd"))
         _check_choice(owner, "grad_scheme", self.grad_scheme, ("none", "one_level", "two_level"))
-        for name in ("weight_symmetric", "grad_symmetric", "grad_hadamard", "grad_overlap"):
+        for name in ("weight_symmetric", "weight_reuse_unchanged", "grad_symmetric",
+                     "grad_hadamard", "grad_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int(owner, "grad_pipeline_chunks", self.grad_pipeline_chunks, 1, 64)

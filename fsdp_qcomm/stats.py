@@ -7,6 +7,12 @@ for the same call (``baseline_bytes``), and how many of the bytes this rank send
 to ranks on other nodes (``cross_node_bytes``: what the slow inter-node link must carry for this
 rank, whatever algorithm the process group uses), so ratios and bits per element come from the
 same counts the tests check against the process group.
+
+Calls that send nothing (a weight gather that reuses unchanged weights, world size 1) count in
+``calls`` and ``elements``, so ``bits_per_element`` is the average over every call, what the
+collective costs per step; ``sending_calls`` / ``sending_elements`` count only the calls that
+sent bytes, and ``sending_bits_per_element`` is the cost of one such call (the wire format's
+bits per element, plus full-precision resends).
 """
 
 from __future__ import annotations
@@ -23,10 +29,18 @@ class KindStats:
     elements: int = 0
     baseline_bytes: int = 0
     cross_node_bytes: int = 0
+    sending_calls: int = 0
+    sending_elements: int = 0
 
     @property
     def bits_per_element(self) -> float:
+        """Bits sent per element, averaged over every call (those that sent nothing too)."""
         return 8.0 * self.sent_bytes / self.elements if self.elements else 0.0
+
+    @property
+    def sending_bits_per_element(self) -> float:
+        """Bits sent per element by the calls that sent something."""
+        return 8.0 * self.sent_bytes / self.sending_elements if self.sending_elements else 0.0
 
     @property
     def ratio_vs_baseline(self) -> float:
@@ -35,6 +49,7 @@ class KindStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["bits_per_element"] = self.bits_per_element
+        d["sending_bits_per_element"] = self.sending_bits_per_element
         d["ratio_vs_baseline"] = self.ratio_vs_baseline
         return d
 
@@ -69,6 +84,9 @@ class CommStats:
             k.elements += int(elements)
             k.baseline_bytes += int(baseline_bytes)
             k.cross_node_bytes += int(cross_node_bytes)
+            if sent_bytes > 0:
+                k.sending_calls += 1
+                k.sending_elements += int(elements)
 
     def note(self, text: str) -> None:
         """Something the user should know (for example a module that fell back to FSDP's gather)."""
@@ -82,7 +100,8 @@ class CommStats:
                 self._calls_at_step = self._calls
 
     def snapshot(self) -> dict:
-        """``{kind: {calls, sent_bytes, ..., cross_node_bytes, bits_per_element,
+        """``{kind: {calls, sent_bytes, recv_bytes, elements, baseline_bytes, cross_node_bytes,
+        sending_calls, sending_elements, bits_per_element, sending_bits_per_element,
         ratio_vs_baseline}, "summary": {...}, "notes": [...]}``. ``summary``: ``steps``
         (``count_step``), ``sent_bytes`` and ``cross_node_bytes`` over all kinds, and both per
         step (0.0 before the first counted step)."""

@@ -99,15 +99,6 @@ def key_words(key, stochastic: bool) -> tuple[int, int]:
     return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in key.words())
 
 
-def check_counter(rows: int, numel: int) -> None:
-    """The RNG counter ``row * numel + i`` is 32 bits wide (same check as the torch RNG)."""
-    if rows * numel > 1 << 32:
-        raise ValueError(
-            f"one quantization call covers {rows * numel} elements; the RNG counter allows "
-            f"{1 << 32}. Split the buffer into smaller calls (buckets)."
-        )
-
-
 def check_row_len(n: int, group_size: int) -> None:
     """Indices inside a row (including a tile's overhang past its end) are int32."""
     if n + 2 * max(group_size, TILE) >= 1 << 31:

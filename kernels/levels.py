@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..codec import wire
-from ..codec.rng import RngKey
+from ..codec.rng import RngKey, check_counter_range
 from ..config import QuantSpec
 from . import _common as C
 
@@ -197,7 +197,7 @@ def quantize_levels(
         return out
     C.check_row_len(n, spec.group_size)
     if spec.stochastic:
-        C.check_counter(R, n)
+        check_counter_range(R, n)
     x = rows if rows.stride(-1) == 1 else rows.contiguous()
     lv = levels.to(device=rows.device, dtype=torch.float32).contiguous()
     gs_p2, gpb, sub = C.group_tiling(spec.group_size)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..codec import wire
-from ..codec.rng import RngKey
+from ..codec.rng import RngKey, check_counter_range
 from ..config import QuantSpec
 from . import _common as C
 
@@ -130,7 +130,7 @@ def quantize(
         return out
     C.check_row_len(m, spec.group_size)
     if spec.stochastic:
-        C.check_counter(R, m)
+        check_counter_range(R, m)
     x = _unit_stride(rows)
     r = _unit_stride(ref) if ref is not None else None
     if hadamard and spec.group_size % wire.HADAMARD_BLOCK:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec.rng import RngKey
+from ..codec.rng import RngKey, check_counter_range
 from ..config import QuantSpec
 from . import _common as C
 
@@ -111,7 +111,7 @@ def reduce_requantize(
         return out
     C.check_row_len(n, max(spec_in.group_size, spec_out.group_size))
     if spec_out.stochastic:
-        C.check_counter(R, n)
+        check_counter_range(R, n)
     first, step = C.chunk_stack(chunks, spec_in)
     gs_p2, gpb, sub = C.group_tiling(spec_out.group_size)
     nblk = triton.cdiv(lay.groups, gpb)

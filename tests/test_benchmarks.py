@@ -11,6 +11,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import _model  # noqa: E402
+import _seeds  # noqa: E402
+import accuracy  # noqa: E402
 import cluster_speed  # noqa: E402
 
 
@@ -47,3 +49,75 @@ def test_param_count_matches_model():
     shape = _model.GPTShape(vocab=65, dim=64, layers=3, heads=4, seq=32)
     model = _model.GPT(shape)
     assert shape.params() == sum(p.numel() for p in model.parameters())
+
+
+# ---- several seeds: statistics and the run store ----------------------------------------------
+def test_spread_and_paired_gap():
+    s = _seeds.spread([1.0, 2.0, 3.0])
+    assert (s.n, s.mean, s.sd) == (3, 2.0, 1.0)
+    assert s.ci95 == pytest.approx(4.303 / 3 ** 0.5)  # t(0.975, 2 df) * sd / sqrt(n)
+    one = _seeds.spread([5.0])
+    assert one.sd == 0.0 and one.beyond_noise is None
+    # paired by seed: only common seeds count; a steady +1% gap is beyond noise, a +-1% one not
+    gap = _seeds.paired_gap_pct({1: 2.02, 2: 3.03, 3: 1.01, 9: 7.0}, {1: 2.0, 2: 3.0, 3: 1.0})
+    assert gap.n == 3 and gap.mean == pytest.approx(1.0) and gap.beyond_noise
+    noisy = _seeds.paired_gap_pct({1: 2.02, 2: 2.98}, {1: 2.0, 2: 3.0})
+    assert noisy.beyond_noise is False
+    assert _seeds.paired_gap_pct({1: 1.0}, {2: 1.0}) is None
+    assert _seeds.fmt_spread(s, 2) == "2.00 ± 1.00"
+    assert _seeds.fmt_verdict(gap).endswith("beyond seed noise")
+    with pytest.raises(ValueError, match="at least one seed"):
+        _seeds.seed_list(3, 0)
+    assert _seeds.seed_list(1234, 3) == [1234, 1235, 1236]
+
+
+def test_run_store_resumes_splits_and_refuses_other_settings(tmp_path):
+    setup = {"steps": 60, "dim": 32}
+    store = _seeds.RunStore(tmp_path, setup)
+    row = {"preset": "sdp4bit", "overrides": {}, "replicate": 1}
+    assert store.load("SDP4Bit", 1, row) is None
+    store.save("SDP4Bit", 1, row, {"final_val": 2.5})
+    store.save("baseline", 1, {"preset": None}, {"final_val": 2.4})
+    # a later invocation with the same settings (another scheme or seed) sees both
+    again = _seeds.RunStore(tmp_path, dict(setup))
+    assert again.load("SDP4Bit", 1, row) == {"final_val": 2.5}
+    assert sorted(again.all()) == ["SDP4Bit", "baseline"]
+    assert list(tmp_path.joinpath("runs").glob("*.tmp")) == []
+    # other settings or another definition of a row: refused, naming what differs
+    with pytest.raises(_seeds.SetupMismatch, match="steps: stored 60, now 1000.*another --out"):
+        _seeds.RunStore(tmp_path, {"steps": 1000, "dim": 32}).all()
+    with pytest.raises(_seeds.SetupMismatch, match="rename the row or pass --fresh"):
+        again.load("SDP4Bit", 1, {**row, "replicate": 2})
+
+
+def test_accuracy_rows_resume_and_table(tmp_path):
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    a = accuracy._args(["--data", str(data), "--seeds", "2", "--schemes", "baseline,SDP4Bit",
+                        "--out", str(tmp_path / "out")])
+    store = _seeds.RunStore(tmp_path / "out", accuracy._setup(a))
+    assert accuracy._pending(a, store) == [("baseline", 1234), ("SDP4Bit", 1234),
+                                           ("baseline", 1235), ("SDP4Bit", 1235)]
+    for seed, (b, q) in {1234: (2.0, 2.02), 1235: (3.0, 3.03)}.items():
+        for label, v in (("baseline", b), ("SDP4Bit", q)):
+            store.save(label, seed, accuracy._row(label),
+                       {"final_val": v, "seconds": 10.0, "train": [v], "val": [[1, v]]})
+    assert accuracy._pending(a, store) == []  # resumed: nothing left to train
+    # split by seed: another --seed is the same setup (the held-out batches stay the same)
+    later = accuracy._args(["--data", str(data), "--seed", "1236", "--out", str(a.out)])
+    assert accuracy._setup(later) == store.setup
+    assert accuracy._pending(later, store) == [(s, 1236) for s in accuracy.SCHEMES]
+    fresh = accuracy._args(["--data", str(data), "--fresh", "--schemes", "SDP4Bit",
+                            "--out", str(tmp_path / "out")])
+    assert accuracy._pending(fresh, store) == [("SDP4Bit", 1234)]
+    summary = accuracy._summary(store.all())
+    assert list(summary) == ["baseline", "SDP4Bit"]
+    g = summary["SDP4Bit"]["gap_pct_vs_baseline"]
+    assert g["n"] == 2 and g["mean"] == pytest.approx(1.0) and g["sd"] == pytest.approx(0.0)
+    table = accuracy._table(summary)
+    assert "| SDP4Bit | sdp4bit | 2 | 2.52500 ± 0.71418 | +1.00% ± 0.00% |" in table
+    # extra rows are one line: a preset, overrides and the mesh
+    row = accuracy.Scheme("sdp4bit", {"grad_pipeline_chunks": 2}, hsdp=True)
+    assert row.describe() == "sdp4bit grad_pipeline_chunks=2, HSDP"
+    with pytest.raises(SystemExit):
+        accuracy._args(["--seeds", "0"])

@@ -44,7 +44,7 @@ ALLOWED = {
         "level refresh only (every levels_refresh_every calls): counts go to the CPU fit",
     ("fsdp_qcomm/codec/levels.py", "fit_levels"):
         "level refresh only: fp64 numpy fit on the CPU",
-    ("fsdp_qcomm/fsdp/consistency.py", "check_consistent"):
+    ("fsdp_qcomm/fsdp/consistency.py", "consistency_error"):
         "opt-in consistency_check_every: compares checksums on the host to raise on every rank",
 }
 _SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "synchronize"}

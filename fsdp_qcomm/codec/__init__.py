@@ -15,7 +15,15 @@ import torch
 
 from ..config import QuantSpec
 from . import cpu_native
-from ._checks import chunk_list, float_rows, out_rows, require_key, wire_rows
+from ._checks import (
+    BITS_DTYPE,
+    FLOAT_DTYPES,
+    chunk_list,
+    float_rows,
+    out_rows,
+    require_key,
+    wire_rows,
+)
 from .rng import RngKey
 from .wire import bits_per_element, hadamard_len, wire_bytes
 
@@ -114,6 +122,8 @@ def reduce_dequantize(
 
 
 __all__ = [
+    "BITS_DTYPE",
+    "FLOAT_DTYPES",
     "RngKey",
     "bits_per_element",
     "dequantize",

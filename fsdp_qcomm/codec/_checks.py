@@ -1,4 +1,5 @@
-"""Argument checks shared by the codec's public entry points (uniform and learned levels)."""
+"""Argument checks and dtype tables shared by the codec's entry points (uniform and learned
+levels) and by the collectives above them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import torch
 from ..config import QuantSpec
 from .rng import RngKey
 
+#: Value dtypes the codec quantizes (and quantized collectives accept).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Same-width integer views of those dtypes: NaN scales are written as these bit patterns
+#: (``wire.NAN_BITS``) because float casts of NaN differ between CPU paths and GPUs.
+BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def float_rows(x: torch.Tensor, what: str) -> torch.Tensor:

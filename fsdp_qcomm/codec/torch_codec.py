@@ -14,13 +14,10 @@ import torch
 
 from ..config import QuantSpec
 from . import wire
+from ._checks import BITS_DTYPE
 from .rng import RngKey, add_uniform_, check_counter_range, row_starts, uniform_rows
 
 _PACK_SHIFTS: dict[tuple[int, str], torch.Tensor] = {}
-
-# Same-width integer views of the scale dtypes: NaN scales are written as these bit patterns
-# (``wire.NAN_BITS``) because float casts of NaN differ between CPU paths and GPUs.
-_BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def _shifts(step: int, count: int, device: torch.device) -> torch.Tensor:
@@ -262,7 +259,7 @@ def _encode(src: _Source, spec: QuantSpec, key: Optional[RngKey]) -> torch.Tenso
     gs, bits = spec.group_size, spec.bits
     groups = wire.num_groups(n, spec)
     sdt = spec.torch_scale_dtype
-    bdt = _BITS_DTYPE[sdt]
+    bdt = BITS_DTYPE[sdt]
     ss = sdt.itemsize
     code_off = wire.scale_section_bytes(n, spec)
     cb = wire.code_bytes(n, spec)
@@ -343,7 +340,7 @@ def _encode_groups(
         if any_bad:
             t.masked_fill_(bad[..., None], 0.0)
         codes.copy_(t.view(R, -1))
-    bdt = _BITS_DTYPE[sdt]
+    bdt = BITS_DTYPE[sdt]
 
     def _bits(s: torch.Tensor) -> torch.Tensor:
         b = s.to(sdt).view(bdt)
@@ -637,7 +634,7 @@ def quantize_levels(
     codes = q.view(R, -1)[:, :n8].clone()
     codes[:, n:] = 0
     sdt = spec.torch_scale_dtype
-    bdt = _BITS_DTYPE[sdt]
+    bdt = BITS_DTYPE[sdt]
     nan = torch.tensor(wire.NAN_BITS[spec.scale_dtype], dtype=bdt, device=v.device)
     sbytes = wire.num_groups(n, spec) * sdt.itemsize
 

@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from .. import codec
-from ..codec import RngKey
+from ..codec import FLOAT_DTYPES, RngKey
 from ..codec import levels as _levels
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QCommConfig, QuantSpec
@@ -72,7 +72,6 @@ from ..stats import CommStats
 from .error_feedback import Feedback, compensated
 from .topology import NodeLayout, Topology, group_layout, known_ranks_per_node, node_topology
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # One quantize call may cover at most 2^32 RNG counters (codec.rng); stay well below.
 _MAX_CALL_ELEMENTS = 1 << 31
 
@@ -293,7 +292,7 @@ def reduce_scatter_plain(
 
 def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int) -> None:
     for name, t in (("input", input), ("output", output)):
-        if t.dtype not in _FLOAT_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"quantized reduce-scatter {name} must be float32/bfloat16/float16, got {t.dtype}"
             )

@@ -37,12 +37,11 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..codec import RngKey, dequantize, quantize, wire_bytes
+from ..codec import FLOAT_DTYPES, RngKey, dequantize, quantize, wire_bytes
 from ..codec.levels import dequantize_levels, levels_wire_bytes, quantize_levels
 from ..config import QuantSpec
 
 _WEIGHT_SALT = 1 << 40
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,9 @@ class GatherOutcome:
     """What one gather put on the wire, reported to ``on_done`` once the output is ready.
 
     mode: "plain" (unquantized), "direct", "qwd_full" (full-precision reference reset),
-        "qwd_diff" (quantized differences), "qwd_reuse" (nothing sent), "local" (world size 1).
+        "qwd_diff" (quantized differences), "qwd_restore" (a checkpointed reference
+        re-assembled), "local" (world size 1), and "<scheme>_reuse" (nothing sent, kept
+        weights reused: "qwd_reuse", "direct_reuse", "plain_reuse").
     sent_bytes: bytes of the input handed to the process group (summed over its calls).
     recv_bytes: bytes of the outputs the process group wrote.
     elements: values in this rank's shard (what the bytes carry per rank).
@@ -207,7 +208,7 @@ def decode_shards(
 
 
 def _check_float(t: torch.Tensor, what: str) -> None:
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{what} has dtype {t.dtype}; quantized gathers take float32/bfloat16/float16 "
             "(use plain_all_gather for other dtypes)"
@@ -294,7 +295,79 @@ def direct_all_gather(
     return _launch(gathered, wire, group, async_op, finish)
 
 
-class QwdAllGather:
+class KeptWeights:
+    """An unsharded copy of gathered weights that every rank keeps, bit-identical on all ranks.
+
+    ``ref`` (``world * n`` values) holds what the last gather delivered; a caller that knows the
+    weights have not changed since (same optimizer step, no other write) can ``reuse()`` it and
+    send nothing. ``own_ref`` keeps this rank's slot, because the caller may gather in place,
+    i.e. write the new shard into ``ref``'s own slot before the call (FSDP's all-gather input is
+    that slot); ``reuse()`` puts the kept value back.
+
+    Memory: ``(world + 1) * n`` values of the gather dtype, i.e. one unsharded copy of the
+    parameters plus one shard (``nbytes``).
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        segments: Optional[Sequence[int]] = None,
+    ) -> None:
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"kept weights (and the qWD reference) are float32/bfloat16/float16; dtype "
+                f"{dtype} is not supported"
+            )
+        self.group = group
+        self.world, self.rank = _world_rank(group)
+        self.numel = int(numel)
+        self.segments = check_segments(segments, self.numel)
+        self.ref = torch.zeros(self.world * self.numel, dtype=dtype, device=device)
+        self.own_ref = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.valid = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of state this copy keeps alive (the unsharded copy and the own-slot copy)."""
+        return self.ref.nbytes + self.own_ref.nbytes
+
+    def matches(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (
+            numel == self.numel and dtype == self.ref.dtype and device == self.ref.device
+        )
+
+    def own_slot(self) -> torch.Tensor:
+        return self.ref.narrow(0, self.rank * self.numel, self.numel)
+
+    def invalidate(self) -> None:
+        """Forget the kept weights: they may not be reused until the next gather sets them."""
+        self.valid = False
+
+    def keep(self, gathered: Optional[torch.Tensor] = None) -> None:
+        """Adopt what a gather delivered (``gathered``, or ``ref`` itself when it gathered in
+        place) as the kept weights."""
+        if gathered is not None and gathered.data_ptr() != self.ref.data_ptr():
+            self.ref.copy_(gathered)
+        self.own_ref.copy_(self.own_slot())
+        self.valid = True
+
+    def reuse(self, mode: str = "reuse", *, on_done: OnDone = None) -> None:
+        """Send nothing; ``ref`` already holds the weights (undoing any in-place write)."""
+        if not self.valid:
+            raise RuntimeError("reuse() needs kept weights; gather first")
+        self.own_slot().copy_(self.own_ref)
+        if on_done is not None:
+            on_done(GatherOutcome(mode, 0, 0, self.numel, self._base()))
+
+    def _base(self) -> int:
+        return self.numel * self.ref.element_size()
+
+
+class QwdAllGather(KeptWeights):
     """SDP4Bit's quantized weight differences for one flat buffer, and the reference they need.
 
     Every rank holds ``ref`` (``world * n`` values, bit-identical on all ranks): the weights
@@ -304,12 +377,8 @@ class QwdAllGather:
     true weights stays at one quantization step of the latest difference instead of growing.
 
     ``full=True`` (and the first gather) sends the shard at full precision instead and sets
-    ``ref`` to the exact weights. ``reuse()`` sends nothing and keeps ``ref``: for callers that
-    know the weights have not changed (FSDP's backward re-gather).
-
-    Memory: ``ref`` is one unsharded copy of the buffer, plus ``own_ref`` (one shard) because
-    the caller may gather in place, i.e. write the new shard into ``ref``'s own slot before the
-    call (that is how FSDP's all-gather input works); ``own_ref`` keeps the slot's old value.
+    ``ref`` to the exact weights. ``reuse("qwd_reuse")`` sends nothing and keeps ``ref``: for
+    callers that know the weights have not changed since the last gather.
 
     Callers must make the same sequence of calls (full / diff / reuse) on every rank; the
     decision is theirs, and nothing is exchanged to agree on it.
@@ -325,48 +394,8 @@ class QwdAllGather:
         *,
         segments: Optional[Sequence[int]] = None,
     ) -> None:
-        if dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"qWD keeps a float reference; dtype {dtype} is not supported")
-        self.group = group
-        self.world, self.rank = _world_rank(group)
-        self.numel = int(numel)
+        super().__init__(numel, dtype, device, group, segments=segments)
         self.spec = spec
-        self.segments = check_segments(segments, self.numel)
-        self.ref = torch.zeros(self.world * self.numel, dtype=dtype, device=device)
-        self.own_ref = torch.zeros(self.numel, dtype=dtype, device=device)
-        self.valid = False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of state this gather keeps alive (the reference and the own-slot copy)."""
-        return self.ref.nbytes + self.own_ref.nbytes
-
-    def matches(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
-        return (
-            numel == self.numel and dtype == self.ref.dtype and device == self.ref.device
-        )
-
-    def own_slot(self) -> torch.Tensor:
-        return self.ref.narrow(0, self.rank * self.numel, self.numel)
-
-    def invalidate(self) -> None:
-        """Forget the reference: the next ``__call__`` sends full precision."""
-        self.valid = False
-
-    def wire_bytes(self) -> int:
-        """Bytes each rank sends per difference gather."""
-        return shard_wire_bytes(self.segments, self.spec)
-
-    def _base(self) -> int:
-        return self.numel * self.ref.element_size()
-
-    def reuse(self, *, on_done: OnDone = None) -> None:
-        """Send nothing; ``ref`` already holds the weights (undoing any in-place write)."""
-        if not self.valid:
-            raise RuntimeError("qWD reuse() needs an established reference; gather first")
-        self.own_slot().copy_(self.own_ref)
-        if on_done is not None:
-            on_done(GatherOutcome("qwd_reuse", 0, 0, self.numel, self._base()))
 
     def __call__(
         self,
@@ -426,6 +455,7 @@ class QwdAllGather:
 
 __all__ = [
     "GatherOutcome",
+    "KeptWeights",
     "QwdAllGather",
     "check_segments",
     "decode_shards",

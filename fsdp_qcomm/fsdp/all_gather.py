@@ -8,34 +8,53 @@ size; those sizes (our segments) come from the module's ``FSDPParamGroup``. When
 parameters have mixed dtypes FSDP sends raw uint8 bytes: we then run a plain gather and say so
 in ``CommStats.note``.
 
-qWD state machine, per module (all decisions use only facts that are the same on every rank
-of an SPMD program, so no rank ever sends a different-sized message than its peers):
+One exchange per optimizer step. A gather whose weights nothing changed since the module's
+previous gather sends nothing and reuses what that gather delivered (kept weights; for qWD the
+reference, which is kept anyway). "Changed" (``_change``) is decided from facts that are the
+same on every rank of an SPMD program, so all ranks take the same branch and no rank ever
+sends a message its peers do not expect:
 
-* first gather, after ``handle.reset()``, or when a parameter changed outside a
-  ``torch.optim`` optimizer step (load_state_dict, in-place init, swapped tensors): full
-  precision, which sets the reference to the exact weights;
-* backward re-gather (FSDP group in ``PRE_BACKWARD``) with the sharded parameters untouched
-  since the previous gather (same objects, storages and version counters): nothing is sent,
-  the reference is reused;
-* otherwise: quantized differences (error feedback keeps the gap bounded).
+* the module's own gather history (first gather, ``handle.reset()``, a loaded checkpoint);
+* a ``torch.optim`` optimizer step covering the module's parameters (global step hooks
+  installed by ``enable``; foreach and fused optimizers leave no trace in version counters);
+* the sharded parameters' signature: objects, storages and version counters (in-place writes
+  outside an optimizer, ``load_state_dict``, swapped tensors);
+* outside a backward pass, a gradient reduction of the module's parameters that finished
+  since the last gather (a post-accumulate-grad hook on each sharded parameter, which FSDP
+  calls when it writes the reduced gradient): an optimizer may have consumed it, even one that
+  is not a ``torch.optim`` optimizer or writes through ``p.data``. Within a backward pass it
+  is ignored: FSDP reduces a module's gradients between two re-gathers of the same weights
+  when several forwards share one backward.
 
-"Changed outside the optimizer" is detected with the sharded parameters' version counters:
-global optimizer step hooks (installed by ``enable``) record the versions an optimizer step
-leaves behind; any other bump, a new parameter object or a new storage means the reference can
-no longer be trusted. Writes through ``.data`` bypass version counters; outside backward they
-are still picked up by the next difference (the difference is always ``x - ref``), they just
-are not re-sent at full precision.
+So gradient-accumulation micro-batches, forward-only evaluation between steps, backward
+re-gathers (``reshard_after_forward=True``) and activation-checkpoint recomputation all reuse.
+Writes through ``p.data`` (and foreach kernels outside an optimizer) change none of these facts:
+call ``handle.reset()`` after them.
 
-Direct scheme (QSDP, ZeRO++ qwZ): every gather quantizes the current shard. The forward gather
-and the backward re-gather both send (QSDP gathers twice), but the backward re-gather of
-unchanged weights uses the forward's RNG key (and level table), so it sends the very same
-bytes and backward differentiates at exactly the quantized point forward used, which is what
-makes the gradient an unbiased estimate at that point. With ``weight_levels="learned"`` a
-``LevelSync`` refits the module's table from all ranks' shards every ``levels_refresh_every``
-forward gathers.
+qWD state machine, per module: first gather, after ``handle.reset()``, or when a parameter
+changed outside a ``torch.optim`` optimizer step: full precision, which sets the reference to
+the exact weights; unchanged: nothing sent; otherwise: quantized differences (error feedback
+keeps the gap bounded). Direct scheme (QSDP, ZeRO++ qwZ): a gather of changed weights
+quantizes the current shard under a new RNG key; a gather of unchanged weights uses the
+previous key, so it sends the very same bytes (every forward of the step, the backward
+re-gather and recomputations compute with the same weights, which is what makes the gradient
+an unbiased estimate at that point), or, with ``weight_reuse_unchanged=True``, sends nothing
+and reuses the kept copy. With ``weight_levels="learned"`` a ``LevelSync`` refits the module's
+table from all ranks' shards every ``levels_refresh_every`` keys. ``weight_scheme="none"`` with
+``weight_reuse_unchanged=True`` keeps the plain gather's output the same way.
 
-The allocated output of a qWD module *is* the reference (no second unsharded buffer); the own
-slot's previous value is kept in ``own_ref`` because FSDP writes the new shard over it.
+Backward exactness. A backward must compute with the weights its forward used. Inside a
+backward pass a gather that would send (the weights changed since the forward: an optimizer
+step, an outside write, ``reset()`` or a checkpoint load between a forward and its backward)
+is refused with a ``RuntimeError`` before anything is sent; and a forward hook records which
+weights each grad-enabled forward used, so a backward that reaches a forward made with older
+weights than the module holds (several forwards before one backward, something changed in
+between) is refused too. Under ``weight_scheme="none"`` the weights are exact and FSDP's own
+semantics apply.
+
+The allocated output of a qWD module (or of a module with kept weights) *is* the kept copy (no
+second unsharded buffer); the own slot's previous value is kept in ``own_ref`` because FSDP
+writes the new shard over it.
 
 Checkpoints (``checkpoint_state`` / ``load_checkpoint_state``, gathered by
 ``QCommHandle.state_dict``): the RNG call counter, and for qWD this rank's shard of the reference
@@ -48,6 +67,7 @@ run would have used. Without a loaded reference the next gather sends the weight
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from typing import Any, Optional, Sequence
@@ -55,11 +75,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.utils._pytree import tree_leaves
 
-from ..codec import RngKey
+from ..codec import FLOAT_DTYPES, RngKey
 from ..collectives.level_sync import LevelSync
 from ..collectives.weight_gather import (
     GatherOutcome,
+    KeptWeights,
     QwdAllGather,
     direct_all_gather,
     plain_all_gather,
@@ -70,7 +92,6 @@ from . import internals as fsdp
 from .consistency import check_consistent, consistency_error
 
 KIND = "weight_allgather"
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _Sig = tuple  # internals.param_signature: param object, versions, data address
 _param_signature = fsdp.param_signature
@@ -100,15 +121,24 @@ class QuantizedAllGather(AllGather):
         self._config = config
         self._spec = config.weight_spec()
         self._scheme = config.weight_scheme
+        self._keep = config.weight_reuse_unchanged and self._scheme != "qwd"
         self._stats = stats
         self.bucket = bucket
         self.name = name or "<root>"
         self.modes: Counter = Counter()
         self._qwd: Optional[QwdAllGather] = None
+        self._kept: Optional[KeptWeights] = None
         self._counter = 0
+        # Generation of the weights the module computes with: bumped by every gather that can
+        # change them, recorded by grad-enabled forwards, compared in backward.
+        self._gen = 0
+        # What the previous gather saw (``_change`` compares against it) and what explains the
+        # parameters' current signature (the last gather, then optimizer steps: ``_expected``).
         self._last_sig: Optional[tuple[_Sig, ...]] = None
         self._expected: Optional[list[_Sig]] = None
         self._outside = False
+        self._stepped = False
+        self._reduced = False
         self._reset = False
         self.levels: Optional[LevelSync] = None
         if config.weight_levels == "learned":
@@ -121,20 +151,68 @@ class QuantizedAllGather(AllGather):
         self.remote_peers: Optional[int] = None
         # HSDP: the replicas of this shard group, compared too by the consistency check
         self.replica_group: Optional[dist.ProcessGroup] = None
+        self._attached = False
+        self._hooks: list[Any] = []  # forward hooks of the group's modules
+        self._grad_hooks: list[Any] = []  # post-accumulate-grad hooks of its parameters
+        self._grad_hooked: tuple[int, ...] = ()
 
     # ---- state queries used by the handle ---------------------------------------------------
     @property
     def reference_bytes(self) -> int:
-        return self._qwd.nbytes if self._qwd is not None else 0
+        """Bytes of the qWD reference or of the kept weights (``weight_reuse_unchanged``)."""
+        return sum(k.nbytes for k in (self._qwd, self._kept) if k is not None)
 
     def reset(self) -> None:
-        """Next gather re-sends full precision (qWD); harmless for other schemes."""
+        """Next gather re-sends: full precision under qWD, a new RNG key for direct schemes."""
         self._reset = True
 
+    def attach(self) -> None:
+        """Install the hooks the gathers decide with (once ``enable`` installed the gather):
+        a post-accumulate-grad hook per sharded parameter (a gradient reduction finished), and
+        for quantized schemes a forward hook per module of the group recording which weights
+        each grad-enabled forward used, so that a backward reaching it with other weights is
+        refused (under ``weight_scheme="none"`` the weights are exact: FSDP's semantics)."""
+        if self._attached:
+            return
+        self._attached = True
+        if self._scheme != "none":
+            # not traced by torch.compile, like FSDP's own hooks (wrapped here, not at import:
+            # importing torch._dynamo imports triton, which must see TRITON_INTERPRET first)
+            hook = torch.compiler.disable(self._after_forward)
+            for m in fsdp.group_modules(self._pg):
+                self._hooks.append(m.register_forward_hook(hook))
+        self._watch_grads()
+
     def release(self) -> None:
-        """Drop the qWD reference (on ``disable``)."""
+        """Drop the qWD reference, kept weights and hooks (on ``disable``)."""
         self._qwd = None
+        self._kept = None
         self._pending_ref = None
+        self._attached = False
+        for h in self._hooks + self._grad_hooks:
+            h.remove()
+        self._hooks.clear()
+        self._grad_hooks.clear()
+        self._grad_hooked = ()
+
+    def _watch_grads(self) -> None:
+        """(Re-)hook the sharded parameters' gradient writes, if they are new objects."""
+        if not self._attached or (self._scheme == "none" and not self._keep):
+            return
+        ids = tuple(id(fp.sharded_param) for fp in self._pg.fsdp_params)
+        if ids == self._grad_hooked:
+            return
+        for h in self._grad_hooks:
+            h.remove()
+        # (not on CPU-offloaded parameters: any such hook makes FSDP copy their gradients to
+        # the CPU synchronously; there only optimizer step hooks tell of an update)
+        note = _NoteReduction(self)
+        self._grad_hooks = [
+            fp.sharded_param.register_post_accumulate_grad_hook(note)
+            for fp in self._pg.fsdp_params
+            if fp.sharded_param.requires_grad and not fsdp.offloads_to_cpu(fp)
+        ]
+        self._grad_hooked = ids
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _param_names(self) -> list[str]:
@@ -169,7 +247,7 @@ class QuantizedAllGather(AllGather):
             return None
         mp_dtype = fsdp.param_dtype(self._pg)
         dtypes = {mp_dtype or fp.sharded_param.dtype for fp in fps}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOAT_DTYPES:
+        if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES:
             return None  # mixed dtypes: FSDP gathers raw bytes, we gather plainly
         return next(iter(dtypes)), segs
 
@@ -215,9 +293,11 @@ class QuantizedAllGather(AllGather):
         """Restore the counter; adopt a saved qWD reference (re-assembled at the next gather), or
         make the next gather send full precision when the checkpoint has none."""
         self._counter = int(state["weight_calls"])
-        self._last_sig = None
+        self._last_sig = None  # the next gather exchanges
         self._forward_gathers = 0
         self._pending_ref = None
+        if self._kept is not None:
+            self._kept.invalidate()
         layout = self._reference_layout()
         ref = state.get("reference")
         if layout is None or not state.get("reference_valid") or not ref:
@@ -259,23 +339,76 @@ class QuantizedAllGather(AllGather):
                 self._outside = True
 
     def optimizer_step_post(self, param_ids: set[int]) -> None:
-        """After an optimizer step: its version bumps are the optimizer's, not outside writes."""
-        if self._expected is None:
-            return
+        """After an optimizer step: the weights changed (the next gather exchanges), and its
+        version bumps are the optimizer's, not outside writes."""
         for i, fp in enumerate(self._pg.fsdp_params):
             if id(fp.sharded_param) in param_ids:
-                self._expected[i] = _param_signature(fp)
+                self._stepped = True
+                if self._expected is not None:
+                    self._expected[i] = _param_signature(fp)
+
+    def _change(self, sig: tuple, backward: bool) -> str:
+        """Why the weights may differ from those the previous gather delivered, or "" if
+        nothing changed (see the module docstring: every input is the same on every rank)."""
+        if self._last_sig is None:
+            return "first gather"
+        if self._reset:
+            return "handle.reset() was called"
+        if self._pending_ref is not None:
+            return "a checkpoint was loaded"
+        if self._stepped:
+            return "an optimizer step updated the parameters"
+        if sig != self._last_sig:
+            return "the parameters were written outside an optimizer step"
+        if self._reduced and not backward:
+            return "a gradient reduction finished"
+        return ""
+
+    def _note_gather(self, sig: tuple, backward: bool) -> None:
+        """This gather explains the current state: later changes are measured from here. (A
+        reduction seen inside a backward pass still counts for the next forward.)"""
+        self._last_sig = sig
+        self._expected = list(sig)
+        self._outside = self._stepped = self._reset = False
+        if not backward:
+            self._reduced = False
+
+    # ---- backward exactness ----------------------------------------------------------------
+    def _refuse_in_backward(self, change: str) -> None:
+        raise RuntimeError(
+            f"fsdp_qcomm: the backward of FSDP module {self.name!r} needs the weights its forward "
+            f"computed with, but they changed since that forward ({change}). Under "
+            f"weight_scheme={self._scheme!r} the backward would compute with other weights than "
+            "the forward did. Step the optimizer, write parameters, call handle.reset() or load "
+            "checkpoints after the backward, not between a forward and its backward."
+        )
+
+    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._attached or not torch.is_grad_enabled() or self._gen == 0:
+            return
+        check = functools.partial(self._check_backward, self._gen)
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(check)
+
+    def _check_backward(self, gen: int, grad: torch.Tensor) -> None:
+        """Runs when a gradient reaches the output of a forward made with weights ``gen``."""
+        if self._attached and gen != self._gen:
+            raise RuntimeError(
+                f"fsdp_qcomm: the backward of FSDP module {self.name!r} reached a forward that "
+                "computed with older weights than the module holds now: several forwards ran "
+                "before one backward and the weights changed between them (an optimizer step, "
+                "a write to the parameters, handle.reset() or a checkpoint load). Under "
+                f"weight_scheme={self._scheme!r} that backward would compute with the newer "
+                "weights. Run the backward of each forward before changing the weights."
+            )
 
     # ---- layout ------------------------------------------------------------------------------
     def _segments(self) -> tuple[Optional[tuple[int, ...]], str]:
-        """Per-parameter shard sizes of the flat buffer, or None and why not."""
+        """Per-parameter shard sizes of the flat buffer, or None and why not. (Parameters
+        resharded to a smaller group after forward are refused by ``enable``.)"""
         segs = []
         for fp in self._pg.fsdp_params:
-            if not fsdp.is_sharded(fp):
-                return None, (
-                    "parameters are resharded to a smaller group after forward "
-                    "(reshard_after_forward=<int>)"
-                )
             if fsdp.has_pre_all_gather_extension(fp):
                 return None, "a parameter defines fsdp_pre_all_gather (tensor-subclass extension)"
             segs.append(fsdp.padded_shard_numel(fp))
@@ -284,10 +417,10 @@ class QuantizedAllGather(AllGather):
     def _fallback_reason(
         self, input_tensor: torch.Tensor, world: int
     ) -> tuple[Optional[tuple[int, ...]], str]:
-        """The segments to quantize with, or None and why the gather must stay plain."""
-        if self._scheme == "none" or world == 1:
+        """The segments to quantize (or keep) with, or None and why the gather stays plain."""
+        if (self._scheme == "none" and not self._keep) or world == 1:
             return None, ""
-        if input_tensor.dtype not in _FLOAT_DTYPES:
+        if input_tensor.dtype not in FLOAT_DTYPES:
             return None, (
                 f"all-gather input dtype is {input_tensor.dtype} (parameters of mixed dtypes, or "
                 "not floating point)"
@@ -310,11 +443,13 @@ class QuantizedAllGather(AllGather):
         dtype: torch.dtype,
         device: torch.device,
     ) -> torch.Tensor:
+        numel = math.prod(int(s) for s in size)
         q = self._qwd
-        if q is not None and self._scheme == "qwd":
-            numel = math.prod(int(s) for s in size)
-            if q.valid and q.matches(numel // q.world, dtype, device) and numel % q.world == 0:
-                return q.ref.view(*size)
+        if q is not None and q.valid and _fits(q, numel, dtype, device):
+            return q.ref.view(*size)
+        k = self._kept  # overwritten by every gather that sends, so valid or not
+        if k is not None and _fits(k, numel, dtype, device):
+            return k.ref.view(*size)
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
@@ -326,50 +461,90 @@ class QuantizedAllGather(AllGather):
     ) -> Optional[dist.Work]:
         world = group.size()
         segs, why = self._fallback_reason(input_tensor, world)
-        aliased = self._qwd is not None and output_tensor.data_ptr() == self._qwd.ref.data_ptr()
         record = self._checked_record(output_tensor, segs, group)
         if segs is None:
-            if why:
-                self._stats.note(
-                    f"{self.name}: weight all-gather fell back to FSDP's plain gather "
-                    f"(weight_scheme={self._scheme!r} not applied): {why}"
-                )
-            done = record
-            if aliased:  # the reference was overwritten by exact weights: adopt them
-                q = self._qwd
+            return self._plain_fallback(output_tensor, input_tensor, group, why, async_op, record)
 
-                def done(o: GatherOutcome, q=q) -> None:
-                    q.own_ref.copy_(q.own_slot())
-                    record(o)
-
-            return plain_all_gather(
-                output_tensor, input_tensor, group, async_op=async_op, on_done=done
-            )
-
-        rank = group.rank()
+        self._watch_grads()
         sig = self._signature()
-        unchanged_backward = (
-            fsdp.in_backward(self._pg) and sig == self._last_sig
-        )
-        if self._scheme == "direct":
-            # The backward re-gather of unchanged weights reuses the forward's key, so the
-            # backward computes with exactly the weights the forward used.
-            if not unchanged_backward or self._counter == 0:
-                self._counter += 1
-            self._last_sig = sig
-            key = RngKey(self._config.seed, self._counter, rank, self.bucket)
-            levels = None
-            if self.levels is not None:
-                # each segment is its own wire row, so it is its own histogram row
-                rows = [input_tensor[a:a + n] for a, n in zip(_offsets(segs), segs) if n]
-                levels = self.levels.table(rows, group, self._counter, self._stats)
-            return direct_all_gather(
-                output_tensor, input_tensor, self._spec, key, group,
-                segments=segs, async_op=async_op, on_done=record, levels=levels,
+        backward = fsdp.in_backward(self._pg) or fsdp.autograd_running()
+        change = self._change(sig, backward)
+        if change and backward and self._last_sig is not None and self._scheme != "none":
+            self._refuse_in_backward(change)  # on every rank alike, before anything is sent
+        if self._scheme == "qwd":
+            return self._qwd_gather(
+                output_tensor, input_tensor, group, segs, sig, backward, change, async_op, record
             )
-        return self._qwd_gather(
-            output_tensor, input_tensor, group, segs, sig, unchanged_backward, async_op, record
+        self._note_gather(sig, backward)
+        if change:
+            self._counter += 1  # new weights: a new key (direct) and a new generation
+            self._gen += 1
+        kept = self._kept_for(input_tensor, segs, group) if self._keep else None
+        if kept is not None and kept.valid and not change:
+            kept.reuse(f"{'plain' if self._scheme == 'none' else 'direct'}_reuse", on_done=record)
+            return None
+        on_done = record
+        if kept is not None:
+            kept.invalidate()  # until this gather lands
+
+            def on_done(o: GatherOutcome) -> None:
+                kept.keep(output_tensor)
+                record(o)
+
+        if self._scheme == "none":
+            return plain_all_gather(
+                output_tensor, input_tensor, group, async_op=async_op, on_done=on_done
+            )
+        key = RngKey(self._config.seed, self._counter, group.rank(), self.bucket)
+        levels = None
+        if self.levels is not None:
+            # each segment is its own wire row, so it is its own histogram row
+            rows = [input_tensor[a:a + n] for a, n in zip(_offsets(segs), segs) if n]
+            levels = self.levels.table(rows, group, self._counter, self._stats)
+        return direct_all_gather(
+            output_tensor, input_tensor, self._spec, key, group,
+            segments=segs, async_op=async_op, on_done=on_done, levels=levels,
         )
+
+    def _plain_fallback(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        why: str,
+        async_op: bool,
+        record: Any,
+    ) -> Optional[dist.Work]:
+        """FSDP's plain gather (world size 1, mixed dtypes, unknown layout, or nothing to do)."""
+        if why:
+            what = (f"weight_scheme={self._scheme!r}" if self._scheme != "none"
+                    else "weight_reuse_unchanged")
+            self._stats.note(
+                f"{self.name}: weight all-gather fell back to FSDP's plain gather ({what} not "
+                f"applied): {why}"
+            )
+        if self._kept is not None:
+            self._kept.invalidate()
+        done = record
+        q = self._qwd
+        if q is not None and output.data_ptr() == q.ref.data_ptr():
+            # the reference is overwritten by exact weights: adopt them
+            def done(o: GatherOutcome) -> None:
+                q.own_ref.copy_(q.own_slot())
+                record(o)
+
+        return plain_all_gather(output, input, group, async_op=async_op, on_done=done)
+
+    def _kept_for(
+        self, input: torch.Tensor, segs: tuple[int, ...], group: dist.ProcessGroup
+    ) -> KeptWeights:
+        k = self._kept
+        if (k is None or k.group is not group or k.segments != segs
+                or not k.matches(input.numel(), input.dtype, input.device)):
+            k = self._kept = KeptWeights(
+                input.numel(), input.dtype, input.device, group, segments=segs
+            )
+        return k
 
     # ---- qWD -------------------------------------------------------------------------------
     def _qwd_gather(
@@ -378,8 +553,9 @@ class QuantizedAllGather(AllGather):
         input: torch.Tensor,
         group: dist.ProcessGroup,
         segs: tuple[int, ...],
-        sig: tuple[_Sig, ...],
-        unchanged_backward: bool,
+        sig: tuple,
+        backward: bool,
+        change: str,
         async_op: bool,
         record: Any,
     ) -> Optional[dist.Work]:
@@ -401,21 +577,19 @@ class QuantizedAllGather(AllGather):
         )
         if self._pending_ref is not None:
             input = self._restore_reference(q, input, aliased)
-            outside = unchanged_backward = False  # the loaded reference belongs to these weights
+            outside = False  # the loaded reference belongs to these weights
         full = self._reset or not q.valid or outside
         if outside and q.valid and not self._reset:
             self._stats.note(
                 f"{self.name}: parameters changed outside a torch.optim optimizer step (load, "
                 "in-place write, new tensors); qWD re-sent them at full precision"
             )
-        self._last_sig = sig
-        self._expected = list(sig)
-        self._outside = False
-        self._reset = False
-        if unchanged_backward and not full:
-            q.reuse(on_done=on_done)
+        self._note_gather(sig, backward)
+        if not change and not full:
+            q.reuse("qwd_reuse", on_done=on_done)
             return None
         self._counter += 1
+        self._gen += 1
         key = RngKey(self._config.seed, self._counter, group.rank(), self.bucket)
         return q(input, key, full=full, async_op=async_op, on_done=on_done)
 
@@ -458,14 +632,16 @@ class QuantizedAllGather(AllGather):
 
         def done(o: GatherOutcome) -> None:
             self._record(o)
+            # the decisions so far must agree too: same RNG key counter, same generation
+            decisions = (self._counter, self._gen)
             if self.replica_group is None:
-                check_consistent(output, world, segs, names, group, where)
+                check_consistent(output, world, segs, names, group, where, decisions=decisions)
                 return
             # HSDP: the replicas must compute with the same weights too. Both comparisons run
             # before anything raises (each is collective; no peer may be left waiting).
-            errors = [consistency_error(output, world, segs, names, group, where),
+            errors = [consistency_error(output, world, segs, names, group, where, decisions),
                       consistency_error(output, world, segs, names, self.replica_group,
-                                        f"{where}, across HSDP replicas")]
+                                        f"{where}, across HSDP replicas", decisions)]
             msg = next((e for e in errors if e is not None), None)
             if msg is not None:
                 raise RuntimeError(msg)
@@ -484,6 +660,24 @@ class QuantizedAllGather(AllGather):
             KIND, sent_bytes=o.sent_bytes, recv_bytes=o.recv_bytes, elements=o.elements,
             baseline_bytes=o.baseline_bytes, cross_node_bytes=o.sent_bytes * self._remote(),
         )
+
+
+class _NoteReduction:
+    """A post-accumulate-grad hook that only notes that a reduction of the module's gradients
+    finished; it never reads the gradient, so reductions stay deferrable (``grad_overlap``)."""
+
+    reads_grad = False
+
+    def __init__(self, gather: QuantizedAllGather) -> None:
+        self._gather = gather
+
+    def __call__(self, param: torch.Tensor) -> None:
+        self._gather._reduced = True
+
+
+def _fits(k: KeptWeights, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """``numel`` values of ``dtype`` on ``device`` are exactly ``k``'s unsharded buffer."""
+    return numel % k.world == 0 and k.matches(numel // k.world, dtype, device)
 
 
 def _offsets(segs: Sequence[int]) -> list[int]:

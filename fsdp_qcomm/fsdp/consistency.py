@@ -4,15 +4,18 @@ Quantized gathers are correct only while every rank decodes the same bytes into 
 reference; a flipped bit, a rank that skipped an update or a bug would make ranks train
 different models without any error. With ``QCommConfig.consistency_check_every = K`` every K-th
 forward gather of each FSDP module checksums the gathered (unsharded) buffer, per parameter,
-and all ranks of the module's group compare their checksums; under HSDP the replicas of the
-group compare them too (they must compute with the same weights).
+and all ranks of the module's group compare their checksums, together with the gather
+decisions so far (the module's RNG key counter and weight generation: ranks that decided
+differently whether to send would otherwise only show up as a hang or as drifting weights);
+under HSDP the replicas of the group compare them too (they must compute with the same
+weights).
 
 Checksum: the raw bits of each value (fp32 as int32, bf16/fp16 as int16), split into 16-bit
 halves, summed plainly and weighted by position (``index % 251 + 1``) in int64. Integer sums are
 exact and independent of the reduction order, so equal buffers give equal checksums on any
 device, NaN payloads included, and a single changed bit or two swapped values change them. Each
 term is below 2^24, so no overflow before 2^39 values per parameter. Cost per check: a few
-elementwise passes over the module's unsharded buffer and one all-gather of ``4 * params``
+elementwise passes over the module's unsharded buffer and one all-gather of ``4 * params + 2``
 int64 values.
 """
 
@@ -23,8 +26,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-             torch.float64: torch.int64}
+from ..codec import BITS_DTYPE
+
+_INT_VIEW = {**BITS_DTYPE, torch.float64: torch.int64}
 
 
 def _bits(x: torch.Tensor) -> list[torch.Tensor]:
@@ -62,15 +66,31 @@ def consistency_error(
     names: Sequence[str],
     group: dist.ProcessGroup,
     where: str,
+    decisions: Sequence[int] = (),
 ) -> Optional[str]:
-    """Compare ``weight_checksums`` across ``group``; the message naming the first parameter
-    whose bits differ, or None. Every rank sees the same gathered checksums, so either all ranks
-    get a message or none does. Collective: callers that run several comparisons must run all of
-    them before raising, or a peer is left waiting in the next one."""
-    mine = weight_checksums(flat, world, segments)
+    """Compare ``weight_checksums`` and the integers ``decisions`` (what the gathers decided so
+    far, e.g. the RNG key counter) across ``group``; the message naming what differs first, or
+    None. Every rank sees the same gathered values, so either all ranks get a message or none
+    does. Collective: callers that run several comparisons must run all of them before raising,
+    or a peer is left waiting in the next one."""
+    sums = weight_checksums(flat, world, segments)
+    extra = torch.tensor([int(d) for d in decisions], dtype=torch.int64, device=sums.device)
+    mine = torch.cat([extra, sums.reshape(-1)])
     every = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(every, mine, group=group)
     every = [e.cpu() for e in every]
+    nd = len(decisions)
+    bad = [r for r in range(len(every)) if not torch.equal(every[r][:nd], every[0][:nd])]
+    if bad:
+        return (
+            f"fsdp_qcomm consistency check failed at {where}: the ranks took different gather "
+            f"decisions (RNG key counter, weight generation): group rank 0 has "
+            f"{every[0][:nd].tolist()}, group rank(s) {bad} have "
+            f"{[every[r][:nd].tolist() for r in bad]}. Every rank must decide from the same "
+            "facts; a parameter written on some ranks only (or a bug in fsdp_qcomm) breaks "
+            "that. Resume from the last checkpoint and report it."
+        )
+    every = [e[nd:].view(sums.shape) for e in every]
     for k, name in enumerate(names):
         bad = [r for r in range(len(every)) if not torch.equal(every[r][k], every[0][k])]
         if bad:
@@ -91,9 +111,10 @@ def check_consistent(
     names: Sequence[str],
     group: dist.ProcessGroup,
     where: str,
+    decisions: Sequence[int] = (),
 ) -> None:
     """``consistency_error``, raised as a RuntimeError on every rank."""
-    msg = consistency_error(flat, world, segments, names, group, where)
+    msg = consistency_error(flat, world, segments, names, group, where, decisions)
     if msg is not None:
         raise RuntimeError(msg)
 

@@ -7,8 +7,8 @@ index in that walk, the same on every rank). Everything is validated before anyt
 installed, so a refused call leaves the model untouched.
 
 Reduction ops. FSDP passes its reduce-scatter AVG by default, and PREMUL_SUM(1/f) once a
-gradient divide factor ``f`` other than the world size is set; a PREMUL_SUM's factor cannot be
-read back from the op, and gloo rejects PREMUL_SUM outright. With
+gradient divide factor ``f`` other than the world size is set; gloo rejects PREMUL_SUM
+outright (the quantized reduce-scatter reads its factor back, ``op.factor``, and applies it). With
 ``set_force_sum_reduction_for_comms(True)`` FSDP passes SUM and divides the reduced shard by
 ``f`` (default: the data-parallel size) itself, which is the same average. So ``enable`` forces
 SUM on every module that gets the quantized reduce-scatter, and on gloo modules that already
@@ -118,8 +118,8 @@ class QCommHandle:
         self._installs = installs
         self._stats = stats
         self._enabled = True
-        gathers = [i.all_gather for i in installs if i.all_gather] if (
-            config.weight_scheme == "qwd") else []
+        # every weight scheme: an optimizer step is what makes the next weight gather exchange
+        gathers = [i.all_gather for i in installs if i.all_gather]
         replicas = [i.replica for i in installs if i.replica is not None]
         self._tracker: Optional[_OptimizerTracker] = _OptimizerTracker(
             gathers, replicas, stats, [i.group for i in installs]
@@ -151,7 +151,8 @@ class QCommHandle:
 
     def gather_modes(self) -> dict[str, int]:
         """How many weight gathers ran in each mode (plain, direct, qwd_full, qwd_diff,
-        qwd_reuse, local), summed over modules."""
+        qwd_restore, local, and the ones that sent nothing: qwd_reuse, direct_reuse,
+        plain_reuse), summed over modules."""
         total: dict[str, int] = {}
         for i in self._installs:
             if i.all_gather is not None:
@@ -160,8 +161,9 @@ class QCommHandle:
         return dict(sorted(total.items()))
 
     def reference_bytes(self) -> int:
-        """Memory this rank holds for qWD references (one unsharded copy of each qWD module's
-        parameters in the all-gather dtype, plus one shard)."""
+        """Memory this rank holds for qWD references and kept weights
+        (``weight_reuse_unchanged``): one unsharded copy of each such module's parameters in
+        the all-gather dtype, plus one shard."""
         return sum(i.all_gather.reference_bytes for i in self._installs if i.all_gather is not None)
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,9 +250,10 @@ class QCommHandle:
 
 
 class _OptimizerTracker:
-    """Global ``torch.optim`` step hooks telling qWD gathers which version bumps an optimizer
-    made, checking before each step that HSDP's replica all-reduce hooks are still installed,
-    and counting the steps over the model's parameters for the per-step stats.
+    """Global ``torch.optim`` step hooks telling weight gathers that an optimizer step updated
+    their parameters (the next gather exchanges) and which version bumps it made (qWD: not an
+    outside write), checking before each step that HSDP's replica all-reduce hooks are still
+    installed, and counting the steps over the model's parameters for the per-step stats.
     Holds the gathers weakly: they live as long as the model (FSDP references them), so
     dropping the handle keeps tracking and does not keep a dead model alive."""
 
@@ -419,6 +422,7 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
             )
     for i in installs:
         i.module.set_custom_all_gather(i.all_gather)
+        i.all_gather.attach()
         if i.reduce_scatter is not None:
             i.module.set_custom_reduce_scatter(i.reduce_scatter)
         if i.replica is not None:

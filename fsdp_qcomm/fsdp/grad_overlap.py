@@ -11,11 +11,13 @@ the synchronous path: only when they are computed changes.
 
 A reduction is deferred only when FSDP will not read its output before backward ends
 (``deferrable``): no gradient to accumulate into, no cast to another dtype, no post-division,
-no HSDP all-reduce, no CPU offload, no post-accumulate-grad hooks. Otherwise the hook reduces
-synchronously on FSDP's own group, as without the option (the queued reductions use other
-process groups, so the two never interleave on one). Under HSDP the reduce-scatter inside the
-node stays synchronous (FSDP reads its output at once) and the all-reduce across replicas,
-the slow hop, is the one deferred (``replica_deferrable``, ``fsdp.hsdp``).
+no HSDP all-reduce, no CPU offload, no post-accumulate-grad hooks that read the gradient
+(fsdp_qcomm's own, which only note that a reduction happened, say ``reads_grad = False``).
+Otherwise the hook reduces synchronously on FSDP's own group, as without the option (the
+queued reductions use other process groups, so the two never interleave on one). Under HSDP
+the reduce-scatter inside the node stays synchronous (FSDP reads its output at once) and the
+all-reduce across replicas, the slow hop, is the one deferred (``replica_deferrable``,
+``fsdp.hsdp``).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def _output_read_late(param_group: Any, dtype: torch.dtype) -> bool:
         p = fp.sharded_param
         if p.grad is not None or fsdp.offloads_to_cpu(fp):
             return False  # accumulates into (or copies) the output right away
-        if getattr(p, "_post_accumulate_grad_hooks", None):
+        if any(getattr(h, "reads_grad", True) for h in fsdp.post_accumulate_grad_hooks(p)):
             return False  # user code reads the gradient inside backward
     return True
 

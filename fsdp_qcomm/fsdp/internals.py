@@ -22,7 +22,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
     FSDPMeshInfo,
     TrainingState,
 )
-from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 ParamGroup = Any  # torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup
 FSDPParam = Any  # torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam
@@ -162,6 +161,12 @@ def in_backward(group: ParamGroup) -> bool:
     return group._training_state == TrainingState.PRE_BACKWARD
 
 
+def autograd_running() -> bool:
+    """Autograd is executing a backward pass on this thread (FSDP's ``is_bw``): forwards that
+    run now are activation-checkpoint recomputations, not new forwards."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def reshards_after_forward(group: ParamGroup) -> bool:
     """The forward frees the unsharded parameters, so backward gathers them again."""
     return group.post_forward_mesh_info is not None
@@ -178,10 +183,6 @@ def padded_shard_numel(fp: FSDPParam) -> int:
     return math.prod(fp.padded_sharded_param_size)
 
 
-def is_sharded(fp: FSDPParam) -> bool:
-    return fp.sharded_state == ShardedState.SHARDED
-
-
 def has_pre_all_gather_extension(fp: FSDPParam) -> bool:
     """The parameter is a tensor subclass with its own all-gather (``fsdp_pre_all_gather``)."""
     return hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
@@ -189,11 +190,20 @@ def has_pre_all_gather_extension(fp: FSDPParam) -> bool:
 
 def param_signature(fp: FSDPParam) -> tuple:
     """(param object, its version, the local shard's version, the flat data's version and
-    address): changes whenever the sharded parameter is written or replaced."""
+    address): changes when the sharded parameter is replaced or written by a per-tensor
+    in-place op (``p.mul_``, ``p.copy_``, ``load_state_dict``). Checked on torch 2.13: foreach
+    and fused kernels (``Adam(foreach=True)``, ``AdamW(fused=True)``) and writes through
+    ``p.data`` leave every one of these versions unchanged, so optimizer steps must be learned
+    from ``torch.optim`` step hooks, not from this signature."""
     p = fp.sharded_param
     local = fp._sharded_local_tensor
     data = fp._sharded_param_data
     return (id(p), p._version, local._version, data._version, data.data_ptr())
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
+    """Hooks FSDP calls on a sharded parameter right after writing its reduced gradient."""
+    return list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
 
 
 def owning_module(fp: FSDPParam) -> nn.Module:
@@ -219,6 +229,7 @@ def offloads_to_cpu(fp: FSDPParam) -> bool:
 __all__ = [
     "all_reduce_grads",
     "all_reduce_hook",
+    "autograd_running",
     "force_sum",
     "fsdp_params",
     "gradient_divide_factor",
@@ -227,7 +238,6 @@ __all__ = [
     "in_backward",
     "installed_comms",
     "is_hsdp",
-    "is_sharded",
     "local_param_name",
     "mesh_info_id",
     "offloads_to_cpu",
@@ -239,6 +249,7 @@ __all__ = [
     "param_groups",
     "param_signature",
     "partial_reduce_output",
+    "post_accumulate_grad_hooks",
     "post_divide_factor",
     "reduce_scatter_group",
     "replicate_group",

@@ -3,7 +3,8 @@
 Each logging step, :class:`QCommMetricsProcessor` adds ``qcomm/*`` metrics (console, TensorBoard,
 W&B) for this rank, computed from the cumulative counters of the ``fsdp_qcomm`` handles
 (``handle.stats()``), differenced between logging steps and divided by the optimizer steps in
-between (counted with a ``torch.optim`` step hook, so a resumed run divides correctly):
+between (counted from the training-mode forwards of the first model part, ``StepCounter``, so
+a resumed run divides correctly):
 
 * ``qcomm/weight_bytes_per_step``, ``qcomm/grad_bytes_per_step``: bytes this rank handed to the
   process group (the library's ``sent_bytes``: weights = ``weight_allgather``; gradients =
