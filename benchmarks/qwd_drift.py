@@ -17,7 +17,15 @@ exits non-zero on drift: the last window's mean or maximum gap (absolute or rela
 stationary quantity move by a few percent (the relative gap also moves with max|w|), while a
 drifting reference grows without bound.
 
-    OMP_NUM_THREADS=1 python benchmarks/qwd_drift.py --steps 2000 --out benchmarks/results/qwd_drift
+    OMP_NUM_THREADS=1 python benchmarks/qwd_drift.py --steps 2000 --out results/qwd_drift
+
+``--variant LABEL:FIELD=VALUE,...`` (repeatable) runs one training per variant, each the preset
+with those ``QCommConfig`` overrides, and writes ``<out>/<label>.{csv,md}`` plus a combined
+``<out>/table.md``; ``--variants lowbit`` runs the sub-4-bit set (2 and 3 bits; uniform,
+Hadamard-rotated and learned levels) next to the 4-bit default:
+
+    OMP_NUM_THREADS=1 python benchmarks/qwd_drift.py --steps 2000 --variants lowbit \
+        --out results/qwd_drift
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> No
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
     fully_shard(model)
-    handle = fsdp_qcomm.enable(model, QCommConfig.preset(args.preset))
+    handle = fsdp_qcomm.enable(model, QCommConfig.preset(args.preset, **args.overrides))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     used: dict[str, torch.Tensor] = {}
     for name, mod in model.named_modules():
@@ -105,11 +113,45 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> No
         q.put((rows, wall, modes))
 
 
+#: the sub-4-bit set: label -> QCommConfig overrides of the qwd preset
+LOWBIT = {
+    "w4": {},
+    "w3": dict(weight_bits=3),
+    "w3_hadamard": dict(weight_bits=3, weight_hadamard=True),
+    "w3_learned": dict(weight_bits=3, weight_levels="learned"),
+    "w2": dict(weight_bits=2),
+    "w2_hadamard": dict(weight_bits=2, weight_hadamard=True),
+    "w2_learned": dict(weight_bits=2, weight_levels="learned"),
+}
+
+
+def _parse_variant(text: str) -> tuple[str, dict]:
+    """``LABEL:FIELD=VALUE,...`` -> (label, overrides); ints, floats, true/false parsed."""
+    label, _, body = text.partition(":")
+    out: dict = {}
+    for item in filter(None, body.split(",")):
+        k, _, v = item.partition("=")
+        low = v.lower()
+        if low in ("true", "false"):
+            out[k] = low == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    out[k] = cast(v)
+                    break
+                except ValueError:
+                    continue
+            else:
+                out[k] = v
+    return label, out
+
+
 def _summary(rows: list, wall: float, modes: dict, args: argparse.Namespace) -> tuple[str, bool]:
     win = 500
+    extra = ", ".join(f"{k}={v}" for k, v in sorted(args.overrides.items()))
     lines = [
-        f"# qWD drift: {args.steps} steps, preset {args.preset!r}, 2 gloo ranks, AdamW "
-        f"lr {args.lr}",
+        f"# qWD drift: {args.steps} steps, preset {args.preset!r}{' ' + extra if extra else ''}, "
+        f"2 gloo ranks, AdamW lr {args.lr}",
         "",
         f"wall time {wall:.1f} s ({1000 * wall / len(rows):.1f} ms/step); gather modes {modes}",
         "",
@@ -144,6 +186,7 @@ def _summary(rows: list, wall: float, modes: dict, args: argparse.Namespace) -> 
         f"{maxima[500]:.3e}, max gap_rel {means[last][2]:.3e} vs {means[500][2]:.3e} "
         "(allowed: +10%)",
     ]
+    args.window_means = means
     return "\n".join(lines), ok
 
 
@@ -152,10 +195,46 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--preset", default="qwd")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--out", default="benchmarks/results/qwd_drift")
+    ap.add_argument("--out", default="results/qwd_drift")
+    ap.add_argument("--variant", action="append", default=[],
+                    metavar="LABEL:FIELD=VALUE,...", help="a run with QCommConfig overrides")
+    ap.add_argument("--variants", choices=["lowbit"], help="a named set of variants")
     args = ap.parse_args()
     if args.steps < 1000:
         ap.error("--steps must be at least 1000 (the verdict compares windows of 500 steps)")
+    variants = [_parse_variant(v) for v in args.variant]
+    if args.variants == "lowbit":
+        variants += list(LOWBIT.items())
+    if not variants:
+        args.overrides = {}
+        return 0 if _run(args, args.out)[1] else 1
+    os.makedirs(args.out, exist_ok=True)
+    rows = ["| variant | overrides | mean gap_abs 500-999 | mean gap_abs last 500 | max gap_rel "
+            "last 500 | verdict |", "|---|---|---|---|---|---|"]
+    all_ok = True
+    for label, overrides in variants:
+        args.overrides = overrides
+        _, ok = _run(args, os.path.join(args.out, label))
+        last = max(args.window_means)
+        m = args.window_means
+        all_ok &= ok
+        rows.append(f"| {label} | {overrides or '-'} | {m[500][0]:.3e} | {m[last][0]:.3e} | "
+                    f"{m[last][2]:.3e} | {'no drift' if ok else 'DRIFT'} |")
+    cmd = ["OMP_NUM_THREADS=1 python benchmarks/qwd_drift.py", f"--steps {args.steps}"]
+    cmd += [f"--variant {v}" for v in args.variant]
+    cmd += [f"--variants {args.variants}"] if args.variants else []
+    cmd += [f"--out {args.out}"]
+    text = (f"# qWD drift per variant: {args.steps} steps, preset {args.preset!r}, 2 gloo "
+            f"ranks, AdamW lr {args.lr}\n\nCommand: `{' '.join(cmd)}`\n\n" + "\n".join(rows)
+            + "\n")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if all_ok else 1
+
+
+def _run(args: argparse.Namespace, out: str) -> tuple[str, bool]:
+    """One training run of ``args.preset`` with ``args.overrides``; writes ``out.{csv,md}``."""
     os.environ["OMP_NUM_THREADS"] = "1"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -170,16 +249,16 @@ def main() -> int:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".csv", "w", newline="") as f:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "loss", "gap_abs", "gap_rel", "update_abs", "gap_per_update"])
         w.writerows(rows)
     text, ok = _summary(rows, wall, modes, args)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(text + "\n")
     print(text)
-    return 0 if ok else 1
+    return text, ok
 
 
 if __name__ == "__main__":

@@ -98,6 +98,9 @@ class QCommConfig:
     Weights (the all-gather): ``weight_scheme`` "none" (plain gather through our hook),
     "direct" (quantize the weights themselves: QSDP, ZeRO++ qwZ, the qW ablation) or "qwd"
     (SDP4Bit: quantize the difference against a reference every rank holds).
+    ``weight_hadamard`` rotates what is sent (weights or differences) by the 32-point Hadamard
+    transform first, as TLq-HS does for gradients; ``weight_levels="learned"`` encodes it on a
+    fitted level table instead (QSDP; for qWD the table is fitted to the differences).
 
     Gradients (the reduce-scatter): ``grad_scheme`` "none", "one_level" (quantize once, one
     all-to-all, ``grad_inter_bits``) or "two_level" (``grad_intra_bits`` inside a node, then
@@ -135,6 +138,7 @@ class QCommConfig:
     weight_group_size: int = 2048
     weight_symmetric: bool = True
     weight_rounding: Rounding = "stochastic"
+    weight_hadamard: bool = False
     weight_reuse_unchanged: bool = False
 
     grad_scheme: GradScheme = "none"
@@ -186,8 +190,8 @@ class QCommConfig:
         owner = "QCommConfig"
         _check_choice(owner, "weight_scheme", self.weight_scheme, ("none", "direct", "qwd"))
         _check_choice(owner, "grad_scheme", self.grad_scheme, ("none", "one_level", "two_level"))
-        for name in ("weight_symmetric", "weight_reuse_unchanged", "grad_symmetric",
-                     "grad_hadamard", "grad_overlap"):
+        for name in ("weight_symmetric", "weight_reuse_unchanged", "weight_hadamard",
+                     "grad_symmetric", "grad_hadamard", "grad_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int(owner, "grad_pipeline_chunks", self.grad_pipeline_chunks, 1, 64)
@@ -229,10 +233,20 @@ class QCommConfig:
         _check_choice(owner, "weight_levels", self.weight_levels, ("uniform", "learned"))
         _check_choice(owner, "grad_levels", self.grad_levels, ("uniform", "learned"))
         _check_int(owner, "levels_refresh_every", self.levels_refresh_every, 1)
-        if self.weight_levels == "learned" and self.weight_scheme != "direct":
+        if self.weight_levels == "learned" and self.weight_scheme == "none":
             raise ValueError(
-                f"QCommConfig.weight_levels='learned' needs weight_scheme='direct' (got "
-                f"{self.weight_scheme!r}): learned levels quantize the weights themselves"
+                "QCommConfig.weight_levels='learned' needs a quantized weight scheme; set "
+                "weight_scheme='direct' (the weights) or 'qwd' (their differences)"
+            )
+        if self.weight_hadamard and self.weight_scheme == "none":
+            raise ValueError(
+                "QCommConfig.weight_hadamard=True needs a quantized weight scheme; set "
+                "weight_scheme='direct' or 'qwd'"
+            )
+        if self.weight_hadamard and self.weight_levels == "learned":
+            raise ValueError(
+                "QCommConfig.weight_hadamard=True and weight_levels='learned' do not combine "
+                "(learned levels are fitted to the values as sent); pick one"
             )
         if self.grad_levels == "learned" and (
             self.grad_scheme != "one_level" or self.grad_hadamard

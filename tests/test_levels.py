@@ -164,8 +164,11 @@ def test_qsdp_strings():
     for bad, msg in (("W9G4", "W9"), ("W4G1", "G1"), ("W4", "not a QSDP setting")):
         with pytest.raises(ValueError, match=msg):
             QCommConfig.from_qsdp_string(bad)
-    with pytest.raises(ValueError, match="weight_scheme='direct'"):
-        QCommConfig(weight_scheme="qwd", weight_levels="learned")
+    assert QCommConfig(weight_scheme="qwd", weight_levels="learned").weight_levels == "learned"
+    with pytest.raises(ValueError, match="weight_scheme='direct' .* or 'qwd'"):
+        QCommConfig(weight_levels="learned")
+    with pytest.raises(ValueError, match="do not combine"):
+        QCommConfig(weight_scheme="qwd", weight_levels="learned", weight_hadamard=True)
     with pytest.raises(ValueError, match="one_level"):
         QCommConfig(grad_scheme="two_level", grad_levels="learned")
 

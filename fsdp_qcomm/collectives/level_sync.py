@@ -1,7 +1,11 @@
 """Learned level tables kept bit-identical on every rank of a process group.
 
 One ``LevelSync`` serves one collective of one module (its weights or its gradients). Every
-``refresh_every`` steps (and on first use) each rank builds an int64 histogram of the
+``refresh_every`` steps and on first use (with ``early_refreshes``, also at the powers of two
+below ``refresh_every``: qWD's first differences are the bare optimizer update, later ones also
+carry the previous step's rounding error; a table fitted to the first ones and kept 100 steps
+rounds the later ones so coarsely that the reference drifts, measured with
+``benchmarks/qwd_drift.py`` at 2 bits) each rank builds an int64 histogram of the
 normalized values it is about to send (``codec.levels.histogram``, fp64, weighted by squared
 group scales), the histograms are summed with one ``all_reduce``, group rank 0 fits the table
 (``codec.levels.fit_levels``, fp64 numpy) and broadcasts its 2^b fp32 levels. Broadcasting
@@ -30,19 +34,27 @@ KIND = "levels_sync"
 class LevelSync:
     """The current level table of one collective, refreshed every ``refresh_every`` steps."""
 
-    def __init__(self, spec: QuantSpec, refresh_every: int, bins: int = DEFAULT_BINS) -> None:
+    def __init__(self, spec: QuantSpec, refresh_every: int, bins: int = DEFAULT_BINS,
+                 early_refreshes: bool = False) -> None:
         bad_type = isinstance(refresh_every, bool) or not isinstance(refresh_every, int)
         if bad_type or refresh_every < 1:
             raise ValueError(f"refresh_every must be an int >= 1, got {refresh_every!r}")
         self.spec = spec
         self.refresh_every = refresh_every
+        self.early_refreshes = early_refreshes
         self.bins = bins
         self.levels: Optional[torch.Tensor] = None
         self.refreshes = 0
         self._step: Optional[int] = None
 
     def due(self, step: int) -> bool:
-        return self.levels is None or (step != self._step and step % self.refresh_every == 0)
+        if self.levels is None:
+            return True
+        if step == self._step:
+            return False
+        early = (self.early_refreshes and 0 < step < self.refresh_every
+                 and step & (step - 1) == 0)
+        return early or step % self.refresh_every == 0
 
     def table(
         self,

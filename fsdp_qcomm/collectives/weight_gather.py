@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..codec import FLOAT_DTYPES, RngKey, dequantize, quantize, wire_bytes
+from ..codec import FLOAT_DTYPES, RngKey, dequantize, hadamard_len, quantize, wire_bytes
 from ..codec.levels import dequantize_levels, levels_wire_bytes, quantize_levels
 from ..config import QuantSpec
 
@@ -141,10 +141,27 @@ def check_segments(segments: Optional[Sequence[int]], numel: int) -> tuple[int, 
     return segs
 
 
-def shard_wire_bytes(segments: Sequence[int], spec: QuantSpec, learned: bool = False) -> int:
-    """Bytes one rank sends for a shard made of ``segments`` (each segment is its own row)."""
-    row = levels_wire_bytes if learned else wire_bytes
-    return sum(row(s, spec) for s in segments)
+def _row_bytes(n: int, spec: QuantSpec, learned: bool, hadamard: bool) -> int:
+    if learned:
+        return levels_wire_bytes(n, spec)
+    return wire_bytes(hadamard_len(n) if hadamard else n, spec)
+
+
+def shard_wire_bytes(
+    segments: Sequence[int], spec: QuantSpec, learned: bool = False, hadamard: bool = False
+) -> int:
+    """Bytes one rank sends for a shard made of ``segments`` (each segment is its own row;
+    ``hadamard``: rotated rows, each padded to whole 32-blocks)."""
+    return sum(_row_bytes(s, spec, learned, hadamard) for s in segments)
+
+
+def segment_offsets(segments: Sequence[int]) -> list[int]:
+    """Where each segment starts in the flat shard."""
+    out, a = [], 0
+    for n in segments:
+        out.append(a)
+        a += n
+    return out
 
 
 def _segment_key(key: Optional[RngKey], k: int) -> Optional[RngKey]:
@@ -159,23 +176,27 @@ def encode_shard(
     *,
     ref: Optional[torch.Tensor] = None,
     levels: Optional[torch.Tensor] = None,
+    hadamard: bool = False,
 ) -> torch.Tensor:
     """Encode a flat shard (or ``x - ref``) segment by segment into one uint8 wire buffer
-    (on the level table ``levels`` when given)."""
+    (on the level table ``levels`` when given; rotated by the 32-point Hadamard transform with
+    ``hadamard``, which spreads an outlier's magnitude over its block)."""
     learned = levels is not None
-    if learned and ref is not None:
-        raise ValueError("learned levels encode the weights themselves; ref= is not supported")
+    if learned and hadamard:
+        raise ValueError("learned levels and the Hadamard rotation do not combine; pick one")
     out = torch.empty(
-        shard_wire_bytes(segments, spec, learned), dtype=torch.uint8, device=x.device
+        shard_wire_bytes(segments, spec, learned, hadamard), dtype=torch.uint8, device=x.device
     )
     off = woff = 0
     for k, n in enumerate(segments):
-        w = levels_wire_bytes(n, spec) if learned else wire_bytes(n, spec)
+        w = _row_bytes(n, spec, learned, hadamard)
+        r = None if ref is None else ref[off:off + n]
         if n and learned:
-            out[woff:woff + w] = quantize_levels(x[off:off + n], spec, levels, _segment_key(key, k))
+            v = x[off:off + n] if r is None else x[off:off + n].float() - r.float()
+            out[woff:woff + w] = quantize_levels(v, spec, levels, _segment_key(key, k))
         elif n:
-            r = None if ref is None else ref[off:off + n]
-            out[woff:woff + w] = quantize(x[off:off + n], spec, _segment_key(key, k), ref=r)
+            out[woff:woff + w] = quantize(x[off:off + n], spec, _segment_key(key, k), ref=r,
+                                          hadamard=hadamard)
         off += n
         woff += w
     return out
@@ -189,19 +210,21 @@ def decode_shards(
     *,
     accumulate: bool = False,
     learned: bool = False,
+    hadamard: bool = False,
 ) -> None:
     """Decode ``data[world, W]`` (one wire buffer per rank) into ``out[world, n]`` (or add);
-    ``learned``: the rows are learned-levels rows."""
+    ``learned``: the rows are learned-levels rows; ``hadamard``: rotated rows."""
     off = woff = 0
     for n in segments:
-        w = levels_wire_bytes(n, spec) if learned else wire_bytes(n, spec)
+        w = _row_bytes(n, spec, learned, hadamard)
         if n and learned:
             dequantize_levels(
                 data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate
             )
         elif n:
             dequantize(
-                data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate
+                data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate,
+                hadamard=hadamard,
             )
         off += n
         woff += w
@@ -262,6 +285,7 @@ def direct_all_gather(
     async_op: bool = False,
     on_done: OnDone = None,
     levels: Optional[torch.Tensor] = None,
+    hadamard: bool = False,
 ) -> Optional[dist.Work]:
     """Quantize this rank's shard, gather codes and scales, decode every rank's slot.
 
@@ -281,13 +305,13 @@ def direct_all_gather(
         if on_done is not None:
             on_done(GatherOutcome("local", 0, 0, n, base))
         return None
-    wire = encode_shard(input, segs, spec, key, levels=levels)
+    wire = encode_shard(input, segs, spec, key, levels=levels, hadamard=hadamard)
     gathered = torch.empty(world * wire.numel(), dtype=torch.uint8, device=input.device)
 
     def finish() -> None:
         decode_shards(
             gathered.view(world, -1), segs, spec, output.view(world, n),
-            learned=levels is not None,
+            learned=levels is not None, hadamard=hadamard,
         )
         if on_done is not None:
             on_done(GatherOutcome("direct", wire.numel(), gathered.numel(), n, base))
@@ -393,9 +417,17 @@ class QwdAllGather(KeptWeights):
         group: Optional[dist.ProcessGroup] = None,
         *,
         segments: Optional[Sequence[int]] = None,
+        hadamard: bool = False,
     ) -> None:
         super().__init__(numel, dtype, device, group, segments=segments)
         self.spec = spec
+        self.hadamard = hadamard
+
+    def differences(self, input: torch.Tensor) -> list[torch.Tensor]:
+        """The fp32 differences the next gather would encode, one block per segment (what a
+        learned level table for them is fitted on)."""
+        return [input[a:a + n].float() - self.own_ref[a:a + n].float()
+                for a, n in zip(segment_offsets(self.segments), self.segments) if n]
 
     def __call__(
         self,
@@ -405,8 +437,10 @@ class QwdAllGather(KeptWeights):
         full: bool = False,
         async_op: bool = False,
         on_done: OnDone = None,
+        levels: Optional[torch.Tensor] = None,
     ) -> Optional[dist.Work]:
-        """Bring ``ref`` up to every rank's new shard ``input`` (``numel`` values)."""
+        """Bring ``ref`` up to every rank's new shard ``input`` (``numel`` values); the
+        differences are encoded on ``levels`` when given (a table identical on all ranks)."""
         if input.dim() != 1 or input.numel() != self.numel:
             raise ValueError(f"input must be a flat shard of {self.numel} values")
         if input.dtype != self.ref.dtype:
@@ -437,7 +471,8 @@ class QwdAllGather(KeptWeights):
 
             return _launch(self.ref, own, self.group, async_op, finish_full)
 
-        wire = encode_shard(input, self.segments, self.spec, key, ref=self.own_ref)
+        wire = encode_shard(input, self.segments, self.spec, key, ref=self.own_ref,
+                            levels=levels, hadamard=self.hadamard)
         own.copy_(self.own_ref)  # the input may have been written into this slot
         gathered = torch.empty(self.world * wire.numel(), dtype=torch.uint8, device=wire.device)
 
@@ -445,6 +480,7 @@ class QwdAllGather(KeptWeights):
             decode_shards(
                 gathered.view(self.world, -1), self.segments, self.spec,
                 self.ref.view(self.world, self.numel), accumulate=True,
+                learned=levels is not None, hadamard=self.hadamard,
             )
             self.own_ref.copy_(own)
             if on_done is not None:
@@ -462,5 +498,6 @@ __all__ = [
     "direct_all_gather",
     "encode_shard",
     "plain_all_gather",
+    "segment_offsets",
     "shard_wire_bytes",
 ]

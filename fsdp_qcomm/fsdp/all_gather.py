@@ -85,6 +85,7 @@ from ..collectives.weight_gather import (
     QwdAllGather,
     direct_all_gather,
     plain_all_gather,
+    segment_offsets,
 )
 from ..config import QCommConfig
 from ..stats import CommStats
@@ -142,7 +143,8 @@ class QuantizedAllGather(AllGather):
         self._reset = False
         self.levels: Optional[LevelSync] = None
         if config.weight_levels == "learned":
-            self.levels = LevelSync(self._spec, config.levels_refresh_every)
+            self.levels = LevelSync(self._spec, config.levels_refresh_every,
+                                    early_refreshes=config.weight_scheme == "qwd")
         self._check_every = config.consistency_check_every
         self._forward_gathers = 0
         self._pending_ref: Optional[torch.Tensor] = None
@@ -499,11 +501,12 @@ class QuantizedAllGather(AllGather):
         levels = None
         if self.levels is not None:
             # each segment is its own wire row, so it is its own histogram row
-            rows = [input_tensor[a:a + n] for a, n in zip(_offsets(segs), segs) if n]
+            rows = [input_tensor[a:a + n] for a, n in zip(segment_offsets(segs), segs) if n]
             levels = self.levels.table(rows, group, self._counter, self._stats)
         return direct_all_gather(
             output_tensor, input_tensor, self._spec, key, group,
             segments=segs, async_op=async_op, on_done=on_done, levels=levels,
+            hadamard=self._config.weight_hadamard,
         )
 
     def _plain_fallback(
@@ -563,7 +566,8 @@ class QuantizedAllGather(AllGather):
         stale = q is None or q.group is not group or q.segments != segs
         if stale or not q.matches(input.numel(), input.dtype, input.device):
             q = self._qwd = QwdAllGather(
-                input.numel(), input.dtype, input.device, self._spec, group, segments=segs
+                input.numel(), input.dtype, input.device, self._spec, group, segments=segs,
+                hadamard=self._config.weight_hadamard,
             )
         aliased = output.data_ptr() == q.ref.data_ptr()
         on_done = record
@@ -591,7 +595,11 @@ class QuantizedAllGather(AllGather):
         self._counter += 1
         self._gen += 1
         key = RngKey(self._config.seed, self._counter, group.rank(), self.bucket)
-        return q(input, key, full=full, async_op=async_op, on_done=on_done)
+        levels = None
+        if self.levels is not None and not full and q.valid:
+            # fitted on the differences about to be sent, one histogram row per segment
+            levels = self.levels.table(q.differences(input), group, self._counter, self._stats)
+        return q(input, key, full=full, async_op=async_op, on_done=on_done, levels=levels)
 
     def _restore_reference(
         self, q: QwdAllGather, input: torch.Tensor, aliased: bool
@@ -678,14 +686,6 @@ class _NoteReduction:
 def _fits(k: KeptWeights, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
     """``numel`` values of ``dtype`` on ``device`` are exactly ``k``'s unsharded buffer."""
     return numel % k.world == 0 and k.matches(numel // k.world, dtype, device)
-
-
-def _offsets(segs: Sequence[int]) -> list[int]:
-    out, a = [], 0
-    for n in segs:
-        out.append(a)
-        a += n
-    return out
 
 
 __all__ = ["KIND", "QuantizedAllGather"]
