@@ -171,7 +171,7 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
 
     import fsdp_qcomm
 
-    row = SCHEMES[label]
+    row = getattr(a, "row_defs", SCHEMES)[label]  # rows added by other scripts travel in a
     t0 = time.perf_counter()
     model = build_fsdp_gpt(shape, seed, hsdp_mesh(a.ranks_per_node) if row.hsdp else None)
     handle = None
@@ -220,13 +220,26 @@ def _train_all(rank: int, world: int, a: argparse.Namespace, store: RunStore,
         rec = _train_one(rank, world, a, data, shape, label, seed)
         rec["params"], rec["vocab"] = shape.params(), data.vocab
         if rank == 0:
-            store.save(label, seed, _row(label), rec)
+            store.save(label, seed, _row(label, getattr(a, "row_defs", None)), rec)
             print(f"{label} seed {seed}: final val loss {rec['final_val']:.5f} in "
                   f"{rec['seconds']:.0f} s", flush=True)
 
 
-def _row(label: str) -> dict[str, Any]:
-    return asdict(SCHEMES[label])
+def scheme_of(row: dict[str, Any]) -> Scheme:
+    """The Scheme of a stored row definition (``_row``)."""
+    return Scheme(**{k: v for k, v in row.items() if k != "config"})
+
+
+def _row(label: str, defs: Optional[dict[str, Scheme]] = None) -> dict[str, Any]:
+    """A row's definition as stored with its runs: the Scheme and, for fsdp_qcomm rows, the
+    resolved QCommConfig, so a changed preset cannot pass for the stored one."""
+    s = (defs or SCHEMES)[label]
+    row = asdict(s)
+    if s.preset is not None:
+        from fsdp_qcomm import QCommConfig
+
+        row["config"] = QCommConfig.preset(s.preset, **s.overrides).to_dict()
+    return row
 
 
 def _summary(stored: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -255,7 +268,7 @@ def _table(summary: dict[str, Any]) -> str:
              "(mean ± sd) | 95% interval of the gap | wall s (shared CPU) |",
              "|---|---|---|---|---|---|---|"]
     for label, r in summary.items():
-        row = Scheme(**r["row"])
+        row = scheme_of(r["row"])
         fv = Spread(**{k: v for k, v in r["final_val_spread"].items() if k != "beyond_noise"})
         g = r["gap_pct_vs_baseline"]
         gap = None if g is None else Spread(**{k: v for k, v in g.items() if k != "beyond_noise"})

@@ -179,6 +179,10 @@ class QCommConfig:
             weight_symmetric=False, grad_scheme="one_level", grad_inter_bits=8,
             grad_group_size=1024, grad_symmetric=False,
         ),
+        # Below the papers (benchmarks/frontier.py): 3-bit weight differences and 2-bit
+        # Hadamard-smoothed inter-node gradients with error feedback, 8 bits inside the node.
+        "lowbit": dict(weight_scheme="qwd", weight_bits=3, grad_scheme="two_level",
+                       grad_hadamard=True, grad_inter_bits=2, grad_error_feedback="inter"),
         # ZeRO++: int8 weights (qwZ) and 4-bit gradients at both levels (qgZ), no Hadamard.
         "zeropp": dict(
             weight_scheme="direct", weight_bits=8, weight_rounding="nearest",

@@ -1,0 +1,231 @@
+"""The loss-vs-bits frontier: how few node-crossing bits keep the baseline's loss?
+
+Trains the accuracy benchmark's model on its data (``benchmarks/accuracy.py``: char GPT, 1000
+steps, 4 gloo ranks as 2 nodes x 2) under the papers' schemes and under sub-4-bit settings
+(2/3-bit weight differences, uniform / Hadamard / learned levels; 2/3-bit inter-node gradients
+with and without error feedback), and reports, per row:
+
+* the final validation loss, its spread over seeds and the gap to the baseline paired by seed,
+  with its 95% interval (``_seeds``);
+* the bits per element on the node-crossing exchanges that send, from the handle's counters:
+  weight gathers (``weight_allgather.sending_bits_per_element``: 0-byte re-gathers excluded;
+  on 2 nodes x 2 every gather crosses nodes) and the inter-node gradient hop (``grad_inter``,
+  or ``grad_replica`` for HSDP rows), and their mean, the goal's measure (sdp4bit: 4.016 and
+  4.25, so 4.13); FSDP's own collectives count 32 (fp32 on CPU).
+
+Rows and runs live in a ``RunStore`` like the accuracy benchmark's (one JSON per row and seed,
+resumable, splittable with ``--rows`` / ``--seed``); ``--reuse DIR`` copies the stored runs of
+rows with the same definition and setup from another store (the accuracy table's baseline,
+sdp4bit, qsdp and zeropp runs) instead of training them again. Writes ``OUT/{table.md,
+results.json, frontier.png}``.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/frontier.py --steps 1000 --eval-every 100 \\
+        --seeds 1 --out results/frontier --reuse results/accuracy_1000_seeds
+    # then the points that decide the goal with more seeds:
+    ... --rows "baseline,SDP4Bit,lowbit" --seeds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import accuracy  # noqa: E402
+from _seeds import RunStore, SetupMismatch, fmt_spread, fmt_verdict, seed_list  # noqa: E402
+
+Scheme = accuracy.Scheme
+_EF = {"grad_error_feedback": "inter"}
+
+#: row label -> Scheme. The papers' rows are the accuracy table's (same labels, same runs).
+ROWS: dict[str, Scheme] = {
+    "baseline": accuracy.SCHEMES["baseline"],
+    "SDP4Bit": accuracy.SCHEMES["SDP4Bit"],
+    "QSDP (8/8)": accuracy.SCHEMES["QSDP (8/8)"],
+    "ZeRO++": accuracy.SCHEMES["ZeRO++"],
+    "W3 G3": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=3)),
+    "W3 G3 +EF": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=3, **_EF)),
+    "W3 G2": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=2)),
+    "W3 G2 +EF": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=2, **_EF)),
+    "W2 G3 +EF": Scheme("sdp4bit", dict(weight_bits=2, grad_inter_bits=3, **_EF)),
+    "W2 G2 +EF": Scheme("sdp4bit", dict(weight_bits=2, grad_inter_bits=2, **_EF)),
+    "W2-HS G2 +EF": Scheme("sdp4bit", dict(weight_bits=2, weight_hadamard=True,
+                                          grad_inter_bits=2, **_EF)),
+    "W2-learned G2 +EF": Scheme("sdp4bit", dict(weight_bits=2, weight_levels="learned",
+                                               grad_inter_bits=2, **_EF)),
+    "lowbit": Scheme("lowbit"),
+}
+DEFAULT_ROWS = ",".join(k for k in ROWS if k != "lowbit")  # lowbit: one of them, named
+FP32_BITS = 32.0
+
+
+def _args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=DEFAULT_ROWS,
+                    help="comma-separated subset of: " + ", ".join(ROWS))
+    ap.add_argument("--reuse", default=None,
+                    help="another store (e.g. the accuracy table's --out) whose runs of rows "
+                         "with the same definition and setup are copied instead of retrained")
+    # everything else is the accuracy benchmark's (model, data, steps, seeds, ...)
+    rows_arg, rest = ap.parse_known_args(argv)
+    accuracy.SCHEMES.update({k: v for k, v in ROWS.items() if k not in accuracy.SCHEMES})
+    a = accuracy._args(rest + ["--schemes", rows_arg.rows])
+    a.rows, a.reuse = a.schemes, rows_arg.reuse
+    a.row_defs = {k: accuracy.SCHEMES[k] for k in a.rows}  # the ranks import accuracy afresh
+    if "--out" not in rest and not any(x.startswith("--out=") for x in rest):
+        a.out = str(HERE.parent / "results" / "frontier")
+    return a
+
+
+def _copy_reused(a: argparse.Namespace, store: RunStore) -> int:
+    """Copy runs of the requested rows and seeds from ``--reuse`` (checked like any stored
+    run: same setup, same row definition); returns how many were copied."""
+    if not a.reuse:
+        return 0
+    other = RunStore(Path(a.reuse), store.setup)
+    copied = 0
+    for label in a.rows:
+        for seed in seed_list(a.seed, a.seeds):
+            row = accuracy._row(label)
+            if store.load(label, seed, row) is not None:
+                continue
+            try:
+                rec = other.load(label, seed, row)
+            except SetupMismatch as e:
+                print(f"frontier: not reusing {label} seed {seed}: {e}", file=sys.stderr)
+                continue
+            if rec is not None:
+                store.dir.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(other.path(label, seed), store.path(label, seed))
+                copied += 1
+    return copied
+
+
+def _bits(record: dict[str, Any]) -> Optional[tuple[float, float]]:
+    """(weight bits, inter-node gradient bits) per element on the exchanges that send, from one
+    run's stats; FSDP's own (unhooked) collectives count fp32."""
+    st = record.get("stats")
+    if st is None:
+        return FP32_BITS, FP32_BITS
+    w = st.get("weight_allgather", {})
+    wb = w.get("sending_bits_per_element", w.get("bits_per_element", FP32_BITS))
+    g = st.get("grad_replica") or st.get("grad_inter")
+    gb = FP32_BITS if g is None else g.get("sending_bits_per_element", g["bits_per_element"])
+    return wb, gb
+
+
+def _frontier(summary: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for label, r in summary.items():
+        bits = [_bits(rec) for rec in stored[label]["runs"].values()]
+        wb = sum(b[0] for b in bits) / len(bits)
+        gb = sum(b[1] for b in bits) / len(bits)
+        out[label] = dict(r, weight_bits=wb, grad_inter_bits=gb, mean_bits=(wb + gb) / 2)
+    return out
+
+
+def _table(front: dict[str, Any]) -> str:
+    from _seeds import Spread
+
+    lines = ["| row | settings | seeds | final val loss (mean ± sd) | vs baseline, paired | "
+             "95% interval | weight bits | inter-node grad bits | mean bits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, r in sorted(front.items(), key=lambda kv: -kv[1]["mean_bits"]):
+        fv = Spread(**{k: v for k, v in r["final_val_spread"].items() if k != "beyond_noise"})
+        g = r["gap_pct_vs_baseline"]
+        gap = None if g is None else Spread(**{k: v for k, v in g.items() if k != "beyond_noise"})
+        lines.append(
+            f"| {label} | {accuracy.scheme_of(r['row']).describe()} | {len(r['seeds'])} | "
+            f"{fmt_spread(fv)} | {'-' if gap is None else fmt_spread(gap, 2, '%')} | "
+            f"{'-' if gap is None else fmt_verdict(gap)} | {r['weight_bits']:.3f} | "
+            f"{r['grad_inter_bits']:.3f} | {r['mean_bits']:.3f} |")
+    return "\n".join(lines)
+
+
+def _plot(front: dict[str, Any], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (the 'bench' extra): no plot", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, r in front.items():
+        g = r["gap_pct_vs_baseline"]
+        if g is None:
+            continue
+        paper = label in ("SDP4Bit", "QSDP (8/8)", "ZeRO++")
+        ax.errorbar(r["mean_bits"], g["mean"], yerr=g["sd"] if len(r["seeds"]) > 1 else None,
+                    fmt="s" if paper else "o", capsize=3, color="tab:blue" if paper else
+                    ("tab:red" if label == "lowbit" else "tab:gray"))
+        ax.annotate(f"{label} ({len(r['seeds'])})", (r["mean_bits"], g["mean"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axhline(0.5, color="tab:red", lw=0.8, ls="--", label="goal: +0.5%")
+    ax.axvline(3.0, color="tab:green", lw=0.8, ls="--", label="goal: 3.0 bits")
+    ax.set(xlabel="bits per element on node-crossing exchanges that send (mean of weights and "
+                  "inter-node gradients)", ylabel="final val loss vs baseline, % (paired)",
+           title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from fsdp_qcomm.testing import run_ranks
+
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = RunStore(out_dir, accuracy._setup(a))
+    try:
+        copied = _copy_reused(a, store)
+        todo = [] if a.report_only else accuracy._pending(a, store)
+        store.all()
+    except SetupMismatch as e:
+        print(f"frontier: {e}", file=sys.stderr)
+        return 2
+    print(f"frontier: {len(a.rows)} rows x {a.seeds} seed(s) x {a.steps} steps: {copied} run(s) "
+          f"reused, {len(todo)} to train", flush=True)
+    t0 = time.perf_counter()
+    if todo:
+        run_ranks(accuracy._train_all, a.world, a, store, todo, timeout=24 * 3600)
+    stored = store.all()
+    if not stored:
+        print(f"no runs stored in {store.dir}", file=sys.stderr)
+        return 1
+    front = _frontier(accuracy._summary(stored), stored)
+    md = (f"# Loss vs node-crossing bits\n\nThe accuracy benchmark's setup ({a.steps} steps, "
+          f"{a.world} ranks as {a.world // a.ranks_per_node} nodes x {a.ranks_per_node}, model "
+          f"dim {a.dim}, {a.layers} layers). Bits: per element on the node-crossing exchanges "
+          "that send (weight gathers; inter-node gradient hop), from the handles' counters; "
+          "mean bits = their mean (sdp4bit: 4.13). Goal: mean bits <= 3.0 with the loss within "
+          "+0.5% of the baseline.\n\n" + _table(front) + "\n\n"
+          f"This invocation trained {len(todo)} run(s) in "
+          f"{(time.perf_counter() - t0) / 60:.1f} min.\n")
+    (out_dir / "table.md").write_text(md)
+    (out_dir / "results.json").write_text(json.dumps(
+        {"setup": store.setup, "rows": front, "args": vars(a)}, indent=1, default=str))
+    plotted = _plot(front, out_dir / "frontier.png",
+                    f"char GPT, {a.steps} steps, 2 nodes x 2 ranks")
+    print("\n" + md)
+    print(f"written: {out_dir}/table.md, results.json" + (", frontier.png" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
