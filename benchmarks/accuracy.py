@@ -82,6 +82,8 @@ SCHEMES: dict[str, Scheme] = {
     "SDP4Bit": Scheme("sdp4bit"),
     "QSDP (8/8)": Scheme("qsdp"),
     "ZeRO++": Scheme("zeropp"),
+    # Multi-node HSDP: shard inside a node, replicate across nodes (4-bit replica all-reduce)
+    "SDP4Bit HSDP 2x2": Scheme("sdp4bit", hsdp=True),
 }
 BASELINE = "baseline"
 
