@@ -164,6 +164,12 @@ class QCommConfig:
     grad_levels: Levels = "uniform"
     levels_refresh_every: int = 100
 
+    # A bit budget (``docs/lowbit.md``): the mean bits per element wanted on the node-crossing
+    # exchanges that send (weight gathers and the inter-node gradient hop). When set it chooses
+    # weight_bits, grad_inter_bits, grad_error_feedback and grad_group_size (``BUDGET_LADDER``,
+    # then finer gradient scales with what is left); the other fields stay as given.
+    bit_budget: Optional[float] = None
+
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "baseline": {},
         # SDP4Bit: qWD 4-bit g2048 + TLq-HS (8-bit intra, 4-bit inter, g128, Hadamard).
@@ -190,8 +196,16 @@ class QCommConfig:
         ),
     }
 
+    #: (weight_bits, grad_inter_bits, grad_error_feedback), best first at each size: the order
+    #: the frontier measured (benchmarks/frontier.py, results/frontier).
+    BUDGET_LADDER: ClassVar[tuple[tuple[int, int, str], ...]] = (
+        (4, 4, "none"), (4, 3, "inter"), (3, 3, "inter"), (3, 2, "inter"), (2, 2, "inter"),
+    )
+
     def __post_init__(self) -> None:
         owner = "QCommConfig"
+        if self.bit_budget is not None:
+            self._apply_budget()
         _check_choice(owner, "weight_scheme", self.weight_scheme, ("none", "direct", "qwd"))
         _check_choice(owner, "grad_scheme", self.grad_scheme, ("none", "one_level", "two_level"))
         for name in ("weight_symmetric", "weight_reuse_unchanged", "weight_hadamard",
@@ -260,6 +274,54 @@ class QCommConfig:
                 f"grad_hadamard=False (got grad_scheme={self.grad_scheme!r}, "
                 f"grad_hadamard={self.grad_hadamard}); learned levels are QSDP's one-hop scheme"
             )
+
+    def _apply_budget(self) -> None:
+        b = self.bit_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 2.0 <= b <= 32.0:
+            raise ValueError(
+                f"QCommConfig.bit_budget={b!r} must be a number of bits per element in [2, 32] "
+                "(the mean over weight gathers and inter-node gradients; sdp4bit is 4.13)"
+            )
+        if self.weight_scheme != "qwd" or self.grad_scheme == "none":
+            raise ValueError(
+                "QCommConfig.bit_budget chooses the widths of qWD weights and quantized "
+                f"gradients (got weight_scheme={self.weight_scheme!r}, grad_scheme="
+                f"{self.grad_scheme!r}); start from QCommConfig.preset('lowbit', bit_budget=...)"
+            )
+        for wb, gb, ef in self.BUDGET_LADDER:
+            plan = dict(weight_bits=wb, grad_inter_bits=gb, grad_error_feedback=ef)
+            if dataclasses.replace(self, bit_budget=None, **plan).node_crossing_bits()[2] <= b:
+                break
+        else:
+            raise ValueError(
+                f"QCommConfig.bit_budget={b} is below the cheapest setting "
+                f"({self.BUDGET_LADDER[-1]}); raise it or enlarge weight_group_size / "
+                "grad_group_size"
+            )
+        # what is left buys finer gradient scales (groups of 64, then 32)
+        g = self.grad_group_size
+        while g // 2 >= 32 and g % 16 == 0:
+            trial = dataclasses.replace(self, bit_budget=None, grad_group_size=g // 2, **plan)
+            if trial.node_crossing_bits()[2] > b:
+                break
+            g //= 2
+        for k, v in dict(plan, grad_group_size=g).items():
+            object.__setattr__(self, k, v)
+
+    def node_crossing_bits(self) -> tuple[float, float, float]:
+        """(weight, inter-node gradient, mean) bits per element on the exchanges that send,
+        for large tensors (wire format: codes plus one scale, and a minimum for min-max, per
+        group; Hadamard padding ignored). Unquantized sides count 32 (fp32)."""
+
+        def bits(on: bool, spec: QuantSpec) -> float:
+            if not on:
+                return 32.0
+            scale = 8 * torch.empty((), dtype=spec.torch_scale_dtype).element_size()
+            return spec.bits + scale * (1 if spec.symmetric else 2) / spec.group_size
+
+        w = bits(self.weight_scheme != "none", self.weight_spec())
+        g = bits(self.grad_scheme != "none", self.grad_inter_spec())
+        return w, g, (w + g) / 2
 
     # ---- quantizers --------------------------------------------------------------------
     def weight_spec(self) -> QuantSpec:

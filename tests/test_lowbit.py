@@ -100,3 +100,50 @@ def test_low_bit_wire_bytes(runs, name):
     # backward re-gathers reuse the reference)
     assert fulls == len(v["segments"]) and diffs == len(v["segments"]) * (STEPS - 1)
     assert v["sent"] == sum(per_full) + (STEPS - 1) * sum(per_diff)
+
+
+# ---- the bit budget ---------------------------------------------------------------------------
+def test_bit_budget_chooses_widths_under_the_budget():
+    for budget in (2.2, 2.5, 2.8, 3.0, 3.7, 4.2):
+        cfg = QCommConfig.preset("lowbit", bit_budget=budget)
+        w, g, mean = cfg.node_crossing_bits()
+        assert mean <= budget, (budget, cfg)
+        # nothing better on the ladder fits: the widths are the first that do
+        better = [x for x in QCommConfig.BUDGET_LADDER
+                  if x > (cfg.weight_bits, cfg.grad_inter_bits, cfg.grad_error_feedback)]
+        for wb, gb, ef in better:
+            trial = cfg.replace(bit_budget=None, weight_bits=wb, grad_inter_bits=gb,
+                                grad_error_feedback=ef, grad_group_size=128)
+            assert trial.node_crossing_bits()[2] > budget
+    assert QCommConfig.preset("lowbit", bit_budget=3.0).grad_group_size == 64  # leftover bits
+    assert QCommConfig.preset("sdp4bit").node_crossing_bits()[2] == pytest.approx(4.1328125)
+    with pytest.raises(ValueError, match="bit_budget=1.5 must be a number"):
+        QCommConfig.preset("lowbit", bit_budget=1.5)
+    with pytest.raises(ValueError, match="start from QCommConfig.preset\\('lowbit'"):
+        QCommConfig(bit_budget=3.0)
+
+
+def _budget_run(rank: int, world: int, budget: float) -> dict:
+    cfg = QCommConfig.preset("lowbit", bit_budget=budget, ranks_per_node=2)
+    torch.manual_seed(0)
+    model = TinyLM(vocab=97, d=128, hidden=512)
+    shard(model, True)
+    handle = fsdp_qcomm.enable(model, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for s in range(4):
+        if s == 1:
+            handle.reset_stats()  # steady state: after the full-precision first gathers
+        lm_loss(model, batch(s, rank, vocab=97)).backward()
+        opt.step()
+        opt.zero_grad()
+    st = handle.stats()
+    w = st["weight_allgather"]["sending_bits_per_element"]
+    g = st["grad_inter"]["sending_bits_per_element"]
+    return dict(w=w, g=g, mean=(w + g) / 2, estimate=cfg.node_crossing_bits())
+
+
+@pytest.mark.parametrize("budget", [3.0, 2.5])
+def test_bit_budget_is_met_on_the_wire(budget):
+    for r in run_ranks(_budget_run, 4, budget, timeout=300):
+        assert r["mean"] <= 1.02 * budget, r  # measured, partial groups and padding included
+        assert r["mean"] >= r["estimate"][2] * 0.98, r
