@@ -240,7 +240,11 @@ def _row(label: str, defs: Optional[dict[str, Scheme]] = None) -> dict[str, Any]
     if s.preset is not None:
         from fsdp_qcomm import QCommConfig
 
-        row["config"] = QCommConfig.preset(s.preset, **s.overrides).to_dict()
+        # the fields that differ from the defaults: a field added later (with a default that
+        # keeps the old behaviour) does not make stored runs look different
+        default = QCommConfig().to_dict()
+        row["config"] = {k: v for k, v in QCommConfig.preset(s.preset, **s.overrides)
+                         .to_dict().items() if v != default.get(k)}
     return row
 
 
