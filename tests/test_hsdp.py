@@ -116,11 +116,12 @@ def _same_across_replicas(tensors: dict, mesh) -> bool:
     return all(every[int(r)] == mine for r in grid[:, s])
 
 
-def _native_step_grads(shape, step_fn, mp=None):
+def _native(shape, mp=None):
+    """``Net`` under FSDP2's own HSDP, with the forced-sum reduction ``enable`` sets (the same
+    op path, so the comparison isolates the quantization)."""
     model, _, _ = _build(shape, mp=mp)
     for m in _fsdp_modules(model):
-        m.set_force_sum_reduction_for_comms(True)  # as enable() does: same op path
-    step_fn(model)
+        m.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -271,9 +272,7 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
     sdp4 = QCommConfig.preset("sdp4bit", ranks_per_node=2, **SDP4)
 
     # training: sdp4bit against native HSDP, replicas identical at every step
-    nat, _, _ = _build(shape)
-    for m in _fsdp_modules(nat):
-        m.set_force_sum_reduction_for_comms(True)
+    nat = _native(shape)
     native = _train_steps(nat, None, 8, rank)
     model, handle, mesh = _build(shape, sdp4)
     ours = _train_steps(model, handle, 8, rank)
@@ -311,9 +310,7 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
     # gradient accumulation: 3 micro-batches, both ways of skipping communication
     accum = {}
     for mode in ("sync", "all_reduce"):
-        nat, _, _ = _build(shape)
-        for m in _fsdp_modules(nat):
-            m.set_force_sum_reduction_for_comms(True)
+        nat = _native(shape)
         want = _train_steps(nat, None, 2, rank, accumulate=3, mode=mode)
         mdl, h, mesh = _build(shape, q8)
         got = _train_steps(mdl, h, 2, rank, accumulate=3, mode=mode)
@@ -336,9 +333,7 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
     dtypes = {}
     for dt in (torch.bfloat16, torch.float16):
         mp = MixedPrecisionPolicy(reduce_dtype=dt)
-        nat, _, _ = _build(shape, mp=mp)
-        for m in _fsdp_modules(nat):
-            m.set_force_sum_reduction_for_comms(True)
+        nat = _native(shape, mp=mp)
         want = _train_steps(nat, None, 1, rank)["grads"][0]
         mdl, h, mesh = _build(shape, sdp4, mp=mp)
         got = _train_steps(mdl, h, 2, rank)
@@ -349,9 +344,7 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
     res["dtypes"] = dtypes
 
     # clip_grad_norm_ sees the same total norm on every rank, close to native's
-    nat, _, _ = _build(shape)
-    for m in _fsdp_modules(nat):
-        m.set_force_sum_reduction_for_comms(True)
+    nat = _native(shape)
     want = _train_steps(nat, None, 2, rank, clip=0.5)["norms"]
     mdl, h, _ = _build(shape, q8)
     got = _train_steps(mdl, h, 2, rank, clip=0.5)["norms"]
@@ -639,9 +632,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
 # ---- other meshes: 2 x 1, 1 x 4, 3 x 2 --------------------------------------------------------
 def _mesh_run(rank: int, world: int, shape) -> dict:
     cfg = QCommConfig.preset("sdp4bit", ranks_per_node=shape[1], **SDP4)
-    nat, _, _ = _build(shape)
-    for m in _fsdp_modules(nat):
-        m.set_force_sum_reduction_for_comms(True)
+    nat = _native(shape)
     want = _train_steps(nat, None, 3, rank)
     model, handle, mesh = _build(shape, cfg)
     got = _train_steps(model, handle, 3, rank)
