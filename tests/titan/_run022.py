@@ -1,4 +1,6 @@
-import os
+"""torchrun helper of the torchtitan 0.2.2 tests; importing it skips the module unless
+torchtitan 0.2.x (and tokenizers) are installed."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -6,22 +8,31 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("tokenizers")
 
+from fsdp_qcomm.titan_common.version import (  # noqa: E402
+    TorchtitanVersionError,
+    require_torchtitan,
+)
+
+try:
+    require_torchtitan("fsdp_qcomm.titan")
+except TorchtitanVersionError as e:
+    pytest.skip(f"torchtitan 0.2.2 tests: {e}", allow_module_level=True)
+
 
 def torchrun(
     recipe: Path, dump: Path, *extra: str, nproc: int = 2, timeout: float = 150
 ) -> subprocess.CompletedProcess:
     """Run stock ``torchtitan.train`` under torchrun on CPU; raise with the log on failure."""
-    from fsdp_qcomm.titan.main import child_env, torchrun_command
+    from fsdp_qcomm.titan.main import torchrun_command
+    from fsdp_qcomm.titan_common.launch import child_env
 
     env = child_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
     env["FSDP_QCOMM_DEVICE"] = "cpu"  # CPU even where a GPU exists: the test is about wiring
     cmd = torchrun_command(recipe, nproc, None, dump, list(extra), all_ranks=True)
     proc = subprocess.run(
