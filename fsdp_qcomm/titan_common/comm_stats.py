@@ -136,6 +136,11 @@ def collective_of(kind: str) -> Collective:
     return Collective(kind, kind, (kind,))
 
 
+def collective_named(name: str) -> Collective:
+    """The collective whose figures are ``qcomm/<name>_*`` (an unknown kind's own name)."""
+    return next((c for c in COLLECTIVES if c.name == name), None) or collective_of(name)
+
+
 def _number(value: Any) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -198,7 +203,7 @@ def _ordered(names: Iterable[str]) -> list[Collective]:
     """Known collectives in their fixed order, then unknown ones by name."""
     names = set(names)
     known = [c for c in COLLECTIVES if c.name in names]
-    return known + [collective_of(n) for n in sorted(names - {c.name for c in known})]
+    return known + [collective_named(n) for n in sorted(names - {c.name for c in known})]
 
 
 # --------------------------------------------------------------------------- reference
@@ -572,6 +577,6 @@ def _sum_counts(dicts: Iterable[Mapping[str, int]]) -> dict[str, int]:
 
 __all__ = [
     "ATTACHMENT_ATTR", "COLLECTIVES", "Collective", "CommTracker", "QCommAttachment", "QCommRun",
-    "Reference", "SUMMARY_FILE", "StepCounter", "attachment_of", "collective_of",
-    "flatten_counters", "format_figures", "fsdp_reference", "split_stats",
+    "Reference", "SUMMARY_FILE", "StepCounter", "attachment_of", "collective_named",
+    "collective_of", "flatten_counters", "format_figures", "fsdp_reference", "split_stats",
 ]

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
-from .comm_stats import COLLECTIVES, SUMMARY_FILE, collective_of
+from .comm_stats import COLLECTIVES, SUMMARY_FILE, collective_named
 
 #: the checkout (or site-packages) directory holding the fsdp_qcomm package
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +56,9 @@ def _mean(values: list) -> Optional[float]:
 _PLURAL = {"weight": "weights", "grad": "grads", "replica": "replicas", "levels": "levels"}
 
 
-def print_summary(summary: dict, out: TextIO = sys.stdout) -> None:
+def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
     """Loss first -> last, held-out losses, and bytes sent against unquantized FSDP2."""
-    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
     loss = summary.get("loss") or []
     steps = summary.get("steps_logged") or []
     replicas = summary.get("replicas") or 1
@@ -87,12 +87,14 @@ def print_summary(summary: dict, out: TextIO = sys.stdout) -> None:
     p("unquantized FSDP2 collectives would have been handed:")
     measured = {k[len("qcomm/"):-len("_baseline_bytes_per_step")] for h in hist for k in h
                 if k.endswith("_baseline_bytes_per_step")}
-    for c in COLLECTIVES:
-        if c.name not in measured and ref.get(_PLURAL[c.name]):
-            p(f"  {_PLURAL[c.name]:8s} FSDP's own collective (not quantized, not measured)")
+    own = {c.name for c in COLLECTIVES if c.name not in measured and ref.get(_PLURAL[c.name])}
     known = [c.name for c in COLLECTIVES]
-    for name in [n for n in known if n in measured] + sorted(measured - set(known)):
-        c = collective_of(name)
+    for name in [n for n in known if n in measured | own] + sorted(measured - set(known)):
+        label = _PLURAL.get(name, name)
+        if name in own:
+            p(f"  {label:8s} FSDP's own collective (not quantized, not measured)")
+            continue
+        c = collective_named(name)
         sent = _mean([h.get(f"qcomm/{name}_bytes_per_step") for h in hist])
         base = _mean([h.get(f"qcomm/{name}_baseline_bytes_per_step") for h in hist])
         bits = _mean([h.get(f"qcomm/{name}_bits_per_elem") for h in hist])
@@ -100,7 +102,6 @@ def print_summary(summary: dict, out: TextIO = sys.stdout) -> None:
             f"{k.split('_', 1)[-1]} hop {b:.2f}" for k in c.kinds
             if len(c.kinds) > 1 and (b := _mean([h.get(f"qcomm/{k}_bits_per_elem") for h in hist]))
         ]
-        label = _PLURAL.get(name, name)
         p(f"  {label:8s} {_fmt_bytes(sent or 0.0):>11s} vs {_fmt_bytes(base or 0.0):>11s}"
           + (f"  ratio {sent / base:.4f} ({base / sent:.2f}x less)" if base and sent else "")
           + (f"  {bits:.3f} bits/element" if bits is not None else "")
