@@ -3,8 +3,9 @@
 Both adapters' metrics processors hand their logging calls to a :class:`QCommRun`, which adds
 ``qcomm/*`` metrics (console, TensorBoard, W&B) for this rank. They are computed from the
 cumulative counters of the ``fsdp_qcomm`` handles (``handle.stats()``), differenced between
-logging steps and divided by the training steps in between (counted by :class:`StepCounter`,
-so a resumed run divides correctly).
+logging steps and divided by the training steps in between (the handles' own count,
+``stats()["summary"]["steps"]``: optimizer steps that followed traffic, so a resumed run, whose
+checkpoint load runs a dummy optimizer step, divides correctly).
 
 The counters are grouped by *collective* (:data:`COLLECTIVES`), each made of one or more stats
 kinds:
@@ -62,6 +63,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from ..fsdp import internals as fsdp
+from ..fsdp.hsdp import original_replicate_group
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,8 @@ _BASE_FIELDS = {
 }
 #: per-kind values derived from the counters: recomputed per interval, never summed
 _DERIVED_FIELDS = {"bits_per_element", "ratio_vs_baseline"}
+#: top-level entries of ``handle.stats()`` that are not stats kinds
+NOT_KINDS = ("notes", "summary")
 _warned_kinds: set[str] = set()
 
 
@@ -155,10 +159,10 @@ def split_stats(stats: Mapping) -> dict[str, dict[str, float]]:
     "elements"}}`` per kind (for per-hop bits). Counters add up over a collective's kinds, except
     that hops sharing a baseline count it once (the largest), and so their calls and elements.
     Extra numeric fields a kind records (e.g. ``cross_node_bytes``) are summed as they are;
-    non-numeric ones and the derived ratios are ignored. ``"notes"`` is skipped.
+    non-numeric ones and the derived ratios are ignored. :data:`NOT_KINDS` are skipped.
     """
     out: dict[str, dict[str, float]] = {}
-    for kind in sorted(k for k in stats if k != "notes"):
+    for kind in sorted(k for k in stats if k not in NOT_KINDS):
         entry = stats[kind]
         if not isinstance(entry, Mapping):
             continue
@@ -275,7 +279,8 @@ def fsdp_reference(model_parts: Iterable[torch.nn.Module], microbatches: int = 1
 
 
 def _group_reference(group, microbatches: int) -> Reference:
-    replica = fsdp.replicate_group(group)
+    # the replica group FSDP would all-reduce over (fsdp_qcomm swaps in a group of one rank)
+    replica = original_replicate_group(group)
     ref = Reference(groups=1, world_size=fsdp.shard_group(group).size(),
                     replicas=replica.size() if replica is not None else 1)
     world = ref.world_size
@@ -296,40 +301,6 @@ def _group_reference(group, microbatches: int) -> Reference:
 
 
 # --------------------------------------------------------------------------- per-step figures
-class StepCounter:
-    """Counts training steps by the training-mode forwards of the first model part.
-
-    torchtitan logs every ``log_freq`` steps and a resumed run starts at the checkpoint's step,
-    so the logged step numbers alone do not say how many steps the handles' counters cover.
-    Optimizer step hooks cannot count them either: loading a checkpoint's optimizer state runs
-    a dummy ``optimizer.step()`` (``torch.distributed.checkpoint``'s ``_init_optim_state``).
-    Each training step runs ``microbatches`` forwards with grad enabled in training mode;
-    validation runs in eval mode under ``no_grad`` and is not counted.
-    """
-
-    def __init__(self, microbatches: int) -> None:
-        self.microbatches = max(1, microbatches)
-        self.forwards = 0
-        self._handle = None
-
-    def watch(self, model_parts: list[torch.nn.Module] | None) -> None:
-        if self._handle is None and model_parts:
-            self._handle = model_parts[0].register_forward_pre_hook(self._pre_forward)
-
-    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled():
-            self.forwards += 1
-
-    @property
-    def steps(self) -> int:
-        return self.forwards // self.microbatches
-
-    def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-
 class CommTracker:
     """Turns cumulative counters into per-step figures between two logging steps."""
 
@@ -472,10 +443,18 @@ def format_figures(fig: Mapping[str, float]) -> str:
 
 
 # --------------------------------------------------------------------------- one run's record
+def counted_steps(handles: Iterable[Any]) -> int:
+    """Training steps the handles counted (``stats()["summary"]["steps"]``; the largest, for
+    pipeline stages with one handle each)."""
+    return max((int(h.stats()["summary"]["steps"]) for h in handles), default=0)
+
+
 @dataclass
 class QCommRun:
     """What a metrics processor of either torchtitan version keeps about the hooks: figures at
-    every logging step, held-out losses, and the summary file rank 0 writes at the end."""
+    every logging step, held-out losses, and the summary file rank 0 writes at the end.
+    ``microbatches``: forwards of a model part per training step (gradient accumulation steps
+    times pipeline microbatches), for the FSDP reference."""
 
     microbatches: int = 1
     tracker: CommTracker = field(default_factory=CommTracker)
@@ -484,17 +463,13 @@ class QCommRun:
 
     def __post_init__(self) -> None:
         self.microbatches = max(1, self.microbatches)
-        self.step_counter = StepCounter(self.microbatches)
         self.t_start = self.t_last = time.perf_counter()
         self.step_last = 0
         self.steps_counted_last = 0
 
-    def watch(self, model_parts: list[torch.nn.Module] | None) -> None:
-        self.step_counter.watch(model_parts)
-
     def figures(self, step: int, model_parts: list[torch.nn.Module] | None) -> dict[str, float]:
         """The ``qcomm/*`` figures of the interval ending at this logging step."""
-        counted = self.step_counter.steps
+        counted = counted_steps(_live_handles(model_parts))
         fig = self.tracker.figures(step, counted, model_parts or [], self.microbatches)
         now = time.perf_counter()
         self._step_time = (now - self.t_last) / max(1, counted - self.steps_counted_last)
@@ -518,7 +493,7 @@ class QCommRun:
 
     def summary(self, model_parts, model: str, flavor: str) -> dict[str, Any]:
         atts = attachment_of(model_parts)
-        handles = [a.handle for a in atts if a.handle is not None]
+        handles = _live_handles(model_parts)
         ref = self.tracker.reference
         cfg = atts[0].config if atts else None
         cum = self.tracker.total_counters
@@ -547,24 +522,25 @@ class QCommRun:
             "measured_cumulative": flatten_counters(cum) if cum else None,
             "handle_stats": [h.stats() for h in handles],
             "gather_modes": _sum_counts(h.gather_modes() for h in handles),
-            "training_steps": self.step_counter.steps,
+            "training_steps": counted_steps(handles),
             "last_step": self.step_last,
             "wall_time_s": time.perf_counter() - self.t_start,
         }
 
     def close(self, dump_folder: str, model_parts, model: str, flavor: str) -> Optional[str]:
         """Rank 0 writes the summary file (if anything was logged); returns its path."""
-        try:
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            if rank != 0 or not self.history:
-                return None
-            path = os.path.join(dump_folder, SUMMARY_FILE)
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(self.summary(model_parts, model, flavor), f, indent=2)
-            return path
-        finally:
-            self.step_counter.remove()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank != 0 or not self.history:
+            return None
+        path = os.path.join(dump_folder, SUMMARY_FILE)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.summary(model_parts, model, flavor), f, indent=2)
+        return path
+
+
+def _live_handles(model_parts) -> list[Any]:
+    return [a.handle for a in attachment_of(model_parts) if a.handle is not None]
 
 
 def _sum_counts(dicts: Iterable[Mapping[str, int]]) -> dict[str, int]:
@@ -577,6 +553,7 @@ def _sum_counts(dicts: Iterable[Mapping[str, int]]) -> dict[str, int]:
 
 __all__ = [
     "ATTACHMENT_ATTR", "COLLECTIVES", "Collective", "CommTracker", "QCommAttachment", "QCommRun",
-    "Reference", "SUMMARY_FILE", "StepCounter", "attachment_of", "collective_named",
-    "collective_of", "flatten_counters", "format_figures", "fsdp_reference", "split_stats",
+    "NOT_KINDS", "Reference", "SUMMARY_FILE", "attachment_of", "collective_named",
+    "collective_of", "counted_steps", "flatten_counters", "format_figures", "fsdp_reference",
+    "split_stats",
 ]

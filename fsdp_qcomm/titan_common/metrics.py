@@ -23,31 +23,20 @@ class QCommMetricsMixin:
     """Adds the ``qcomm/*`` figures to a torchtitan ``MetricsProcessor`` (see module doc)."""
 
     qcomm: QCommRun
+    model_parts: Optional[list[torch.nn.Module]]  # set by torchtitan's Trainer
 
     def init_qcomm(self, microbatches: int = 1) -> None:
         """Call at the end of the processor's ``__init__``."""
-        self.__dict__["qcomm"] = QCommRun(microbatches)
-        self.qcomm.watch(self.model_parts)
+        self.qcomm = QCommRun(microbatches)
 
     def set_microbatches(self, microbatches: int) -> None:
         """Forwards of the first model part per training step (gradient accumulation steps
         times pipeline microbatches)."""
-        self.qcomm.microbatches = self.qcomm.step_counter.microbatches = max(1, microbatches)
+        self.qcomm.microbatches = max(1, microbatches)
 
     def qcomm_run_info(self) -> tuple[str, str, str]:
         """(dump folder, model name, flavor) for the summary file."""
         raise NotImplementedError
-
-    @property
-    def model_parts(self) -> Optional[list[torch.nn.Module]]:
-        return self.__dict__.get("_model_parts")
-
-    @model_parts.setter
-    def model_parts(self, parts: Optional[list[torch.nn.Module]]) -> None:
-        # torchtitan's Trainer assigns the model parts after building the processor
-        self.__dict__["_model_parts"] = parts
-        if "qcomm" in self.__dict__:
-            self.qcomm.watch(parts)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         fig = self.qcomm.figures(step, self.model_parts)

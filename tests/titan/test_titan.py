@@ -1,8 +1,9 @@
 """torchtitan 0.2.2 integration: [qcomm] TOML section, recipes, and 2-process CPU runs.
 
-Five torchrun runs of ~25-40 s each on a 2-core CPU (sdp4bit with a checkpoint, its resume,
+Six torchrun runs of ~25-45 s each on a 2-core CPU (sdp4bit with a checkpoint, its resume,
 a resume without the qcomm entry, baseline with gradient accumulation, validation and
-TensorBoard, QSDP with learned levels); everything else is fast. The version-free pieces
+TensorBoard, QSDP with learned levels, sdp4bit as HSDP 2 x 2 on 4 ranks); everything else is
+fast. The version-free pieces
 (figures, data, section generator) are tested in tests/titan_common.
 """
 
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 from _run022 import REPO_ROOT, torchrun
 
-sys.path.insert(0, str(REPO_ROOT / "tests"))  # _qcomm_fields
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # _qcomm_fields, _hsdp_run
+from _hsdp_run import HSDP_FLAGS, check_hsdp_sdp4bit_summary  # noqa: E402
 from _qcomm_fields import cli_value, field_variants, toml_literal  # noqa: E402
 
 from fsdp_qcomm.config import QCommConfig  # noqa: E402
@@ -346,3 +348,13 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
         # 8-bit codes, min/scale per 1024, and each row's 256-entry level table
         assert 8.0 < h["qcomm/weight_bits_per_elem"] < 9.0
     assert "  L " in proc.stdout + proc.stderr and "(overhead)" in proc.stdout + proc.stderr
+
+
+def test_hsdp_two_replicas_of_two_shards(tmp_path):
+    """recipes/debug_sdp4bit.toml as HSDP, 2 replicas x 2 shards on 4 CPU ranks counting as 2
+    nodes x 2: the replica all-reduce is quantized and counted (``grad_replica``), every
+    baseline equals the FSDP reference, only the replica hop crosses nodes, the loss falls."""
+    dump = tmp_path / "out"
+    torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump,
+             *short_run(6), *HSDP_FLAGS, nproc=4, timeout=300)
+    check_hsdp_sdp4bit_summary(_summary(dump), steps=6)

@@ -2,7 +2,7 @@
 torchtitan adapters log: nothing the library records can crash a metrics log, and every byte
 it records is counted.
 
-One launch of 4 gloo ranks as 2 "nodes" x 2 (``LOCAL_WORLD_SIZE=2``) trains a tiny FSDP model
+One launch of 4 gloo ranks as 2 "nodes" x 2 (``ranks_per_node=2``) trains a tiny FSDP model
 3 steps per variant of ``tests/_qcomm_fields.py`` (each field at each other value it can take)
 and hands the handles' stats to ``titan_common.comm_stats`` exactly as the metrics processors
 do: figures at steps 1 and 3, the console line, the summary file.
@@ -47,6 +47,11 @@ class _Net(nn.Module):
         return self.out(h)
 
 
+def _config(preset: str, overrides: dict) -> QCommConfig:
+    # 4 ranks on one host as 2 "nodes": the library wants that said explicitly
+    return QCommConfig.preset(preset, **{"ranks_per_node": 2, **overrides})
+
+
 def _one(variant: tuple, rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -56,10 +61,9 @@ def _one(variant: tuple, rank: int) -> dict:
     for b in model.blocks:
         fully_shard(b)
     fully_shard(model)
-    cfg = QCommConfig.preset(preset, **overrides)
+    cfg = _config(preset, overrides)
     (att,) = install_qcomm([model], cfg, preset=preset, overrides=overrides)
     run = comm_stats.QCommRun(microbatches=1)
-    run.watch([model])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     figs, lines = {}, []
     for step in (1, 2, 3):
@@ -86,21 +90,21 @@ def _all(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_ranks(_all, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=600)[0]
+    return run_ranks(_all, 4, timeout=600)[0]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_variant_runs_and_every_byte_is_counted(results, variant):
     name, preset, overrides = variant
     r = results[name]
-    cfg = QCommConfig.preset(preset, **overrides)
+    cfg = _config(preset, overrides)
     stats, summary, figs = r["stats"], r["summary"], r["figs"]
     assert all(line.startswith("qcomm: ") and "nan" not in line for line in r["lines"])
     assert summary["installed"] and summary["training_steps"] == 3
     assert summary["qcomm_config"] == cfg.to_dict()
     # every kind the handle recorded is in the cumulative counters the figures come from
     cum = summary["measured_cumulative"]
-    kinds = [k for k in stats if k != "notes"]
+    kinds = [k for k in stats if k not in comm_stats.NOT_KINDS]
     for k in kinds:
         assert cum[f"{k}_sent"] == stats[k]["sent_bytes"], k
     groups = {comm_stats.collective_of(k).name for k in kinds}
@@ -117,5 +121,9 @@ def test_variant_runs_and_every_byte_is_counted(results, variant):
     if learned:  # refreshed on first use: the first interval carries the table exchange
         assert figs[1]["qcomm/levels_bytes_per_step"] > 0
         assert " L " in r["lines"][0] and "(overhead)" in r["lines"][0]
+    # the handle's own node-crossing total (stats["summary"]) is what the figures add up
+    assert summary["measured_cumulative"].get("weight_cross_node_bytes", 0) + sum(
+        cum.get(f"{g}_cross_node_bytes", 0) for g in groups - {"weight"}
+    ) == stats["summary"]["cross_node_bytes"]
     total = late["qcomm/total_ratio_vs_unquantized"]
     assert math.isfinite(total) and 0 < total <= 1.0 + 1e-9

@@ -103,6 +103,7 @@ def test_split_stats_counts_the_grad_baseline_once():
         "grad_intra": _kind(2, 300, 300, 400, 1600),
         "grad_inter": _kind(2, 100, 100, 200, 1600),
         "notes": ["something"],
+        "summary": {"steps": 2, "sent_bytes": 1400, "cross_node_bytes": 0},  # not a kind
     }
     assert comm_stats.split_stats(stats) == {
         "weight": {"calls": 4, "sent": 1000, "recv": 4000, "elements": 2000, "baseline": 8000},
@@ -120,11 +121,12 @@ def test_split_stats_counts_the_grad_baseline_once():
 class _Handle:
     def __init__(self):
         self.s = {"notes": []}
+        self.steps = 0
         self.module_names = ["a", "b"]
         self.enabled = True
 
     def stats(self):
-        return self.s
+        return {**self.s, "summary": {"steps": self.steps, "sent_bytes": 0}}
 
     def gather_modes(self):
         return {"plain": 3}
@@ -207,15 +209,12 @@ def test_every_kind_the_library_records_and_unknown_ones_make_figures():
         comm_stats.format_figures(fig)
 
 
-def test_run_summary_is_json_and_counts_steps(tmp_path):
+def test_run_summary_is_json_and_divides_by_the_handles_steps(tmp_path):
     h = _Handle()
     part = _part(h)
     run = comm_stats.QCommRun(microbatches=2)
     run.tracker.reference = comm_stats.Reference(weight_bytes=80, weight_elements=20)
-    run.watch([part])
-    part.train()
-    for _ in range(4):  # 2 steps of 2 microbatches
-        part(torch.zeros(1, 2))
+    h.steps = 2  # the handle counted 2 training steps
     h.s = {"weight_allgather": _kind(4, 40, 80, 20, 160), "levels_sync": _kind(1, 8, 8, 0, 0),
            "notes": []}
     fig = run.figures(2, [part])
