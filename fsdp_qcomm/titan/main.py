@@ -18,8 +18,13 @@ import sys
 from pathlib import Path
 
 from fsdp_qcomm.titan.recipes import RECIPES_DIR
-from fsdp_qcomm.titan_common.launch import REPO_ROOT, run_debug_job, torchrun_prefix
-from fsdp_qcomm.titan_common.shapes import DEBUG_SCHEMES, DEBUG_VOCAB_SIZE
+from fsdp_qcomm.titan_common.launch import (
+    REPO_ROOT,
+    debug_job_args,
+    run_debug_job,
+    torchrun_prefix,
+)
+from fsdp_qcomm.titan_common.shapes import DEBUG_VOCAB_SIZE
 
 
 def torchrun_command(
@@ -35,22 +40,11 @@ def torchrun_command(
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scheme", default="sdp4bit", choices=DEBUG_SCHEMES)
-    ap.add_argument("--recipe", type=Path, default=None,
-                    help="a TOML recipe (default: recipes/debug_<scheme>.toml)")
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=None, help="default: the recipe's (300)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="dump folder (default: outputs/debug_<scheme> under the repo)")
-    ap.add_argument("--all-ranks", action="store_true", help="print every rank's log")
-    args = ap.parse_args(argv)
+    def add(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--recipe", type=Path, default=None,
+                        help="a TOML recipe (default: recipes/debug_<scheme>.toml)")
 
+    args, extra = debug_job_args(argv, __doc__, add)
     recipe = args.recipe or RECIPES_DIR / f"debug_{args.scheme}.toml"
     dump = (args.out or REPO_ROOT / "outputs" / f"debug_{args.scheme}").resolve()
     cmd = torchrun_command(recipe, args.nproc, args.steps, dump, extra, args.all_ranks)

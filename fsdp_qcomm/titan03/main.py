@@ -15,8 +15,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_qcomm.titan_common.launch import REPO_ROOT, run_debug_job, torchrun_prefix
-from fsdp_qcomm.titan_common.shapes import DEBUG_SCHEMES, DEBUG_VOCAB_SIZE
+from fsdp_qcomm.titan_common.launch import (
+    REPO_ROOT,
+    debug_job_args,
+    run_debug_job,
+    torchrun_prefix,
+)
+from fsdp_qcomm.titan_common.shapes import DEBUG_VOCAB_SIZE
 
 MODULE = "fsdp_qcomm.titan03"
 
@@ -36,24 +41,13 @@ def torchrun_command(
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scheme", default="sdp4bit", choices=DEBUG_SCHEMES)
-    ap.add_argument("--config", default=None,
-                    help="a recipe function of fsdp_qcomm.titan03 (default: debug_<scheme>)")
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--replicas", type=int, default=1,
-                    help="HSDP replicas (data_parallel_replicate_degree); default 1: FSDP")
-    ap.add_argument("--steps", type=int, default=None, help="default: the recipe's (300)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="dump folder (default: outputs/titan03_debug_<scheme> under the repo)")
-    ap.add_argument("--all-ranks", action="store_true", help="print every rank's log")
-    args = ap.parse_args(argv)
+    def add(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--config", default=None, help="a recipe function of "
+                        "fsdp_qcomm.titan03 (default: debug_<scheme>)")
+        ap.add_argument("--replicas", type=int, default=1,
+                        help="HSDP replicas (data_parallel_replicate_degree); default 1: FSDP")
 
+    args, extra = debug_job_args(argv, __doc__, add)
     config = args.config or f"debug_{args.scheme}"
     suffix = f"_{args.replicas}x{args.nproc // args.replicas}" if args.replicas > 1 else ""
     dump = (args.out or REPO_ROOT / "outputs" / f"titan03_{config}{suffix}").resolve()

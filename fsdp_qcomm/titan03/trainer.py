@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchtitan.config import TrainingConfig
 from torchtitan.tools.logging import logger
@@ -49,6 +50,18 @@ class QCommTrainer(Trainer):
             default_factory=lambda: TrainingConfig(disable_cuda_graphs=True)
         )
         """torchtitan's training section; CUDA graphs off (the hooks run Python per call)"""
+
+        @classmethod
+        def from_trainer_config(
+            cls, base: Trainer.Config, preset: str = "baseline", **overrides: Any
+        ) -> "QCommTrainer.Config":
+            """Any torchtitan recipe (a ``Trainer.Config``, e.g. llama3's ``llama3_8b()``) with
+            the hooks: the same settings plus ``qcomm`` = ``preset`` with ``overrides``, CUDA
+            graphs off, and the qcomm metrics processor."""
+            values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+            values["training"] = dataclasses.replace(base.training, disable_cuda_graphs=True)
+            values["metrics"] = QCommMetricsProcessor.Config.from_base(base.metrics)
+            return cls(**values, qcomm=QComm(preset=preset, **overrides))
 
         def __post_init__(self) -> None:
             Trainer.Config.__post_init__(self)  # (zero-argument super() fails with slots)

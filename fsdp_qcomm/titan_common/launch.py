@@ -8,15 +8,17 @@ then print :func:`print_summary` of the ``qcomm_summary.json`` rank 0 wrote.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 from .comm_stats import COLLECTIVES, SUMMARY_FILE, collective_named
+from .shapes import DEBUG_SCHEMES
 
 #: the checkout (or site-packages) directory holding the fsdp_qcomm package
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -122,6 +124,28 @@ def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
     p("=" * 72)
 
 
+def debug_job_args(
+    argv: Optional[list[str]], doc: str, add_arguments: Callable[[argparse.ArgumentParser], None]
+) -> tuple[argparse.Namespace, list[str]]:
+    """The debug jobs' command line: ``--scheme``, ``--nproc``, ``--steps``, ``--out``,
+    ``--all-ranks``, what ``add_arguments`` adds, and everything after ``--`` (returned as is:
+    flags for torchtitan)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--scheme", default="sdp4bit", choices=DEBUG_SCHEMES)
+    add_arguments(ap)
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=None, help="default: the recipe's (300)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="dump folder (default: under outputs/ in the repo)")
+    ap.add_argument("--all-ranks", action="store_true", help="print every rank's log")
+    return ap.parse_args(argv), extra
+
+
 def run_debug_job(cmd: list[str], dump: Path, vocab_size: int) -> int:
     """Build the offline data, run ``cmd`` (a torchrun command), print the run's summary."""
     from . import data
@@ -146,4 +170,5 @@ def run_debug_job(cmd: list[str], dump: Path, vocab_size: int) -> int:
     return 0
 
 
-__all__ = ["REPO_ROOT", "child_env", "print_summary", "run_debug_job", "torchrun_prefix"]
+__all__ = ["REPO_ROOT", "child_env", "debug_job_args", "print_summary", "run_debug_job",
+           "torchrun_prefix"]

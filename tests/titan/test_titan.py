@@ -8,7 +8,6 @@ fast. The version-free pieces
 """
 
 import dataclasses
-import json
 import math
 import shutil
 import sys
@@ -16,16 +15,25 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _run022 import REPO_ROOT, torchrun
 
-sys.path.insert(0, str(REPO_ROOT / "tests"))  # _qcomm_fields, _hsdp_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from _titan_run import (  # noqa: E402
+    REPO_ROOT,
+    read_summary,
+    require_adapter,
+    run,
+    tensorboard_scalars,
+)
+
+require_adapter("fsdp_qcomm.titan")
+
 from _hsdp_run import HSDP_FLAGS, check_hsdp_sdp4bit_summary  # noqa: E402
 from _qcomm_fields import cli_value, field_variants, toml_literal  # noqa: E402
 
 from fsdp_qcomm.config import QCommConfig  # noqa: E402
 from fsdp_qcomm.titan import config as qconfig  # noqa: E402
 from fsdp_qcomm.titan import recipes  # noqa: E402
-from fsdp_qcomm.titan_common import comm_stats  # noqa: E402
+from fsdp_qcomm.titan.main import torchrun_command  # noqa: E402
 
 CUSTOM = 'custom_config_module = "fsdp_qcomm.titan.config"'
 
@@ -160,10 +168,10 @@ def test_every_recipe_parses_and_resolves(path):
 
 
 # --------------------------------------------------------------------------- torchrun runs
-def _summary(dump: Path) -> dict:
-    path = dump / comm_stats.SUMMARY_FILE
-    assert path.exists(), f"no {path}"
-    return json.loads(path.read_text())
+def torchrun(recipe: Path, dump: Path, *extra: str, nproc: int = 2, timeout: float = 150):
+    """Stock ``torchtitan.train`` on a TOML recipe under torchrun, on CPU."""
+    cmd = torchrun_command(recipe, nproc, None, dump, list(extra), all_ranks=True)
+    return run(cmd, timeout)
 
 
 def short_run(steps: int, validate: bool = False) -> tuple:
@@ -194,7 +202,7 @@ def test_torchrun_two_processes_through_recipe(sdp4bit_run):
     """Stock torchtitan.train with the hooks of the sdp4bit preset: FSDP calls them, the first
     gather of every module (after torchtitan's init on the meta device) is full precision, the
     logged figures match the library's wire formats, and the loss falls."""
-    s = _summary(sdp4bit_run)
+    s = read_summary(sdp4bit_run)
     assert s["world_size"] == 2 and s["last_step"] == 8 and s["preset"] == "sdp4bit"
     assert s["installed"] and s["notes"] == [] and s["training_steps"] == 8
     n = s["hooked_modules"]
@@ -237,14 +245,14 @@ def test_checkpoint_resume_is_bit_identical(sdp4bit_run, tmp_path):
     counters continue, and each module's first gather after the load re-assembles the saved
     qWD reference with one full-precision all-gather ("qwd_restore"), then sends differences
     against it as the uninterrupted run did."""
-    a = _summary(sdp4bit_run)
+    a = read_summary(sdp4bit_run)
     assert (sdp4bit_run / "ckpt" / "step-4").is_dir()
     dump = tmp_path / "resumed"
     (dump / "ckpt").mkdir(parents=True)
     shutil.copytree(sdp4bit_run / "ckpt" / "step-4", dump / "ckpt" / "step-4")
     torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(8), *SDP4BIT_RUN,
              "--checkpoint.load_step", "4")
-    b = _summary(dump)
+    b = read_summary(dump)
     n = b["hooked_modules"]
     assert b["steps_logged"] == [5, 6, 7, 8] and b["training_steps"] == 4
     assert b["gather_modes"].get("qwd_restore") == n and not b["gather_modes"].get("qwd_full")
@@ -266,13 +274,13 @@ def test_checkpoint_without_qcomm_state_loads_with_exclude(sdp4bit_run, tmp_path
     """A checkpoint lacking the "qcomm" entry (written before it existed) still loads with
     --checkpoint.exclude_from_loading qcomm: the hooks start fresh, the first gathers send full
     precision, and training continues close to the uninterrupted run."""
-    a = _summary(sdp4bit_run)
+    a = read_summary(sdp4bit_run)
     dump = tmp_path / "fresh"
     (dump / "ckpt").mkdir(parents=True)
     shutil.copytree(sdp4bit_run / "ckpt" / "step-4", dump / "ckpt" / "step-4")
     torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(8), *SDP4BIT_RUN,
              "--checkpoint.load_step", "4", "--checkpoint.exclude_from_loading", "qcomm")
-    b = _summary(dump)
+    b = read_summary(dump)
     n = b["hooked_modules"]
     assert b["steps_logged"] == [5, 6, 7, 8]
     assert b["gather_modes"]["qwd_full"] == n and not b["gather_modes"].get("qwd_restore")
@@ -280,16 +288,6 @@ def test_checkpoint_without_qcomm_state_loads_with_exclude(sdp4bit_run, tmp_path
     lb = dict(zip(b["steps_logged"], b["loss"]))
     for step in (5, 6, 7, 8):
         assert abs(lb[step] - la[step]) < 2e-3 * la[step], (la, lb)
-
-
-def _tensorboard_scalars(dump: Path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = sorted(dump.rglob("events.out.tfevents.*"))
-    assert events, f"no TensorBoard events under {dump}"
-    acc = EventAccumulator(str(events[0].parent))
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
 def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard(tmp_path):
@@ -302,7 +300,7 @@ def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard
         # 16 = 2 microbatches x 4 sequences x 2 ranks: the reference must count both
         "--training.global_batch_size", "16", "--metrics.enable_tensorboard",
     )
-    s = _summary(dump)
+    s = read_summary(dump)
     assert s["installed"] and s["world_size"] == 2 and s["microbatches"] == 2
     assert s["gather_modes"] == {"plain": s["measured_cumulative"]["weight_calls"]}
     assert s["training_steps"] == 4
@@ -317,7 +315,7 @@ def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard
     assert all(math.isfinite(x) for x in s["loss"])
     # validation gathered weights too, yet the per-step figures above stayed exact
     assert [v["step"] for v in s["validation"]] == [1, 2, 4]
-    tb = _tensorboard_scalars(dump)
+    tb = tensorboard_scalars(dump)
     for tag in ("qcomm/weight_bytes_per_step", "qcomm/weight_bits_per_elem",
                 "qcomm/weight_ratio_vs_unquantized", "qcomm/total_ratio_vs_unquantized"):
         assert {h["step"]: h[tag] for h in s["history"]} == pytest.approx(tb[tag]), tag
@@ -332,7 +330,7 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
         REPO_ROOT / "recipes" / "debug_qsdp.toml", dump, *short_run(3),
         "--qcomm.weight_levels", "learned", "--qcomm.grad_levels", "learned",
     )
-    s = _summary(dump)
+    s = read_summary(dump)
     assert s["steps_logged"] == [1, 2, 3] and s["qcomm_config"]["weight_levels"] == "learned"
     assert all(math.isfinite(x) for x in s["loss"])
     stats = s["handle_stats"][0]
@@ -357,4 +355,4 @@ def test_hsdp_two_replicas_of_two_shards(tmp_path):
     dump = tmp_path / "out"
     torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump,
              *short_run(6), *HSDP_FLAGS, nproc=4, timeout=300)
-    check_hsdp_sdp4bit_summary(_summary(dump), steps=6)
+    check_hsdp_sdp4bit_summary(read_summary(dump), steps=6)

@@ -4,7 +4,6 @@ torchrun: the debug recipe as HSDP, 2 replicas x 2 shards on 4 ranks (with a che
 its bit-identical resume), and QSDP with learned levels on 2 ranks."""
 
 import dataclasses
-import json
 import math
 import shutil
 import subprocess
@@ -13,9 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from _run03 import REPO_ROOT, torchrun
 
-sys.path.insert(0, str(REPO_ROOT / "tests"))  # _qcomm_fields, _hsdp_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from _titan_run import (  # noqa: E402
+    REPO_ROOT,
+    read_summary,
+    require_adapter,
+    run,
+    tensorboard_scalars,
+)
+
+require_adapter("fsdp_qcomm.titan03")
+
 from _hsdp_run import HSDP_FLAGS, check_hsdp_sdp4bit_summary  # noqa: E402
 from _qcomm_fields import cli_value, field_variants  # noqa: E402
 
@@ -26,8 +34,9 @@ from fsdp_qcomm.titan03.attention import (  # noqa: E402
     eager_block_masks,
     use_dense_attention,
 )
+from fsdp_qcomm.titan03.main import torchrun_command  # noqa: E402
 from fsdp_qcomm.titan03.trainer import QCommTrainer  # noqa: E402
-from fsdp_qcomm.titan_common import comm_stats, shapes  # noqa: E402
+from fsdp_qcomm.titan_common import shapes  # noqa: E402
 
 try:
     import tomllib
@@ -84,6 +93,23 @@ def test_cli_overrides_win_over_the_recipe():
                                                         "ranks_per_node": 2}
 
 
+def test_any_torchtitan_recipe_gets_the_hooks():
+    """torchtitan's own llama3 debug recipe as a QCommTrainer.Config: same settings, the qcomm
+    section, CUDA graphs off, the qcomm metrics processor with the same logging settings."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from fsdp_qcomm.titan03.metrics import QCommMetricsProcessor
+
+    base = llama3_debugmodel()
+    cfg = QCommTrainer.Config.from_trainer_config(base, "sdp4bit", seed=3)
+    assert cfg.qcomm.resolve() == QCommConfig.preset("sdp4bit", seed=3)
+    assert cfg.model_spec is base.model_spec and cfg.optimizer is base.optimizer
+    assert cfg.training.disable_cuda_graphs and cfg.training.steps == base.training.steps
+    assert type(cfg.metrics) is QCommMetricsProcessor.Config
+    assert cfg.metrics.log_freq == base.metrics.log_freq
+    assert type(cfg)._owner is QCommTrainer  # config.build() makes a QCommTrainer
+
+
 def test_wrong_adapter_fails_at_import_naming_the_right_one():
     proc = subprocess.run([sys.executable, "-c", "import fsdp_qcomm.titan.register"],
                           capture_output=True, text=True, cwd=str(REPO_ROOT))
@@ -104,6 +130,9 @@ def test_every_toml_recipe_has_a_recipe_function_and_back():
     functions = {n for n in dir(config_registry) if not n.startswith("_") and n[0].islower()
                  and callable(getattr(config_registry, n))}
     assert functions == set(mapping.values())
+    readme = (REPO_ROOT / "recipes" / "README.md").read_text()
+    for toml, fn in mapping.items():  # the mapping table of recipes/README.md
+        assert f"| `{toml}` | `{fn}` |" in readme, toml
 
 
 def _ac_mode(ac) -> str:
@@ -235,10 +264,9 @@ def test_dense_attention_swaps_every_flex_module():
 
 
 # --------------------------------------------------------------------------- torchrun runs
-def _summary(dump: Path) -> dict:
-    path = dump / comm_stats.SUMMARY_FILE
-    assert path.exists(), f"no {path}"
-    return json.loads(path.read_text())
+def torchrun(config: str, dump: Path, *extra: str, nproc: int = 2, timeout: float = 300):
+    """Stock ``torchtitan.train --module fsdp_qcomm.titan03`` under torchrun, on CPU."""
+    return run(torchrun_command(config, nproc, dump, list(extra), all_ranks=True), timeout)
 
 
 def short_run(steps: int, *extra: str) -> tuple:
@@ -264,22 +292,12 @@ def hsdp_run(tmp_path_factory) -> Path:
     return dump
 
 
-def _tensorboard_scalars(dump: Path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = sorted(dump.rglob("events.out.tfevents.*"))
-    assert events, f"no TensorBoard events under {dump}"
-    acc = EventAccumulator(str(events[0].parent))
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
 def test_hsdp_two_replicas_of_two_shards(hsdp_run):
     """The 0.3 debug recipe as HSDP 2 x 2: the hooks run on each 2-rank shard group (the
     gradients' intra-node 8-bit hop only: a shard group is one node) and the replica all-reduce
     is quantized (4-bit, the hop that crosses nodes); every figure matches the library's wire
     formats and the FSDP reference, the loss falls, and the figures reach TensorBoard."""
-    s = _summary(hsdp_run)
+    s = read_summary(hsdp_run)
     check_hsdp_sdp4bit_summary(s, steps=6)
     assert s["model"] == "gpt_qcomm" and s["flavor"] == "debug"
     assert [v["step"] for v in s["validation"]] == [1, 4]
@@ -295,7 +313,7 @@ def test_hsdp_two_replicas_of_two_shards(hsdp_run):
             assert h["qcomm/weight_bytes_per_step"] == plain[0]["qcomm/weight_bytes_per_step"]
         else:  # the held-out pass before this step already sent the weights' differences
             assert h["qcomm/weight_bytes_per_step"] < plain[0]["qcomm/weight_bytes_per_step"]
-    tb = _tensorboard_scalars(hsdp_run)
+    tb = tensorboard_scalars(hsdp_run)
     for tag in ("qcomm/weight_bytes_per_step", "qcomm/grad_bits_per_elem",
                 "qcomm/replica_bytes_per_step", "qcomm/total_cross_node_bytes_per_step",
                 "qcomm/total_ratio_vs_unquantized"):
@@ -306,14 +324,14 @@ def test_hsdp_checkpoint_resume_is_bit_identical(hsdp_run, tmp_path):
     """Resume the HSDP run from its step-3 checkpoint, which carries the handles' state under
     "qcomm" (QCommTrainer adds it to the checkpointer's states): steps 4-6 repeat the
     uninterrupted run exactly, losses and bytes."""
-    a = _summary(hsdp_run)
+    a = read_summary(hsdp_run)
     assert (hsdp_run / "ckpt" / "step-3").is_dir()
     dump = tmp_path / "resumed"
     (dump / "ckpt").mkdir(parents=True)
     shutil.copytree(hsdp_run / "ckpt" / "step-3", dump / "ckpt" / "step-3")
     torchrun("debug_sdp4bit", dump, *short_run(6), *HSDP_RUN, *HSDP_FLAGS,
              "--checkpoint.load_step", "3", nproc=4)
-    b = _summary(dump)
+    b = read_summary(dump)
     n = b["hooked_modules"]
     assert b["steps_logged"] == [4, 5, 6] and b["training_steps"] == 3
     assert b["gather_modes"].get("qwd_restore") == n and not b["gather_modes"].get("qwd_full")
@@ -335,7 +353,7 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
     dump = tmp_path / "out"
     proc = torchrun("debug_qsdp", dump, *short_run(3), "--validator.no-enable",
                     "--qcomm.weight_levels", "learned", "--qcomm.grad_levels", "learned")
-    s = _summary(dump)
+    s = read_summary(dump)
     assert s["steps_logged"] == [1, 2, 3] and s["qcomm_config"]["grad_levels"] == "learned"
     assert all(math.isfinite(x) for x in s["loss"])
     assert s["handle_stats"][0]["levels_sync"]["sent_bytes"] == \
