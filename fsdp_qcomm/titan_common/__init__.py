@@ -3,6 +3,7 @@
 * ``section`` -- the ``qcomm`` config section, generated from ``QCommConfig``;
 * ``install`` -- :func:`install_qcomm`, the hooks on torchtitan's model parts;
 * ``comm_stats`` -- the ``qcomm/*`` figures, the console line, the summary file;
+* ``metrics`` -- the mixin that adds them to either torchtitan's metrics processor;
 * ``checkpoint`` -- the handles' state as one checkpoint entry;
 * ``data`` -- the offline corpus, BPE tokenizer and dataset entries;
 * ``cpu`` -- running torchtitan on hosts without an accelerator (gloo);

@@ -136,6 +136,17 @@ def test_rejects_out_of_range_value_toml_and_cli(tmp_path, capsys):
     assert "weight_bits=99" in err.out + err.err
 
 
+def test_wrong_adapter_fails_at_import_naming_the_right_one():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", "import fsdp_qcomm.titan03.config_registry"],
+                          capture_output=True, text=True, cwd=str(REPO_ROOT))
+    assert proc.returncode != 0
+    assert "TorchtitanVersionError: fsdp_qcomm.titan03 is the integration for torchtitan " \
+           ">=0.3.0,<0.4, but torchtitan 0.2.2 is installed: use fsdp_qcomm.titan " \
+           "instead" in proc.stderr
+
+
 # --------------------------------------------------------------------------- recipes
 RECIPE_FILES = sorted((REPO_ROOT / "recipes").glob("*.toml"))
 
