@@ -26,8 +26,11 @@ Per collective ``c`` that the handles measured:
 * ``qcomm/<c>_ratio_vs_unquantized`` = sent / baseline and ``qcomm/<c>_bits_per_elem`` = 8 x sent
   / elements FSDP would have sent (32.0 for a plain fp32 exchange; a qWD backward re-gather that
   reuses the reference sends 0 bits, so the weight figure averages forward and backward gathers);
+* ``qcomm/<c>_sending_bits_per_elem``: the same per element of the calls that sent bytes (the
+  wire format's cost of one exchange; a qWD gather of unchanged weights sends nothing);
 * ``qcomm/<c>_<field>_per_step`` for any further counter the kinds record (for example
-  ``cross_node_bytes``), and ``qcomm/total_<field>_per_step`` summed over collectives;
+  ``cross_node_bytes``), and for byte counters ``qcomm/total_<field>_per_step`` summed over
+  collectives;
 
 plus ``qcomm/<kind>_bits_per_elem`` for every kind that carries values (the code width of each
 gradient hop on the wire), and ``qcomm/total_ratio_vs_unquantized``.
@@ -118,8 +121,6 @@ _BASE_FIELDS = {
     "calls": "calls", "sent_bytes": "sent", "recv_bytes": "recv", "elements": "elements",
     "baseline_bytes": "baseline",
 }
-#: per-kind values derived from the counters: recomputed per interval, never summed
-_DERIVED_FIELDS = {"bits_per_element", "ratio_vs_baseline"}
 #: top-level entries of ``handle.stats()`` that are not stats kinds
 NOT_KINDS = ("notes", "summary")
 _warned_kinds: set[str] = set()
@@ -145,10 +146,18 @@ def collective_named(name: str) -> Collective:
     return next((c for c in COLLECTIVES if c.name == name), None) or collective_of(name)
 
 
-def _number(value: Any) -> Optional[float]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _counter(value: Any) -> Optional[float]:
+    """A cumulative counter (an int) as a float; None for anything else: the library's floats
+    (``bits_per_element``, ``ratio_vs_baseline``, ...) are ratios of counters, recomputed per
+    interval here, never summed."""
+    if isinstance(value, bool) or not isinstance(value, int):
         return None
     return float(value)
+
+
+def _counts_a_call(name: str) -> bool:
+    """Counters that hops sharing one call each hold in full (not parts of a sum)."""
+    return name == "baseline" or name.endswith(("calls", "elements"))
 
 
 def split_stats(stats: Mapping) -> dict[str, dict[str, float]]:
@@ -156,10 +165,11 @@ def split_stats(stats: Mapping) -> dict[str, dict[str, float]]:
 
     Returns ``{collective name: {"calls", "sent", "recv", "elements", "baseline", <extra
     counters>...}}`` for the collectives the handle recorded, plus ``{"kind:<kind>": {"sent",
-    "elements"}}`` per kind (for per-hop bits). Counters add up over a collective's kinds, except
-    that hops sharing a baseline count it once (the largest), and so their calls and elements.
-    Extra numeric fields a kind records (e.g. ``cross_node_bytes``) are summed as they are;
-    non-numeric ones and the derived ratios are ignored. :data:`NOT_KINDS` are skipped.
+    "elements"}}`` per kind (for per-hop bits). Counters (int fields) add up over a
+    collective's kinds, except that hops sharing a baseline count it once (the largest), and so
+    their calls and elements. Extra counters a kind records (``cross_node_bytes``,
+    ``sending_calls``, ``sending_elements``, ...) are kept under their own names; float fields
+    (the library's ratios) and anything else are ignored. :data:`NOT_KINDS` are skipped.
     """
     out: dict[str, dict[str, float]] = {}
     for kind in sorted(k for k in stats if k not in NOT_KINDS):
@@ -170,12 +180,12 @@ def split_stats(stats: Mapping) -> dict[str, dict[str, float]]:
         counters = out.setdefault(c.name, {})
         mine: dict[str, float] = {}
         for key, value in entry.items():
-            v = _number(value)
-            if v is None or key in _DERIVED_FIELDS:
+            v = _counter(value)
+            if v is None:
                 continue
             mine[_BASE_FIELDS.get(key, key)] = v
         for name, v in mine.items():
-            shared = c.shared_baseline and name in ("calls", "elements", "baseline")
+            shared = c.shared_baseline and _counts_a_call(name)
             counters[name] = max(counters.get(name, 0.0), v) if shared else (
                 counters.get(name, 0.0) + v
             )
@@ -375,10 +385,13 @@ class CommTracker:
             elems = base / itemsize if itemsize and base > 0 else d.get("elements", 0.0)
             if elems > 0:
                 out[f"qcomm/{c.name}_bits_per_elem"] = 8.0 * sent / elems
+            if d.get("sending_elements", 0.0) > 0:  # the cost of one call that sent bytes
+                out[f"qcomm/{c.name}_sending_bits_per_elem"] = 8.0 * sent / d["sending_elements"]
             for f, v in d.items():
                 if f not in _BASE_FIELDS.values():
                     out[f"qcomm/{c.name}_{f}_per_step"] = v
-                    extra_totals[f] = extra_totals.get(f, 0.0) + v
+                    if f.endswith("_bytes"):  # bytes add up across collectives; counts do not
+                        extra_totals[f] = extra_totals.get(f, 0.0) + v
         for k, d in delta.items():
             if k.startswith("kind:") and d.get("elements", 0.0) > 0:
                 out[f"qcomm/{k[5:]}_bits_per_elem"] = 8.0 * d["sent"] / d["elements"]

@@ -172,7 +172,8 @@ def test_every_kind_the_library_records_and_unknown_ones_make_figures():
     h.s = {"notes": []}
     t.figures(0, 0, [part], 1)
     h.s = {
-        "weight_allgather": _kind(4, 200, 400, 400, 1600, cross_node_bytes=0),
+        "weight_allgather": _kind(4, 200, 400, 400, 1600, cross_node_bytes=0, sending_calls=2,
+                                  sending_elements=200, sending_bits_per_element=8.0),
         "grad_intra": _kind(2, 400, 400, 800, 3200, cross_node_bytes=0),
         "grad_inter": _kind(2, 200, 200, 400, 3200, cross_node_bytes=200),
         "grad_replica": _kind(2, 100, 100, 200, 800, cross_node_bytes=100, note="ignored"),
@@ -193,6 +194,12 @@ def test_every_kind_the_library_records_and_unknown_ones_make_figures():
     assert f["qcomm/future_thing_bits_per_elem"] == 8.0 * 5 / 2.5
     assert f["qcomm/grad_cross_node_bytes_per_step"] == 100
     assert f["qcomm/total_cross_node_bytes_per_step"] == 150
+    # counters of the calls that sent bytes: the cost of one sending gather; the library's
+    # float ratios are recomputed, never summed; call counts make no cross-collective total
+    assert f["qcomm/weight_sending_bits_per_elem"] == 8.0 * 100 / 100
+    assert f["qcomm/weight_sending_calls_per_step"] == 1
+    assert not any("sending_bits_per_element" in k for k in f)
+    assert "qcomm/total_sending_calls_per_step" not in f
     sent = 100 + 300 + 50 + 48 + 5
     base = 800 + 1600 + 400 + 0 + 10
     assert f["qcomm/total_ratio_vs_unquantized"] == pytest.approx(sent / base, rel=1e-12)
