@@ -29,6 +29,14 @@ def require_adapter(adapter: str) -> None:
         pytest.skip(f"{adapter} tests: {e}", allow_module_level=True)
 
 
+def import_error(module: str) -> str:
+    """The error importing ``module`` raises in a fresh interpreter (asserts that it fails)."""
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                          text=True, cwd=str(REPO_ROOT))
+    assert proc.returncode != 0, f"importing {module} did not fail"
+    return proc.stderr.strip().splitlines()[-1]
+
+
 def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run a torchrun command on CPU with this checkout first on the ranks' path; raise with
     the log on failure."""

@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from _titan_run import (  # noqa: E402
     REPO_ROOT,
+    import_error,
     read_summary,
     require_adapter,
     run,
@@ -137,14 +138,10 @@ def test_rejects_out_of_range_value_toml_and_cli(tmp_path, capsys):
 
 
 def test_wrong_adapter_fails_at_import_naming_the_right_one():
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-c", "import fsdp_qcomm.titan03.config_registry"],
-                          capture_output=True, text=True, cwd=str(REPO_ROOT))
-    assert proc.returncode != 0
-    assert "TorchtitanVersionError: fsdp_qcomm.titan03 is the integration for torchtitan " \
-           ">=0.3.0,<0.4, but torchtitan 0.2.2 is installed: use fsdp_qcomm.titan " \
-           "instead" in proc.stderr
+    err = import_error("fsdp_qcomm.titan03.config_registry")
+    assert err.startswith("fsdp_qcomm.titan_common.version.TorchtitanVersionError: "), err
+    assert "fsdp_qcomm.titan03 is the integration for torchtitan >=0.3.0,<0.4, " \
+        "but torchtitan 0.2.2 is installed: use fsdp_qcomm.titan instead" in err
 
 
 # --------------------------------------------------------------------------- recipes
