@@ -2,10 +2,10 @@
 is valid: what the torchtitan tests feed through each version's config parser and through the
 hooks and the figures, so that no field or preset can crash a run unnoticed.
 
-Values come from the field's type (every other ``Literal`` choice, the other ``bool``, the
-first valid of default-1 / default+1 / default*2 for ints, 1 and 2 for an optional int) and,
-for a plain ``str`` field, from :data:`STR_CHOICES`; a new field of a type this module cannot
-vary fails :func:`field_variants` by name.
+Values come from :data:`CHOICES` for fields whose type says too little (a plain ``str``, a
+float), else from the field's type (every other ``Literal`` choice, the other ``bool``, the
+first valid of default-1 / default+1 / default*2 for ints, 1 and 2 for an optional int); a new
+field of a type this module cannot vary fails :func:`field_variants` by name.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from fsdp_qcomm.config import QCommConfig
 
-#: plain str fields and their other valid values
-STR_CHOICES = {"scale_dtype": ("bfloat16", "float16")}
+#: other values of the fields whose type does not say which values are valid
+CHOICES = {"scale_dtype": ("bfloat16", "float16"), "bit_budget": (3.0, 5.5)}
 #: (preset, overrides) tried for each value, the ones that quantize most first
 BASES: tuple[tuple[str, dict], ...] = (
     ("sdp4bit", {}), ("qsdp", {}), ("zeropp", {}), ("qw4", {}), ("qwd", {}), ("tlq", {}),
@@ -28,6 +28,8 @@ LEARNED = ("qsdp", {"weight_levels": "learned", "grad_levels": "learned"})
 
 
 def _candidates(f: dataclasses.Field, tp: Any) -> list:
+    if f.name in CHOICES:
+        return list(CHOICES[f.name])
     args = typing.get_args(tp)
     if typing.get_origin(tp) is Literal:
         return [a for a in args if a != f.default]
@@ -39,11 +41,9 @@ def _candidates(f: dataclasses.Field, tp: Any) -> list:
         inner = [a for a in args if a is not type(None)]
         if inner == [int]:
             return [1, 2]
-    if tp is str and f.name in STR_CHOICES:
-        return list(STR_CHOICES[f.name])
     raise TypeError(
         f"tests/_qcomm_fields.py cannot vary QCommConfig.{f.name} ({tp}); add its values to "
-        "STR_CHOICES or teach _candidates its type"
+        "CHOICES or teach _candidates its type"
     )
 
 

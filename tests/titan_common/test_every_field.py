@@ -118,9 +118,9 @@ def test_variant_runs_and_every_byte_is_counted(results, variant):
     assert ("qcomm/grad_bytes_per_step" in late) == (cfg.grad_scheme != "none")
     learned = cfg.weight_levels == "learned" or cfg.grad_levels == "learned"
     assert ("levels_sync" in stats) == learned
-    if learned:  # refreshed on first use: the first interval carries the table exchange
-        assert figs[1]["qcomm/levels_bytes_per_step"] > 0
-        assert " L " in r["lines"][0] and "(overhead)" in r["lines"][0]
+    if learned:  # the table exchanges (on first use; after qWD's full first gather) show up
+        assert any(f.get("qcomm/levels_bytes_per_step", 0) > 0 for f in figs.values())
+        assert any(" L " in line and "(overhead)" in line for line in r["lines"])
     # the handle's own node-crossing total (stats["summary"]) is what the figures add up
     assert summary["measured_cumulative"].get("weight_cross_node_bytes", 0) + sum(
         cum.get(f"{g}_cross_node_bytes", 0) for g in groups - {"weight"}
