@@ -2,186 +2,25 @@
 
 Use it with ``[job] custom_config_module = "fsdp_qcomm.titan.config"``. torchtitan merges this
 module's :class:`JobConfig` into its own, so ``[qcomm]`` parses like any built-in section:
-TOML values first, then CLI flags (``--qcomm.weight_bits 8``) win.
-
-The section is *generated* from the fields of ``fsdp_qcomm.config.QCommConfig``, so it cannot
-drift from the library's configuration:
-
-* ``preset`` (str, default ``"baseline"``) names ``QCommConfig.preset(name)``, a dataclass
-  instance with a ``PRESETS`` mapping of known names;
-* every ``QCommConfig`` field ``f`` becomes an optional override ``f`` (default: unset, meaning
-  "whatever the preset says"), with the same type.
-
-Values are checked when the section is built (TOML) and again after CLI overrides: each value
-must have its field's type (TOML values bypass tyro's parsing, so this is checked here), and the
-resolved ``QCommConfig.preset(preset, **overrides)`` must construct, which runs the library's own
-range checks. (Resolution is ``dataclasses.replace(QCommConfig.preset(preset), **overrides)``.)
-Errors name the section and field, e.g. ``[qcomm] weight_bits=99: ...``. Unknown
-keys are rejected by torchtitan (``Invalid field names in ... {'foo'}``) and by tyro
-(``Unrecognized options: --qcomm.foo``).
-
-Limitation: TOML has no null, so an override cannot set a field to ``None`` explicitly (unset
-already means "the preset's value", and no preset sets a None-able field today).
+TOML values first, then CLI flags (``--qcomm.weight_bits 8``) win. The section itself, its
+checks and its errors are shared with the torchtitan 0.3 adapter
+(``fsdp_qcomm.titan_common.section``).
 """
 
-# NOTE: no ``from __future__ import annotations`` here: torchtitan's ConfigManager checks
+# NOTE: no ``from __future__ import annotations`` here: torchtitan 0.2.2's ConfigManager checks
 # ``dataclasses.is_dataclass(field.type)`` to recurse into sections, which fails on strings.
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
 
-import tyro
-
-from fsdp_qcomm.config import QCommConfig
-
-SECTION = "qcomm"
-
-
-def qcomm_config_class() -> type:
-    """The dataclass the ``[qcomm]`` section mirrors: ``fsdp_qcomm.config.QCommConfig``."""
-    return QCommConfig
-
-
-def preset_names(source: Optional[type] = None) -> list:
-    return list((source or qcomm_config_class()).PRESETS)
-
-
-# --------------------------------------------------------------------------- type checks
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    return getattr(tp, "__name__", str(tp))
-
-
-def _matches(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin is typing.Annotated:
-        return _matches(value, typing.get_args(tp)[0])
-    if tp is Any:
-        return True
-    if tp is type(None):
-        return value is None
-    if origin is Literal:
-        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return any(_matches(value, a) for a in typing.get_args(tp))
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True  # a type we do not know how to check: leave it to QCommConfig
-
-
-# --------------------------------------------------------------------------- the section
-def _section_post_init(self) -> None:
-    hints = self._field_types
-    for name, tp in hints.items():
-        value = getattr(self, name)
-        if value is None and name != "preset":
-            continue
-        if not _matches(value, tp):
-            raise ValueError(
-                f"[{SECTION}] {name}={value!r} has type {type(value).__name__}; "
-                f"expected {_type_name(tp)}"
-            )
-    known = preset_names(self._source)
-    if self.preset not in known:
-        raise ValueError(
-            f"[{SECTION}] preset={self.preset!r} is not a known preset; "
-            f"known presets: {', '.join(known)}"
-        )
-    try:
-        self.resolve()
-    except (ValueError, TypeError) as e:
-        set_fields = ", ".join(f"{k}={v!r}" for k, v in self.overrides().items())
-        raise ValueError(
-            f"[{SECTION}] preset={self.preset!r}"
-            + (f" with {set_fields}" if set_fields else "")
-            + f" is invalid: {e}"
-        ) from None
-
-
-def _section_overrides(self) -> dict:
-    """The fields set in TOML/CLI (everything but ``preset`` that is not None)."""
-    return {
-        f.name: getattr(self, f.name)
-        for f in dataclasses.fields(self)
-        if f.name != "preset" and getattr(self, f.name) is not None
-    }
-
-
-def _section_resolve(self):
-    """The ``QCommConfig`` this section describes: the preset with the overrides applied.
-
-    ``dataclasses.replace`` rather than ``preset(name, **overrides)`` so that a field called
-    ``name`` cannot collide with ``preset``'s parameter; both construct (and validate) anew.
-    """
-    base = self._source.preset(self.preset)
-    overrides = self.overrides()
-    return dataclasses.replace(base, **overrides) if overrides else base
-
-
-def make_section_class(source: Optional[type] = None, name: str = "QComm") -> type:
-    """Build the ``[qcomm]`` dataclass from ``source``'s fields (see module docstring)."""
-    source = source or qcomm_config_class()
-    hints = typing.get_type_hints(source)
-    spec: list = [
-        (
-            "preset",
-            typing.Annotated[
-                str,
-                tyro.conf.arg(help="QCommConfig preset: " + ", ".join(preset_names(source))),
-            ],
-            field(default="baseline"),
-        )
-    ]
-    field_types: dict = {"preset": str}
-    for f in dataclasses.fields(source):
-        if f.name == "preset":
-            raise TypeError(f"{source.__name__} has a field named 'preset', which [qcomm] reserves")
-        tp = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else "<required>"
-        spec.append(
-            (
-                f.name,
-                typing.Annotated[
-                    Optional[tp],
-                    tyro.conf.arg(
-                        help=f"override QCommConfig.{f.name} ({_type_name(tp)}; library "
-                        f"default {default!r}); unset = the preset's value"
-                    ),
-                ],
-                field(default=None),
-            )
-        )
-        field_types[f.name] = tp
-    cls = dataclasses.make_dataclass(
-        name,
-        spec,
-        namespace={
-            "__post_init__": _section_post_init,
-            "overrides": _section_overrides,
-            "resolve": _section_resolve,
-            "_source": source,
-            "_field_types": field_types,
-            "__doc__": f"[{SECTION}] section mirroring {source.__module__}.{source.__name__}.",
-        },
-    )
-    cls.__module__ = __name__  # make_dataclass(module=...) needs Python 3.12
-    return cls
-
-
-QComm = make_section_class()
+from fsdp_qcomm.titan_common.section import (
+    SECTION,
+    QComm,
+    make_section_class,
+    preset_names,
+    qcomm_config_class,
+    resolve,
+    section_of,
+)
 
 
 @dataclass
@@ -191,14 +30,7 @@ class JobConfig:
     qcomm: QComm = field(default_factory=QComm)
 
 
-def section_of(job_config: Any) -> Any:
-    """The ``[qcomm]`` section of a parsed job config, or None if the module was not merged."""
-    return getattr(job_config, SECTION, None)
-
-
-def resolve(job_config: Any):
-    """The ``QCommConfig`` for a parsed job config (the default preset if [qcomm] is absent)."""
-    section = section_of(job_config)
-    if section is None:
-        section = QComm()
-    return section.resolve()
+__all__ = [
+    "JobConfig", "QComm", "SECTION", "make_section_class", "preset_names", "qcomm_config_class",
+    "resolve", "section_of",
+]

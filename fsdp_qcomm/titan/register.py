@@ -3,15 +3,17 @@
 Importing this module (torchtitan does it at the top of ``Trainer.__init__``, before it picks
 the device) does four things, none of which edits torchtitan's files:
 
-1. on hosts without an accelerator, points torchtitan at the CPU and gloo (``cpu.py``);
-2. adds the offline datasets ``pystdlib``, ``pystdlib_val``, ``text``, ``jsonl`` (``data.py``);
+1. on hosts without an accelerator, points torchtitan at the CPU and gloo
+   (``titan_common/cpu.py``);
+2. adds the offline datasets ``pystdlib``, ``pystdlib_val``, ``text``, ``jsonl``
+   (``titan_common/data.py``);
 3. registers the train spec ``gpt_qcomm`` (flavors in ``models.py``): llama3's model and
    components, plus
 
    * ``build_tokenizer_fn`` that accepts ``hf_assets_path = "fsdp_qcomm:pystdlib_bpe<N>"``;
-   * ``parallelize_fn`` = torchtitan's ``parallelize_llama``, then :func:`_install_qcomm`
+   * ``parallelize_fn`` = torchtitan's ``parallelize_llama``, then ``install_qcomm``
      (``fsdp_qcomm.enable``) with the ``[qcomm]`` config;
-   * ``build_metrics_processor_fn`` that logs ``qcomm/*`` figures (``comm_stats.py``);
+   * ``build_metrics_processor_fn`` that logs ``qcomm/*`` figures (``metrics.py``);
 4. makes torchtitan checkpoints save and load the handles' state under ``"qcomm"``
    (``checkpoint.py``), so a resumed run continues bit for bit.
 
@@ -35,44 +37,18 @@ from torchtitan.protocols import train_spec as train_spec_module
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.tools.logging import logger
 
-from fsdp_qcomm.titan import checkpoint, cpu, data
 from fsdp_qcomm.titan import config as qcomm_config
-from fsdp_qcomm.titan.comm_stats import (
-    ATTACHMENT_ATTR,
-    QCommAttachment,
-    build_qcomm_metrics_processor,
-)
+from fsdp_qcomm.titan.checkpoint import patch_checkpoint_manager
+from fsdp_qcomm.titan.metrics import build_qcomm_metrics_processor
 from fsdp_qcomm.titan.models import GPT_FLAVORS
+from fsdp_qcomm.titan_common import cpu, data
+from fsdp_qcomm.titan_common.install import install_qcomm
 
 TRAIN_SPEC_NAME = "gpt_qcomm"
 
 
-# --------------------------------------------------------------------------- the hook call
-def _install_qcomm(model_parts: list[torch.nn.Module], qcomm_cfg) -> list:
-    """``fsdp_qcomm.enable(part, qcomm_cfg)`` on every model part; one handle per part.
-
-    Runs while the parameters are still on the meta device. That is safe: ``enable`` records
-    nothing about parameter values or storages; each qWD all-gather builds its reference on
-    its first gather (full precision), which comes after torchtitan's initialization (and
-    after a checkpoint load, which counts as a change outside the optimizer). ``enable`` also
-    forces FSDP's SUM reduction where it is needed (every module with a quantized
-    reduce-scatter, and gloo modules with torchtitan's divide factor 1.0), so nothing else here
-    touches that setting.
-    """
-    from fsdp_qcomm import enable
-
-    return [enable(part, qcomm_cfg) for part in model_parts]
-
-
-# --------------------------------------------------------------------------- spec pieces
-def _fsdp_module_count(model: torch.nn.Module) -> int:
-    from torch.distributed.fsdp import FSDPModule
-
-    return sum(isinstance(m, FSDPModule) for m in model.modules())
-
-
 def parallelize_gpt_qcomm(model: torch.nn.Module, parallel_dims, job_config) -> torch.nn.Module:
-    """torchtitan's llama3 parallelization, then the qcomm hooks (``fsdp_qcomm.enable``).
+    """torchtitan's llama3 parallelization, then the qcomm hooks (``install_qcomm``).
 
     Called once per model part (pipeline stages call it per stage). Parameters are still on
     the meta device here: torchtitan materializes and initializes them afterwards.
@@ -85,19 +61,8 @@ def parallelize_gpt_qcomm(model: torch.nn.Module, parallel_dims, job_config) -> 
             "'fsdp_qcomm.titan.config'); using the baseline preset"
         )
         section = qcomm_config.QComm()
-    qcfg = section.resolve()
-    n_fsdp = _fsdp_module_count(model)
-    att = QCommAttachment(config=qcfg, preset=section.preset, fsdp_modules=n_fsdp)
-    if n_fsdp == 0:
-        att.note = "no FSDP modules (single process or FSDP disabled): nothing to install"
-        logger.info(f"qcomm: {att.note}")
-    else:
-        att.handle = _install_qcomm([model], qcfg)[0]
-        logger.info(
-            f"qcomm: preset {section.preset!r} overrides {section.overrides()}: installed on "
-            f"{len(att.handle.module_names)} of {n_fsdp} FSDP modules"
-        )
-    setattr(model, ATTACHMENT_ATTR, att)
+    install_qcomm([model], section.resolve(), preset=section.preset,
+                  overrides=section.overrides())
     return model
 
 
@@ -129,7 +94,7 @@ def register() -> None:
     if cpu.patch_torchtitan_for_cpu():
         logger.info("qcomm: no accelerator: torchtitan patched to run on CPU with gloo")
     data.register_datasets()
-    checkpoint.patch_checkpoint_manager()
+    patch_checkpoint_manager()
     if TRAIN_SPEC_NAME not in train_spec_module._extra_train_specs:
         train_spec_module.register_train_spec(TRAIN_SPEC_NAME, get_train_spec())
 

@@ -1,26 +1,40 @@
-"""torchtitan integration: [qcomm] section, recipes, offline data, and 2-process CPU runs.
+"""torchtitan 0.2.2 integration: [qcomm] TOML section, recipes, and 2-process CPU runs.
 
-Three torchrun runs of ~25-40 s each on a 2-core CPU (sdp4bit with a checkpoint, its resume,
-baseline with gradient accumulation, validation and TensorBoard); everything else is fast.
+Six torchrun runs of ~25-45 s each on a 2-core CPU (sdp4bit with a checkpoint, its resume,
+a resume without the qcomm entry, baseline with gradient accumulation, validation and
+TensorBoard, QSDP with learned levels, sdp4bit as HSDP 2 x 2 on 4 ranks); everything else is
+fast. The version-free pieces
+(figures, data, section generator) are tested in tests/titan_common.
 """
 
 import dataclasses
-import json
 import math
 import shutil
+import sys
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
 
 import pytest
-import torch
-from conftest import REPO_ROOT, torchrun
 
-from fsdp_qcomm.config import QCommConfig
-from fsdp_qcomm.titan import comm_stats, data, recipes
-from fsdp_qcomm.titan import config as qconfig
-from fsdp_qcomm.titan.models import GPT_FLAVORS, count_params
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from _titan_run import (  # noqa: E402
+    REPO_ROOT,
+    import_error,
+    read_summary,
+    require_adapter,
+    run,
+    tensorboard_scalars,
+)
+
+require_adapter("fsdp_qcomm.titan")
+
+from _hsdp_run import HSDP_FLAGS, check_hsdp_sdp4bit_summary  # noqa: E402
+from _qcomm_fields import cli_value, field_variants, toml_literal  # noqa: E402
+
+from fsdp_qcomm.config import QCommConfig  # noqa: E402
+from fsdp_qcomm.titan import config as qconfig  # noqa: E402
+from fsdp_qcomm.titan import recipes  # noqa: E402
+from fsdp_qcomm.titan.main import torchrun_command  # noqa: E402
 
 CUSTOM = 'custom_config_module = "fsdp_qcomm.titan.config"'
 
@@ -33,24 +47,7 @@ def parse(tmp_path: Path, toml: str, *cli: str):
     return ConfigManager().parse_args(["--job.config_file", str(path), *cli])
 
 
-def toml_literal(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return repr(value)
-
-
 # --------------------------------------------------------------------------- [qcomm] section
-def test_section_mirrors_qcomm_config_fields():
-    source = qconfig.qcomm_config_class()
-    section = {f.name for f in dataclasses.fields(qconfig.QComm)}
-    assert section == {"preset"} | {f.name for f in dataclasses.fields(source)}
-    assert all(
-        f.default is None for f in dataclasses.fields(qconfig.QComm) if f.name != "preset"
-    )
-
-
 def test_every_field_parses_from_toml(tmp_path):
     source = qconfig.qcomm_config_class()
     defaults = {
@@ -68,10 +65,21 @@ def test_every_field_parses_from_toml(tmp_path):
         assert getattr(resolved, k) == v, k
 
 
-@pytest.mark.parametrize("preset", qconfig.preset_names())
-def test_every_preset_resolves(tmp_path, preset):
-    cfg = parse(tmp_path, f'[job]\n{CUSTOM}\n[qcomm]\npreset = "{preset}"\n')
-    assert cfg.qcomm.resolve() == qconfig.qcomm_config_class().preset(preset)
+VARIANTS = field_variants()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_every_preset_and_field_value_parses_from_toml_and_cli(tmp_path, variant):
+    """Each preset, and each QCommConfig field at each other value, through torchtitan
+    0.2.2's TOML parser and through its CLI flags: the section resolves to the same config."""
+    _, preset, overrides = variant
+    expect = QCommConfig.preset(preset, **overrides)
+    body = "\n".join(f"{k} = {toml_literal(v)}" for k, v in overrides.items())
+    cfg = parse(tmp_path, f'[job]\n{CUSTOM}\n[qcomm]\npreset = "{preset}"\n{body}\n')
+    assert cfg.qcomm.resolve() == expect
+    flags = [a for k, v in overrides.items() for a in (f"--qcomm.{k}", cli_value(v))]
+    cfg = parse(tmp_path, f"[job]\n{CUSTOM}\n", "--qcomm.preset", preset, *flags)
+    assert cfg.qcomm.resolve() == expect
 
 
 def test_cli_overrides_win_over_toml(tmp_path):
@@ -129,63 +137,11 @@ def test_rejects_out_of_range_value_toml_and_cli(tmp_path, capsys):
     assert "weight_bits=99" in err.out + err.err
 
 
-@dataclass(frozen=True)
-class _Toy:
-    mode: Literal["a", "b"] = "a"
-    bits: int = 4
-    frac: float = 0.5
-    name: str = "x"
-    flag: bool = False
-    nodes: Optional[int] = None
-    PRESETS = {"p": {}, "q": {"mode": "b"}}
-
-    def __post_init__(self):
-        if self.bits > 8:
-            raise ValueError("bits too large")
-
-    @classmethod
-    def preset(cls, name, **overrides):  # a field is also called "name": resolve must cope
-        return cls(**{**cls.PRESETS[name], **overrides})
-
-
-@pytest.mark.parametrize(
-    "kwargs, error",
-    [
-        (dict(preset="q"), None),
-        (dict(preset="p", mode="b", bits=8, frac=1, name="y", flag=True, nodes=2), None),
-        (dict(preset="r"), "preset='r' is not a known preset; known presets: p, q"),
-        (dict(mode="c"), "mode='c' has type str; expected one of 'a', 'b'"),
-        (dict(bits=True), "bits=True has type bool; expected int"),
-        (dict(frac="0.5"), "expected float"),
-        (dict(flag="yes"), "expected bool"),
-        (dict(nodes=1.5), "expected int"),
-        (dict(bits=9), "bits too large"),
-    ],
-)
-def test_section_generator_on_a_toy_dataclass(kwargs, error):
-    section = qconfig.make_section_class(_Toy)
-    kwargs = {"preset": "p", **kwargs}  # the toy has no "baseline" preset
-    if error is None:
-        s = section(**kwargs)
-        expect = dataclasses.replace(_Toy.preset(kwargs["preset"]), **s.overrides())
-        assert s.resolve() == expect
-    else:
-        with pytest.raises(ValueError, match=__import__("re").escape(error)):
-            section(**kwargs)
-
-
-def test_section_is_generated_from_the_library_config():
-    assert qconfig.qcomm_config_class() is QCommConfig
-    assert qconfig.preset_names() == list(QCommConfig.PRESETS)
-    s = qconfig.QComm(preset="qsdp", weight_bits=6, grad_scheme="two_level")
-    assert s.resolve() == QCommConfig.preset("qsdp", weight_bits=6, grad_scheme="two_level")
-    with pytest.raises(ValueError, match=r"\[qcomm\] preset='baseline' with weight_bits=1.*"
-                       r"QCommConfig.weight_bits=1"):
-        qconfig.QComm(weight_bits=1)
-    with pytest.raises(ValueError, match="grad_hadamard=True needs a quantized gradient"):
-        qconfig.QComm(grad_hadamard=True)
-    with pytest.raises(ValueError, match=r"weight_scheme='qqq'.*expected one of 'none'"):
-        qconfig.QComm(weight_scheme="qqq")
+def test_wrong_adapter_fails_at_import_naming_the_right_one():
+    err = import_error("fsdp_qcomm.titan03.config_registry")
+    assert err.startswith("fsdp_qcomm.titan_common.version.TorchtitanVersionError: "), err
+    assert "fsdp_qcomm.titan03 is the integration for torchtitan >=0.3.0,<0.4, " \
+        "but torchtitan 0.2.2 is installed: use fsdp_qcomm.titan instead" in err
 
 
 # --------------------------------------------------------------------------- recipes
@@ -219,125 +175,11 @@ def test_every_recipe_parses_and_resolves(path):
         assert cfg.training.global_batch_size % (cfg.training.local_batch_size * 8) == 0
 
 
-def test_paper_flavor_sizes():
-    # weights excluding the untied output layer must be near the GPT-3 names
-    expect = {"125M": 125e6, "350M": 355e6, "1.3B": 1.3e9, "2.7B": 2.7e9, "6.7B": 6.7e9,
-              "13B": 13e9}
-    for name, n in expect.items():
-        a = GPT_FLAVORS[name]
-        tied = count_params(a) - a.vocab_size * a.dim
-        assert abs(tied - n) / n < 0.06, (name, tied)
-    assert 1e6 <= count_params(GPT_FLAVORS["debug"]) <= 10e6
-
-
-# --------------------------------------------------------------------------- data
-def test_builtin_tokenizer_and_corpus():
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    path = data.resolve_hf_assets_path("fsdp_qcomm:pystdlib_bpe8192")
-    tok = HuggingFaceTokenizer(path)
-    assert tok.get_vocab_size() == 8192 and tok.bos_id is not None and tok.eos_id is not None
-    ids = tok.encode("Return the absolute value.", add_bos=True, add_eos=True)
-    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
-    assert tok.decode(ids[1:-1]) == "Return the absolute value."
-    meta = json.loads((data.corpus_dir() / "meta.json").read_text())
-    assert meta["characters"]["train"] > 500_000 and meta["documents"]["val"] > 20
-    with pytest.raises(ValueError, match="unknown built-in tokenizer"):
-        data.resolve_hf_assets_path("fsdp_qcomm:nope")
-    assert data.resolve_hf_assets_path("/some/dir") == "/some/dir"
-
-
-def test_pieces_split_at_paragraphs():
-    text = "\n\n".join(["a" * 900] * 5)
-    pieces = list(data._pieces(text, limit=2048))
-    assert "\n\n".join(pieces) == text
-    assert all(len(p) <= 2048 for p in pieces) and len(pieces) == 3
-
-
-def test_local_text_and_jsonl_datasets(tmp_path, monkeypatch):
-    monkeypatch.setenv("FSDP_QCOMM_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "t").mkdir()
-    (tmp_path / "t" / "a.txt").write_text("First para.\nstill first.\n\nSecond para.\n")
-    (tmp_path / "t" / "b.txt").write_text("Third.\n")
-    ds = data.load_text(str(tmp_path / "t"))
-    texts = [r["text"].strip() for r in ds]  # the HF text builder keeps trailing newlines
-    assert texts == ["First para.\nstill first.", "Second para.", "Third."]
-    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n{"text": "y", "meta": 1}\n')
-    assert [r["text"] for r in data.load_jsonl(str(tmp_path / "*.jsonl"))] == ["x", "y"]
-    with pytest.raises(FileNotFoundError):
-        data.load_text(str(tmp_path / "missing"))
-    # registered in torchtitan's table
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    data.register_datasets()
-    assert {"pystdlib", "pystdlib_val", "text", "jsonl"} <= set(DATASETS)
-    with pytest.raises(ValueError, match="needs training.dataset_path"):
-        DATASETS["text"].loader("")
-
-
-# --------------------------------------------------------------------------- stats parsing
-def _kind(calls, sent, recv, elements, baseline):
-    return {"calls": calls, "sent_bytes": sent, "recv_bytes": recv, "elements": elements,
-            "baseline_bytes": baseline, "bits_per_element": 8.0 * sent / elements,
-            "ratio_vs_baseline": sent / baseline}
-
-
-def test_split_stats_real_format_counts_the_grad_baseline_once():
-    stats = {
-        "weight_allgather": _kind(4, 1000, 4000, 2000, 8000),
-        "grad_intra": _kind(2, 300, 300, 400, 1600),
-        "grad_inter": _kind(2, 100, 100, 200, 1600),
-        "notes": ["something"],
-    }
-    assert comm_stats.split_stats(stats) == {
-        "weight_calls": 4, "weight_sent": 1000, "weight_recv": 4000, "weight_elements": 2000,
-        "weight_baseline": 8000,
-        "grad_calls": 2, "grad_sent": 400, "grad_recv": 400, "grad_baseline": 1600,
-        "grad_intra_sent": 300, "grad_intra_elements": 400,
-        "grad_inter_sent": 100, "grad_inter_elements": 200,
-    }
-    # one level (or one hop of a degenerate layout): that hop alone
-    one = comm_stats.split_stats({"grad_inter": _kind(1, 50, 50, 100, 400), "notes": []})
-    assert (one["grad_sent"], one["grad_baseline"]) == (50, 400) and "weight_sent" not in one
-    assert comm_stats.split_stats({"notes": []}) == {}
-    with pytest.raises(ValueError, match=r"kinds \['all_reduce'\].*extend split_stats"):
-        comm_stats.split_stats({"all_reduce": _kind(1, 1, 1, 1, 1), "notes": []})
-
-
-class _Handle:
-    def __init__(self):
-        self.s = {"notes": []}
-
-    def stats(self):
-        return self.s
-
-
-def test_tracker_figures_per_step_and_total():
-    """Counters over 2 steps -> per-step bytes, bits, ratios; an unmeasured kind is FSDP's own."""
-    part = torch.nn.Linear(2, 2)
-    h = _Handle()
-    setattr(part, comm_stats.ATTACHMENT_ATTR, comm_stats.QCommAttachment(None, "x", handle=h))
-    t = comm_stats.CommTracker()
-    t.reference = comm_stats.Reference(weight_bytes=8000, weight_elements=2000,
-                                       grad_bytes=16000, grad_elements=4000)
-    h.s = {"weight_allgather": _kind(2, 500, 1000, 2000, 8000), "notes": []}
-    t.figures(1, 1, [part], 1)
-    h.s = {"weight_allgather": _kind(6, 1500, 3000, 6000, 24000), "notes": []}
-    f = t.figures(3, 3, [part], 1)  # 2 steps later: 1000 bytes sent, 16000 baseline
-    assert f["qcomm/weight_bytes_per_step"] == 500
-    assert f["qcomm/weight_baseline_bytes_per_step"] == 8000
-    assert f["qcomm/weight_bits_per_elem"] == 2.0
-    assert f["qcomm/weight_ratio_vs_unquantized"] == 500 / 8000
-    assert "qcomm/grad_bytes_per_step" not in f  # FSDP's own reduce-scatter: not measured
-    assert f["qcomm/total_ratio_vs_unquantized"] == (500 + 16000) / (8000 + 16000)
-    assert "W 500B/step of 7.8KiB 2.00b/el x0.062  G FSDP's own" in comm_stats.format_figures(f)
-
-
 # --------------------------------------------------------------------------- torchrun runs
-def _summary(dump: Path) -> dict:
-    path = dump / comm_stats.SUMMARY_FILE
-    assert path.exists(), f"no {path}"
-    return json.loads(path.read_text())
+def torchrun(recipe: Path, dump: Path, *extra: str, nproc: int = 2, timeout: float = 150):
+    """Stock ``torchtitan.train`` on a TOML recipe under torchrun, on CPU."""
+    cmd = torchrun_command(recipe, nproc, None, dump, list(extra), all_ranks=True)
+    return run(cmd, timeout)
 
 
 def short_run(steps: int, validate: bool = False) -> tuple:
@@ -368,9 +210,9 @@ def test_torchrun_two_processes_through_recipe(sdp4bit_run):
     """Stock torchtitan.train with the hooks of the sdp4bit preset: FSDP calls them, the first
     gather of every module (after torchtitan's init on the meta device) is full precision, the
     logged figures match the library's wire formats, and the loss falls."""
-    s = _summary(sdp4bit_run)
+    s = read_summary(sdp4bit_run)
     assert s["world_size"] == 2 and s["last_step"] == 8 and s["preset"] == "sdp4bit"
-    assert s["installed"] and s["notes"] == [] and s["optimizer_steps"] == 8
+    assert s["installed"] and s["notes"] == [] and s["training_steps"] == 8
     n = s["hooked_modules"]
     assert 0 < n <= s["fsdp_modules"]
     loss = s["loss"]
@@ -411,16 +253,16 @@ def test_checkpoint_resume_is_bit_identical(sdp4bit_run, tmp_path):
     counters continue, and each module's first gather after the load re-assembles the saved
     qWD reference with one full-precision all-gather ("qwd_restore"), then sends differences
     against it as the uninterrupted run did."""
-    a = _summary(sdp4bit_run)
+    a = read_summary(sdp4bit_run)
     assert (sdp4bit_run / "ckpt" / "step-4").is_dir()
     dump = tmp_path / "resumed"
     (dump / "ckpt").mkdir(parents=True)
     shutil.copytree(sdp4bit_run / "ckpt" / "step-4", dump / "ckpt" / "step-4")
     torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(8), *SDP4BIT_RUN,
              "--checkpoint.load_step", "4")
-    b = _summary(dump)
+    b = read_summary(dump)
     n = b["hooked_modules"]
-    assert b["steps_logged"] == [5, 6, 7, 8] and b["optimizer_steps"] == 4
+    assert b["steps_logged"] == [5, 6, 7, 8] and b["training_steps"] == 4
     assert b["gather_modes"].get("qwd_restore") == n and not b["gather_modes"].get("qwd_full")
     assert b["notes"] == []
     la = dict(zip(a["steps_logged"], a["loss"]))
@@ -440,13 +282,13 @@ def test_checkpoint_without_qcomm_state_loads_with_exclude(sdp4bit_run, tmp_path
     """A checkpoint lacking the "qcomm" entry (written before it existed) still loads with
     --checkpoint.exclude_from_loading qcomm: the hooks start fresh, the first gathers send full
     precision, and training continues close to the uninterrupted run."""
-    a = _summary(sdp4bit_run)
+    a = read_summary(sdp4bit_run)
     dump = tmp_path / "fresh"
     (dump / "ckpt").mkdir(parents=True)
     shutil.copytree(sdp4bit_run / "ckpt" / "step-4", dump / "ckpt" / "step-4")
     torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(8), *SDP4BIT_RUN,
              "--checkpoint.load_step", "4", "--checkpoint.exclude_from_loading", "qcomm")
-    b = _summary(dump)
+    b = read_summary(dump)
     n = b["hooked_modules"]
     assert b["steps_logged"] == [5, 6, 7, 8]
     assert b["gather_modes"]["qwd_full"] == n and not b["gather_modes"].get("qwd_restore")
@@ -454,16 +296,6 @@ def test_checkpoint_without_qcomm_state_loads_with_exclude(sdp4bit_run, tmp_path
     lb = dict(zip(b["steps_logged"], b["loss"]))
     for step in (5, 6, 7, 8):
         assert abs(lb[step] - la[step]) < 2e-3 * la[step], (la, lb)
-
-
-def _tensorboard_scalars(dump: Path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = sorted(dump.rglob("events.out.tfevents.*"))
-    assert events, f"no TensorBoard events under {dump}"
-    acc = EventAccumulator(str(events[0].parent))
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
 def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard(tmp_path):
@@ -476,10 +308,10 @@ def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard
         # 16 = 2 microbatches x 4 sequences x 2 ranks: the reference must count both
         "--training.global_batch_size", "16", "--metrics.enable_tensorboard",
     )
-    s = _summary(dump)
+    s = read_summary(dump)
     assert s["installed"] and s["world_size"] == 2 and s["microbatches"] == 2
     assert s["gather_modes"] == {"plain": s["measured_cumulative"]["weight_calls"]}
-    assert s["optimizer_steps"] == 4
+    assert s["training_steps"] == 4
     for h in s["history"]:
         assert h["qcomm/installed"] == 1.0
         assert h["qcomm/weight_bytes_per_step"] == h["qcomm/ref_weight_bytes_per_step"] > 0
@@ -491,7 +323,44 @@ def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard
     assert all(math.isfinite(x) for x in s["loss"])
     # validation gathered weights too, yet the per-step figures above stayed exact
     assert [v["step"] for v in s["validation"]] == [1, 2, 4]
-    tb = _tensorboard_scalars(dump)
+    tb = tensorboard_scalars(dump)
     for tag in ("qcomm/weight_bytes_per_step", "qcomm/weight_bits_per_elem",
                 "qcomm/weight_ratio_vs_unquantized", "qcomm/total_ratio_vs_unquantized"):
         assert {h["step"]: h[tag] for h in s["history"]} == pytest.approx(tb[tag]), tag
+
+
+def test_learned_levels_log_their_table_exchange(tmp_path):
+    """QSDP with learned levels on both sides (the ``levels_sync`` stats kind, which once
+    crashed the first metrics log): the run logs every step, the table refreshes show up as
+    overhead in the figures and the total, and the other figures stay exact."""
+    dump = tmp_path / "out"
+    proc = torchrun(
+        REPO_ROOT / "recipes" / "debug_qsdp.toml", dump, *short_run(3),
+        "--qcomm.weight_levels", "learned", "--qcomm.grad_levels", "learned",
+    )
+    s = read_summary(dump)
+    assert s["steps_logged"] == [1, 2, 3] and s["qcomm_config"]["weight_levels"] == "learned"
+    assert all(math.isfinite(x) for x in s["loss"])
+    stats = s["handle_stats"][0]
+    assert stats["levels_sync"]["sent_bytes"] == s["measured_cumulative"]["levels_sent"] > 0
+    first = s["history"][0]
+    assert first["qcomm/levels_bytes_per_step"] > 0
+    sent = sum(first[f"qcomm/{c}_bytes_per_step"] for c in ("weight", "grad", "levels"))
+    base = first["qcomm/weight_baseline_bytes_per_step"] + \
+        first["qcomm/grad_baseline_bytes_per_step"]
+    assert first["qcomm/total_ratio_vs_unquantized"] == pytest.approx(sent / base, rel=1e-12)
+    for h in s["history"]:
+        assert h["qcomm/weight_baseline_bytes_per_step"] == h["qcomm/ref_weight_bytes_per_step"]
+        # 8-bit codes, min/scale per 1024, and each row's 256-entry level table
+        assert 8.0 < h["qcomm/weight_bits_per_elem"] < 9.0
+    assert "  L " in proc.stdout + proc.stderr and "(overhead)" in proc.stdout + proc.stderr
+
+
+def test_hsdp_two_replicas_of_two_shards(tmp_path):
+    """recipes/debug_sdp4bit.toml as HSDP, 2 replicas x 2 shards on 4 CPU ranks counting as 2
+    nodes x 2: the replica all-reduce is quantized and counted (``grad_replica``), every
+    baseline equals the FSDP reference, only the replica hop crosses nodes, the loss falls."""
+    dump = tmp_path / "out"
+    torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump,
+             *short_run(6), *HSDP_FLAGS, nproc=4, timeout=300)
+    check_hsdp_sdp4bit_summary(read_summary(dump), steps=6)

@@ -1,22 +1,23 @@
-"""Run torchtitan 0.2.2 on CPU-only hosts (gloo), without editing torchtitan.
+"""Run torchtitan on CPU-only hosts (gloo), without editing torchtitan (0.2.2 and 0.3 alike).
 
 Two things stop stock torchtitan on a machine without an accelerator:
 
 1. ``torchtitan.tools.utils`` picks ``device_type = _get_available_device_type() or "cuda"``
    at import time, and several modules copy that value (and ``device_module = torch.cuda``)
    into their own globals with ``from torchtitan.tools.utils import device_type``. With
-   "cuda" the trainer calls ``torch.cuda.set_device`` and dies. :func:`patch_torchtitan_for_cpu`
-   rebinds those globals to ``"cpu"`` and to :data:`CPU_DEVICE_MODULE`, a stand-in that provides
-   the ``torch.cuda`` functions torchtitan calls (``torch.cpu`` lacks ``get_device_name``,
-   ``get_device_properties``, ``memory_stats``, ...). It must run before ``Trainer.__init__``
-   reads ``utils.device_type``, which ``[experimental] custom_import`` guarantees. With
-   device_type "cpu", torchtitan's ``init_distributed`` picks gloo
-   (``Backend.default_device_backend_map["cpu"]``) by itself.
+   "cuda" the trainer calls ``torch.cuda.set_device`` and dies ("Found no NVIDIA driver").
+   :func:`patch_torchtitan_for_cpu` rebinds those globals to ``"cpu"`` and to
+   :data:`CPU_DEVICE_MODULE`, a stand-in that provides the ``torch.cuda`` functions torchtitan
+   calls (``torch.cpu`` lacks ``get_device_name``, ``get_device_properties``,
+   ``memory_stats``, ...). It must run before ``Trainer.__init__`` reads ``utils.device_type``:
+   the 0.2.2 adapter calls it from its ``[experimental] custom_import`` module, the 0.3 adapter
+   at the top of its trainer's ``__init__``. With device_type "cpu", torchtitan's
+   ``init_distributed`` picks gloo (``Backend.default_device_backend_map["cpu"]``) by itself.
 
 2. torchtitan sets FSDP's gradient divide factor to 1.0 (its loss is already divided by the
    global token count), which FSDP2 turns into ``ReduceOp.PREMUL_SUM(1.0)``; gloo rejects
-   PREMUL_SUM. ``fsdp_qcomm.enable`` (called by the parallelize wrapper in ``register.py``)
-   already switches such gloo modules, and every module with a quantized reduce-scatter, to
+   PREMUL_SUM. ``fsdp_qcomm.enable`` (called by ``install_qcomm``) already switches such gloo
+   modules, and every module with a quantized reduce-scatter, to
    ``set_force_sum_reduction_for_comms(True)``: FSDP then passes ``ReduceOp.SUM`` and divides
    by the factor 1.0, the same sum PREMUL_SUM(1.0) computes. Nothing here repeats that.
 

@@ -8,14 +8,17 @@ built once and cached under :func:`cache_dir` (``$FSDP_QCOMM_CACHE``, else
 ``$XDG_CACHE_HOME/fsdp_qcomm``, else ``~/.cache/fsdp_qcomm``); concurrent builders (the ranks of
 one job, or several jobs) serialize on a file lock and publish with an atomic rename.
 
-How torchtitan 0.2.2 finds them (see ``register.py``):
+How torchtitan finds them (both versions; the adapters call :func:`resolve_hf_assets_path` and
+:func:`register_datasets`):
 
-* tokenizer: ``[model] hf_assets_path`` names a directory holding ``tokenizer.json`` and
-  ``tokenizer_config.json`` (the latter names ``bos_token``/``eos_token``). The special value
-  ``"fsdp_qcomm:pystdlib_bpe<N>"`` (e.g. ``fsdp_qcomm:pystdlib_bpe8192``) means "the cached
-  tokenizer with vocabulary N, built if missing". Any real directory works as usual.
-* data: ``[training] dataset`` picks an entry of torchtitan's dataset table, to which
-  :func:`register_datasets` adds:
+* tokenizer: the HF assets path (0.2.2: ``[model] hf_assets_path``; 0.3: ``--hf_assets_path``)
+  names a directory holding ``tokenizer.json`` and ``tokenizer_config.json`` (the latter names
+  ``bos_token``/``eos_token``). The special value ``"fsdp_qcomm:pystdlib_bpe<N>"`` (e.g.
+  ``fsdp_qcomm:pystdlib_bpe8192``) means "the cached tokenizer with vocabulary N, built if
+  missing". Any real directory works as usual.
+* data: the dataset name (0.2.2: ``[training] dataset``; 0.3: ``--dataloader.dataset``) picks
+  an entry of torchtitan's dataset table (``torchtitan.hf_datasets.text_datasets.DATASETS``,
+  the same in both versions), to which :func:`register_datasets` adds:
 
   - ``pystdlib`` / ``pystdlib_val``: the built-in corpus (train / held-out split, ~10% of
     the modules, all cut into ~2 KB pieces at paragraph breaks);
@@ -42,7 +45,7 @@ import sysconfig
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 CORPUS_VERSION = 1
 TOKENIZER_VERSION = 1
@@ -264,6 +267,24 @@ def tokenizer_vocab_size(hf_assets_path: str) -> int | None:
     return Tokenizer.from_file(str(path)).get_vocab_size()
 
 
+def check_tokenizer_fits(
+    hf_assets_path: str, vocab_size: int, model: str, warn: Callable[[str], None]
+) -> None:
+    """Refuse a tokenizer with more tokens than the model's embedding has rows (the first
+    out-of-range token id would crash, or on GPUs corrupt, the embedding lookup)."""
+    try:
+        tok_vocab = tokenizer_vocab_size(hf_assets_path)
+    except (OSError, ValueError) as e:  # no readable tokenizer: nothing to compare
+        warn(f"qcomm: cannot read the tokenizer's vocabulary size: {e}")
+        return
+    if tok_vocab is not None and tok_vocab > vocab_size:
+        raise ValueError(
+            f"tokenizer at {hf_assets_path!r} has {tok_vocab} tokens but {model} has "
+            f"vocab_size {vocab_size}; use a smaller tokenizer or a flavor with a larger "
+            "vocabulary"
+        )
+
+
 # --------------------------------------------------------------------------- datasets
 def _files(path: str, patterns: tuple[str, ...]) -> list[str]:
     p = Path(path).expanduser()
@@ -319,7 +340,10 @@ def register_datasets() -> None:
 
     def _needs_path(name: str):
         def loader(path: str):
-            raise ValueError(f"dataset {name!r} needs training.dataset_path (got {path!r})")
+            raise ValueError(
+                f"dataset {name!r} needs a dataset path (got {path!r}): torchtitan 0.2.2 "
+                "--training.dataset_path, torchtitan 0.3 --dataloader.dataset_path"
+            )
 
         return loader
 
@@ -350,7 +374,7 @@ def clear_cache() -> None:  # pragma: no cover - convenience for users
     shutil.rmtree(cache_dir(), ignore_errors=True)
 
 
-if __name__ == "__main__":  # python -m fsdp_qcomm.titan.data [vocab_size]
+if __name__ == "__main__":  # python -m fsdp_qcomm.titan_common.data [vocab_size]
     vocab = int(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_VOCAB_SIZE
     print("corpus   ", ensure_corpus())
     print("tokenizer", ensure_tokenizer(vocab))

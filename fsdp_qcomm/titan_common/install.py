@@ -1,0 +1,66 @@
+"""Install the hooks on torchtitan's model parts: one plain function both adapters call.
+
+torchtitan applies ``fully_shard`` inside its parallelize function, once per model part
+(pipeline stages call it per stage); each adapter wraps that function and calls
+:func:`install_qcomm` on what it returns. Nothing here imports torchtitan.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from fsdp_qcomm.config import QCommConfig
+
+from .comm_stats import ATTACHMENT_ATTR, QCommAttachment
+
+logger = logging.getLogger(__name__)
+
+
+def _fsdp_module_count(model: torch.nn.Module) -> int:
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def install_qcomm(
+    model_parts: list[torch.nn.Module], config: QCommConfig, *, preset: str = "custom",
+    overrides: Optional[dict[str, Any]] = None,
+) -> list[QCommAttachment]:
+    """``fsdp_qcomm.enable(part, config)`` on every model part that has FSDP modules.
+
+    Leaves a :class:`QCommAttachment` on each part (``comm_stats.ATTACHMENT_ATTR``), which the
+    metrics processors and the checkpoint entry read, and returns them. ``preset`` and
+    ``overrides`` only label the run (logs, summary file).
+
+    Safe while the parameters are still on the meta device (torchtitan materializes and
+    initializes them after parallelizing): ``enable`` records nothing about parameter values
+    or storages; each qWD all-gather builds its reference on its first gather (full
+    precision), which comes after initialization (and after a checkpoint load, which counts as
+    a change outside the optimizer). ``enable`` also forces FSDP's SUM reduction where it is
+    needed (every module with a quantized reduce-scatter, and gloo modules with torchtitan's
+    divide factor 1.0), so nothing here touches that setting.
+    """
+    from fsdp_qcomm import enable
+
+    attachments = []
+    for part in model_parts:
+        n_fsdp = _fsdp_module_count(part)
+        att = QCommAttachment(config=config, preset=preset, fsdp_modules=n_fsdp)
+        if n_fsdp == 0:
+            att.note = "no FSDP modules (single process or FSDP disabled): nothing to install"
+            logger.info(f"qcomm: {att.note}")
+        else:
+            att.handle = enable(part, config)
+            logger.info(
+                f"qcomm: preset {preset!r} overrides {overrides or {}}: installed on "
+                f"{len(att.handle.module_names)} of {n_fsdp} FSDP modules"
+            )
+        setattr(part, ATTACHMENT_ATTR, att)
+        attachments.append(att)
+    return attachments
+
+
+__all__ = ["install_qcomm"]

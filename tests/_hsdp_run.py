@@ -1,0 +1,57 @@
+"""Checks shared by the torchtitan 0.2.2 and 0.3 tests of a CPU run of the debug recipe as HSDP,
+2 replicas x 2 shards on 4 ranks that count as 2 nodes x 2 (``ranks_per_node=2``): each shard
+group is one node, the replica all-reduce crosses nodes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+#: the torchtitan flags of the layout (both versions name them alike)
+HSDP_FLAGS = ("--parallelism.data_parallel_replicate_degree", "2",
+              "--parallelism.data_parallel_shard_degree", "2", "--qcomm.ranks_per_node", "2")
+
+
+def check_hsdp_sdp4bit_summary(s: dict, steps: int) -> None:
+    """The summary file of ``steps`` logged steps of sdp4bit as HSDP 2 x 2: the hooks ran on
+    every module, the replica all-reduce is quantized (4-bit inter-node codes) with one call per
+    module and step, every collective's baseline equals the FSDP reference, the node-crossing
+    bytes are the replica hop's, and the loss falls."""
+    assert s["world_size"] == 2 and s["replicas"] == 2 and s["preset"] == "sdp4bit"
+    assert s["installed"] and s["notes"] == [] and s["training_steps"] == steps
+    n = s["hooked_modules"]
+    assert 0 < n <= s["fsdp_modules"]
+    loss = s["loss"]
+    assert len(loss) == steps and all(math.isfinite(x) for x in loss)
+    assert sum(loss[-2:]) / 2 < loss[0] - 0.3, loss
+    cum = s["measured_cumulative"]
+    assert cum["grad_calls"] == steps * n  # one reduce-scatter per module and step
+    assert cum["replica_calls"] == steps * n  # one all-reduce across replicas too
+    assert cum["grad_replica_sent"] == cum["replica_sent"] > 0
+    assert "grad_inter_sent" not in cum  # a shard group is one node: the intra hop only
+    # only the replica all-reduce leaves a node
+    assert cum["replica_cross_node_bytes"] > 0
+    assert cum.get("grad_cross_node_bytes", 0) == cum.get("weight_cross_node_bytes", 0) == 0
+    ref = s["reference_bytes_per_step"]
+    assert ref["replicas"] == ref["grads"] / 2  # the reduced fp32 shard, once per step
+    for h in s["history"]:
+        for c in ("weight", "grad", "replica"):
+            assert h[f"qcomm/{c}_baseline_bytes_per_step"] == h[f"qcomm/ref_{c}_bytes_per_step"]
+        # 8-bit codes + one fp32 scale per 128 values, on whole Hadamard blocks
+        assert 8.25 <= h["qcomm/grad_intra_bits_per_elem"] < 8.26
+        # 4-bit codes + one fp32 scale per 128 values carried on the wire ...
+        assert 4.25 <= h["qcomm/grad_replica_bits_per_elem"] < 4.26
+        # ... in three half-shards per all-reduce of a shard (the reduce-scatter's all-to-all
+        # is handed both replicas' halves, the all-gather this replica's half)
+        assert h["qcomm/replica_bits_per_elem"] == pytest.approx(
+            1.5 * h["qcomm/grad_replica_bits_per_elem"], rel=1e-9)
+        assert h["qcomm/replica_ratio_vs_unquantized"] == pytest.approx(
+            h["qcomm/replica_bits_per_elem"] / 32, rel=1e-12)
+        # two of those three half-shards go to the other node
+        assert h["qcomm/total_cross_node_bytes_per_step"] == \
+            h["qcomm/replica_cross_node_bytes_per_step"] == pytest.approx(
+                h["qcomm/replica_bytes_per_step"] * 2 / 3, rel=1e-9)
+        sent = sum(h[f"qcomm/{c}_bytes_per_step"] for c in ("weight", "grad", "replica"))
+        base = sum(h[f"qcomm/{c}_baseline_bytes_per_step"] for c in ("weight", "grad", "replica"))
+        assert h["qcomm/total_ratio_vs_unquantized"] == pytest.approx(sent / base, rel=1e-12)

@@ -1,0 +1,372 @@
+"""torchtitan 0.3 integration: the ``qcomm`` section through torchtitan's config manager, the
+recipe functions against the TOML recipes they mirror, the CPU attention, and CPU runs under
+torchrun: the debug recipe as HSDP, 2 replicas x 2 shards on 4 ranks (with a checkpoint and
+its bit-identical resume), and QSDP with learned levels on 2 ranks."""
+
+import dataclasses
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from _titan_run import (  # noqa: E402
+    REPO_ROOT,
+    import_error,
+    read_summary,
+    require_adapter,
+    run,
+    tensorboard_scalars,
+)
+
+require_adapter("fsdp_qcomm.titan03")
+
+from _hsdp_run import HSDP_FLAGS, check_hsdp_sdp4bit_summary  # noqa: E402
+from _qcomm_fields import cli_value, field_variants  # noqa: E402
+
+from fsdp_qcomm.config import QCommConfig  # noqa: E402
+from fsdp_qcomm.titan03 import config_registry  # noqa: E402
+from fsdp_qcomm.titan03.attention import (  # noqa: E402
+    DenseMaskAttention,
+    eager_block_masks,
+    use_dense_attention,
+)
+from fsdp_qcomm.titan03.main import torchrun_command  # noqa: E402
+from fsdp_qcomm.titan03.trainer import QCommTrainer  # noqa: E402
+from fsdp_qcomm.titan_common import shapes  # noqa: E402
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+MODULE = "fsdp_qcomm.titan03"
+
+
+def parse(config: str, *cli: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", MODULE, "--config", config, *cli])
+
+
+# --------------------------------------------------------------------------- qcomm section
+VARIANTS = field_variants()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_every_preset_and_field_value_parses_from_cli(variant):
+    """Each preset, and each QCommConfig field at each other value, through torchtitan 0.3's
+    config manager (tyro flags on the trainer's Config): the section resolves to the config."""
+    _, preset, overrides = variant
+    flags = [a for k, v in overrides.items() for a in (f"--qcomm.{k}", cli_value(v))]
+    cfg = parse("debug_baseline", "--qcomm.preset", preset, "--qcomm.ranks_per_node", "2",
+                *flags)
+    assert isinstance(cfg, QCommTrainer.Config)
+    expect = QCommConfig.preset(preset, **{"ranks_per_node": 2, **overrides})
+    assert cfg.qcomm.resolve() == expect
+
+
+def test_section_errors_name_the_field(capsys):
+    for args, text in (
+        (["--qcomm.weight_bits", "99"], "weight_bits=99"),
+        (["--qcomm.preset", "nope"], "preset='nope' is not a known preset; known presets: "
+                                     "baseline, sdp4bit"),
+        (["--qcomm.bogus", "1"], "Unrecognized options: --qcomm.bogus"),
+        (["--qcomm.preset", "baseline", "--qcomm.grad_hadamard", "True"],
+         "grad_hadamard=True needs a quantized gradient scheme"),
+        (["--training.no-disable-cuda-graphs"], "set --training.disable_cuda_graphs"),
+    ):
+        with pytest.raises(SystemExit):
+            parse("debug_baseline", *args)
+        err = capsys.readouterr()
+        assert text in " ".join((err.out + err.err).split()), (args, err.out + err.err)
+
+
+def test_cli_overrides_win_over_the_recipe():
+    cfg = parse("debug_sdp4bit", "--qcomm.seed", "7", "--qcomm.ranks-per-node", "1")
+    assert cfg.qcomm.preset == "sdp4bit"
+    assert cfg.qcomm.overrides() == {"grad_overlap": True, "ranks_per_node": 1, "seed": 7}
+    assert parse("debug_sdp4bit").qcomm.overrides() == {"grad_overlap": True,
+                                                        "ranks_per_node": 2}
+
+
+def test_any_torchtitan_recipe_gets_the_hooks():
+    """torchtitan's own llama3 debug recipe as a QCommTrainer.Config: same settings, the qcomm
+    section, CUDA graphs off, the qcomm metrics processor with the same logging settings."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from fsdp_qcomm.titan03.metrics import QCommMetricsProcessor
+
+    base = llama3_debugmodel()
+    cfg = QCommTrainer.Config.from_trainer_config(base, "sdp4bit", seed=3)
+    assert cfg.qcomm.resolve() == QCommConfig.preset("sdp4bit", seed=3)
+    assert cfg.model_spec is base.model_spec and cfg.optimizer is base.optimizer
+    assert cfg.training.disable_cuda_graphs and cfg.training.steps == base.training.steps
+    assert type(cfg.metrics) is QCommMetricsProcessor.Config
+    assert cfg.metrics.log_freq == base.metrics.log_freq
+    assert type(cfg)._owner is QCommTrainer  # config.build() makes a QCommTrainer
+
+
+def test_wrong_adapter_fails_at_import_naming_the_right_one():
+    err = import_error("fsdp_qcomm.titan.register")
+    assert err.startswith("fsdp_qcomm.titan_common.version.TorchtitanVersionError: "), err
+    assert "fsdp_qcomm.titan is the integration for torchtitan >=0.2.2,<0.3, " \
+        "but torchtitan 0.3.0 is installed: use fsdp_qcomm.titan03 instead" in err
+
+
+# --------------------------------------------------------------------------- recipes
+TOML_RECIPES = sorted((REPO_ROOT / "recipes").glob("*.toml"))
+
+
+def test_every_toml_recipe_has_a_recipe_function_and_back():
+    mapping = config_registry.TOML_COUNTERPARTS
+    assert sorted(mapping) == [p.name for p in TOML_RECIPES] and len(mapping) == 29
+    # torchtitan's list of the module's configs: the public lower-case callables
+    functions = {n for n in dir(config_registry) if not n.startswith("_") and n[0].islower()
+                 and callable(getattr(config_registry, n))}
+    assert functions == set(mapping.values())
+    readme = (REPO_ROOT / "recipes" / "README.md").read_text()
+    for toml, fn in mapping.items():  # the mapping table of recipes/README.md
+        assert f"| `{toml}` | `{fn}` |" in readme, toml
+
+
+def _ac_mode(ac) -> str:
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    return {type(None): "none", SelectiveAC.Config: "selective", FullAC.Config: "full"}[type(ac)]
+
+
+@pytest.mark.parametrize("path", TOML_RECIPES, ids=lambda p: p.name)
+def test_recipe_function_mirrors_its_toml_recipe(path):
+    """Same model, scheme, batch, schedule, optimizer, data, validation, logging and seed as the
+    torchtitan 0.2.2 TOML file, and it parses through torchtitan 0.3's config manager."""
+    t = tomllib.loads(path.read_text())
+    cfg = parse(config_registry.TOML_COUNTERPARTS[path.name])
+    tr, val = t["training"], t["validation"]
+    assert cfg.model_spec.name == "gpt_qcomm" and cfg.model_spec.flavor == t["model"]["flavor"]
+    assert cfg.hf_assets_path == t["model"]["hf_assets_path"]
+    assert cfg.dump_folder == t["job"]["dump_folder"]
+    q = dict(t["qcomm"])
+    assert cfg.qcomm.preset == q.pop("preset") and cfg.qcomm.overrides() == q
+    assert (cfg.training.local_batch_size, cfg.training.global_batch_size, cfg.training.seq_len,
+            cfg.training.steps, cfg.training.max_norm) == (
+        tr["local_batch_size"], tr.get("global_batch_size", -1), tr["seq_len"], tr["steps"],
+        tr["max_norm"])
+    assert cfg.training.mixed_precision_param == tr["mixed_precision_param"]
+    assert cfg.training.mixed_precision_reduce == tr["mixed_precision_reduce"]
+    assert cfg.training.disable_cuda_graphs
+    assert cfg.dataloader.dataset == tr["dataset"]
+    (group,) = cfg.optimizer.param_groups
+    assert group.optimizer_name == t["optimizer"]["name"]
+    for k in ("lr", "eps", "weight_decay"):
+        assert group.optimizer_kwargs[k] == t["optimizer"][k], k
+    for k in ("warmup_steps", "decay_type", "min_lr_factor"):
+        assert getattr(cfg.lr_scheduler, k) == t["lr_scheduler"][k], k
+    assert _ac_mode(cfg.activation_checkpoint) == t["activation_checkpoint"]["mode"]
+    assert cfg.parallelism.data_parallel_shard_degree == \
+        t["parallelism"]["data_parallel_shard_degree"]
+    assert cfg.metrics.log_freq == t["metrics"]["log_freq"]
+    assert cfg.metrics.enable_tensorboard == t["metrics"]["enable_tensorboard"]
+    assert (cfg.validator.enable, cfg.validator.freq, cfg.validator.steps) == (
+        val["enable"], val["freq"], val["steps"])
+    assert cfg.validator.dataloader.dataset == val["dataset"]
+    assert val["seq_len"] == tr["seq_len"] and val["local_batch_size"] == tr["local_batch_size"]
+    assert cfg.checkpoint.enable == t["checkpoint"]["enable"]
+    assert cfg.checkpoint.interval == t["checkpoint"].get("interval", 500)
+    assert cfg.debug.seed == t.get("debug", {}).get("seed")
+
+
+def test_gpt_model_configs_have_the_paper_shapes():
+    from fsdp_qcomm.titan03.models import gpt_model_spec
+
+    for flavor, shape in shapes.GPT_SHAPES.items():
+        model = gpt_model_spec(flavor).model
+        assert model.dim == shape.dim and model.vocab_size == shape.vocab_size
+        assert len(model.layers) == shape.n_layers
+        attn = model.layers[0].attention
+        assert attn.n_heads == shape.n_heads and attn.rope.theta == shape.rope_theta
+        assert model.layers[0].feed_forward.w1.out_features == shape.ffn_hidden
+    with torch.device("meta"):
+        debug = gpt_model_spec("debug").model.build()
+    assert sum(p.numel() for p in debug.parameters()) == shapes.GPT_SHAPES["debug"].param_count()
+
+
+# --------------------------------------------------------------------------- CPU attention
+def _reference_attention(q, k, v, mask, scale):
+    s = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-2, -1)) * scale
+    s = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (s @ v.transpose(1, 2)).transpose(1, 2)
+
+
+def test_dense_mask_attention_matches_flex_and_trains():
+    """Packed documents (positions restart at 0): the dense-mask attention equals FlexAttention
+    forward and an explicit masked softmax forward and backward, with and without GQA, and
+    returns the log-sum-exp when the caller asks for it."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
+    from torchtitan.models.common.attention import (
+        get_causal_mask_mod,
+        get_efficient_causal_mask_mod_for_packed_document,
+    )
+
+    torch.manual_seed(0)
+    B, L, N, H = 2, 48, 4, 8
+    positions = torch.stack([torch.cat([torch.arange(17), torch.arange(31)]),
+                             torch.arange(48)])
+    mod = and_masks(get_causal_mask_mod(),
+                    get_efficient_causal_mask_mod_for_packed_document(positions))
+    bm = create_block_mask(mod, B, None, L, L, device="cpu")
+    attn = DenseMaskAttention(DenseMaskAttention.Config())
+    dense = DenseMaskAttention.dense_mask(bm, L, L, torch.device("cpu"))
+    assert dense.shape == (B, 1, L, L)
+    assert not dense[0, 0, 20, 5] and dense[0, 0, 20, 17] and dense[1, 0, 20, 5]
+    for kv_heads in (N, 2):
+        q = torch.randn(B, L, N, H, requires_grad=True)
+        k = torch.randn(B, L, kv_heads, H, requires_grad=True)
+        v = torch.randn(B, L, kv_heads, H, requires_grad=True)
+        gqa = kv_heads != N
+        out = attn(q, k, v, attention_masks=bm, enable_gqa=gqa)
+        rep = N // kv_heads
+        kr, vr = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+        ref = _reference_attention(q, kr, vr, dense, H**-0.5)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        qd, kd, vd = (t.detach().transpose(1, 2) for t in (q, k, v))
+        flex = flex_attention(qd, kd, vd, block_mask=bm, enable_gqa=gqa).transpose(1, 2)
+        torch.testing.assert_close(out, flex, rtol=1e-5, atol=1e-5)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    lse_out = attn(q, k, v, attention_masks=bm, enable_gqa=True,
+                   out_transform=lambda o, lse: (o, lse))
+    torch.testing.assert_close(lse_out[0], out, rtol=1e-5, atol=1e-5)
+    assert lse_out[1].shape == (B, L, N) and torch.isfinite(lse_out[1]).all()
+
+
+def test_dense_attention_swaps_every_flex_module():
+    from torchtitan.models.common import decoder
+    from torchtitan.models.common.attention import FlexAttention
+
+    cfg = config_registry.debug_baseline().model_spec.model
+    assert use_dense_attention(cfg) == shapes.GPT_SHAPES["debug"].n_layers
+    inner = [layer.attention.inner_attention for layer in cfg.layers]
+    assert all(type(a) is DenseMaskAttention.Config for a in inner)
+    assert all(isinstance(a, FlexAttention.Config) for a in inner)  # masks still get built
+    assert use_dense_attention(cfg) == 0
+    eager_block_masks()
+    assert not eager_block_masks()
+    assert decoder.create_attention_mask.__name__ == "_eager_create_attention_mask"
+
+
+# --------------------------------------------------------------------------- torchrun runs
+def torchrun(config: str, dump: Path, *extra: str, nproc: int = 2, timeout: float = 300):
+    """Stock ``torchtitan.train --module fsdp_qcomm.titan03`` under torchrun, on CPU."""
+    return run(torchrun_command(config, nproc, dump, list(extra), all_ranks=True), timeout)
+
+
+def short_run(steps: int, *extra: str) -> tuple:
+    return ("--training.steps", str(steps), "--training.seq_len", "64",
+            "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", *extra)
+
+
+# torchtitan saves the step-3 checkpoint before that step's held-out pass: the resume must
+# still be exact (qWD exchanges weights once per optimizer step, held-out pass included)
+HSDP_RUN = ("--validator.freq", "3", "--validator.steps", "2", "--metrics.enable_tensorboard",
+            "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.folder", "ckpt",
+            "--checkpoint.no-last-save-model-only")
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory) -> Path:
+    """6 steps of debug_sdp4bit on 4 CPU ranks as 2 replicas x 2 shards (HSDP), the 4 ranks
+    being 2 "nodes" x 2 (the recipe's ranks_per_node=2): each shard group lies inside a node,
+    the replica all-reduce crosses nodes. Checkpoint at step 3, held-out loss at 1, 3 and 6."""
+    dump = tmp_path_factory.mktemp("hsdp") / "out"
+    torchrun("debug_sdp4bit", dump, *short_run(6), *HSDP_RUN, *HSDP_FLAGS, nproc=4)
+    return dump
+
+
+def test_hsdp_two_replicas_of_two_shards(hsdp_run):
+    """The 0.3 debug recipe as HSDP 2 x 2: the hooks run on each 2-rank shard group (the
+    gradients' intra-node 8-bit hop only: a shard group is one node) and the replica all-reduce
+    is quantized (4-bit, the hop that crosses nodes); every figure matches the library's wire
+    formats and the FSDP reference, the loss falls, and the figures reach TensorBoard."""
+    s = read_summary(hsdp_run)
+    check_hsdp_sdp4bit_summary(s, steps=6)
+    assert s["model"] == "gpt_qcomm" and s["flavor"] == "debug"
+    assert [v["step"] for v in s["validation"]] == [1, 3, 6]
+    n = s["hooked_modules"]
+    modes = s["gather_modes"]
+    assert modes["qwd_full"] == n and modes["qwd_diff"] >= 5 * n and modes["qwd_reuse"] > 0
+    late = s["history"][1:]
+    validated = {v["step"] for v in s["validation"]}
+    plain = [h for h in late if h["step"] - 1 not in validated]
+    for h in late:
+        if h in plain:
+            assert 2.0 <= h["qcomm/weight_bits_per_elem"] < 4.02
+            assert h["qcomm/weight_bytes_per_step"] == plain[0]["qcomm/weight_bytes_per_step"]
+        else:  # the held-out pass before this step already sent the weights' differences
+            assert h["qcomm/weight_bytes_per_step"] < plain[0]["qcomm/weight_bytes_per_step"]
+    tb = tensorboard_scalars(hsdp_run)
+    for tag in ("qcomm/weight_bytes_per_step", "qcomm/grad_bits_per_elem",
+                "qcomm/replica_bytes_per_step", "qcomm/total_cross_node_bytes_per_step",
+                "qcomm/total_ratio_vs_unquantized"):
+        assert {h["step"]: h[tag] for h in s["history"]} == pytest.approx(tb[tag]), tag
+
+
+def test_hsdp_checkpoint_resume_is_bit_identical(hsdp_run, tmp_path):
+    """Resume the HSDP run from its step-3 checkpoint, which carries the handles' state under
+    "qcomm" (QCommTrainer adds it to the checkpointer's states): steps 4-6 repeat the
+    uninterrupted run exactly, losses and bytes, although the uninterrupted run validated at
+    step 3 after saving and the resumed one did not."""
+    a = read_summary(hsdp_run)
+    assert (hsdp_run / "ckpt" / "step-3").is_dir()
+    dump = tmp_path / "resumed"
+    (dump / "ckpt").mkdir(parents=True)
+    shutil.copytree(hsdp_run / "ckpt" / "step-3", dump / "ckpt" / "step-3")
+    torchrun("debug_sdp4bit", dump, *short_run(6), *HSDP_RUN, *HSDP_FLAGS,
+             "--checkpoint.load_step", "3", nproc=4)
+    b = read_summary(dump)
+    n = b["hooked_modules"]
+    assert b["steps_logged"] == [4, 5, 6] and b["training_steps"] == 3
+    assert b["gather_modes"].get("qwd_restore") == n and not b["gather_modes"].get("qwd_full")
+    la = dict(zip(a["steps_logged"], a["loss"]))
+    lb = dict(zip(b["steps_logged"], b["loss"]))
+    assert all(lb[s] == la[s] for s in (4, 5, 6)), (la, lb)
+    ha = {h["step"]: h for h in a["history"]}
+    hb = {h["step"]: h for h in b["history"]}
+    for step in (4, 5, 6):
+        for c in ("grad", "replica"):
+            assert hb[step][f"qcomm/{c}_bytes_per_step"] == ha[step][f"qcomm/{c}_bytes_per_step"]
+    for step in (5, 6):
+        assert hb[step]["qcomm/weight_bytes_per_step"] == ha[step]["qcomm/weight_bytes_per_step"]
+
+
+def test_learned_levels_log_their_table_exchange(tmp_path):
+    """QSDP with learned levels on both sides (the ``levels_sync`` stats kind) on 2 ranks: the
+    table refreshes show up as overhead in the figures and the total."""
+    dump = tmp_path / "out"
+    proc = torchrun("debug_qsdp", dump, *short_run(3), "--validator.no-enable",
+                    "--qcomm.weight_levels", "learned", "--qcomm.grad_levels", "learned")
+    s = read_summary(dump)
+    assert s["steps_logged"] == [1, 2, 3] and s["qcomm_config"]["grad_levels"] == "learned"
+    assert all(math.isfinite(x) for x in s["loss"])
+    assert s["handle_stats"][0]["levels_sync"]["sent_bytes"] == \
+        s["measured_cumulative"]["levels_sent"] > 0
+    first = s["history"][0]
+    sent = sum(first[f"qcomm/{c}_bytes_per_step"] for c in ("weight", "grad", "levels"))
+    base = first["qcomm/weight_baseline_bytes_per_step"] + \
+        first["qcomm/grad_baseline_bytes_per_step"]
+    assert first["qcomm/levels_bytes_per_step"] > 0
+    assert first["qcomm/total_ratio_vs_unquantized"] == pytest.approx(sent / base, rel=1e-12)
+    assert "  L " in proc.stdout + proc.stderr and "(overhead)" in proc.stdout + proc.stderr
+
+
+def test_config_dataclass_fields_are_torchtitans_plus_qcomm():
+    from torchtitan.trainer import Trainer
+
+    mine = {f.name for f in dataclasses.fields(QCommTrainer.Config)}
+    assert mine == {f.name for f in dataclasses.fields(Trainer.Config)} | {"qcomm"}
