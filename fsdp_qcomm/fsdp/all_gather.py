@@ -24,7 +24,10 @@ sends a message its peers do not expect:
   calls when it writes the reduced gradient): an optimizer may have consumed it, even one that
   is not a ``torch.optim`` optimizer or writes through ``p.data``. Within a backward pass it
   is ignored: FSDP reduces a module's gradients between two re-gathers of the same weights
-  when several forwards share one backward.
+  when several forwards share one backward. Once a ``torch.optim`` step over the module's
+  parameters has been seen, its hooks report every step and this fallback is off, so
+  accumulation that reduces every micro-batch (torchtitan's) also exchanges once per step
+  after the first.
 
 So gradient-accumulation micro-batches, forward-only evaluation between steps, backward
 re-gathers (``reshard_after_forward=True``) and activation-checkpoint recomputation all reuse.
@@ -140,6 +143,7 @@ class QuantizedAllGather(AllGather):
         self._outside = False
         self._stepped = False
         self._reduced = False
+        self._optim_tracked = False  # a torch.optim step over these parameters was seen
         self._reset = False
         self.levels: Optional[LevelSync] = None
         if config.weight_levels == "learned":
@@ -345,7 +349,7 @@ class QuantizedAllGather(AllGather):
         version bumps are the optimizer's, not outside writes."""
         for i, fp in enumerate(self._pg.fsdp_params):
             if id(fp.sharded_param) in param_ids:
-                self._stepped = True
+                self._stepped = self._optim_tracked = True
                 if self._expected is not None:
                     self._expected[i] = _param_signature(fp)
 
@@ -362,7 +366,7 @@ class QuantizedAllGather(AllGather):
             return "an optimizer step updated the parameters"
         if sig != self._last_sig:
             return "the parameters were written outside an optimizer step"
-        if self._reduced and not backward:
+        if self._reduced and not backward and not self._optim_tracked:
             return "a gradient reduction finished"
         return ""
 

@@ -351,6 +351,7 @@ class CommTracker:
         self.last_step = step
         out: dict[str, float] = {
             "qcomm/installed": float(any(a.handle is not None for a in attachments)),
+            "qcomm/microbatches": float(microbatches),
             "qcomm/ref_weight_bytes_per_step": ref.weight_bytes,
             "qcomm/ref_grad_bytes_per_step": ref.grad_bytes,
         }
@@ -441,6 +442,9 @@ def format_figures(fig: Mapping[str, float]) -> str:
         s += f" of {_fmt_bytes(base)}" if base > 0 else " (overhead)"
         if f"{p}_bits_per_elem" in fig:
             s += f" {fig[f'{p}_bits_per_elem']:.2f}b/el"
+            sending = fig.get(f"{p}_sending_bits_per_elem")
+            if sending is not None and abs(sending - fig[f"{p}_bits_per_elem"]) > 5e-3:
+                s += f" ({sending:.2f}b/el per exchange that sent)"  # 0-byte re-gathers aside
         hops = [
             f"{k[len(c.name) + 1:] if k.startswith(c.name + '_') else k} "
             f"{fig[f'qcomm/{k}_bits_per_elem']:.2f}b"
@@ -452,7 +456,9 @@ def format_figures(fig: Mapping[str, float]) -> str:
             s += f" x{fig[f'{p}_ratio_vs_unquantized']:.3f}"
         parts.append(s)
     tot = fig.get("qcomm/total_ratio_vs_unquantized")
-    return "qcomm: " + "  ".join(parts) + (f"  total x{tot:.3f}" if tot is not None else "")
+    mb = int(fig.get("qcomm/microbatches", 1))
+    return ("qcomm: " + (f"[{mb} microbatches/step] " if mb > 1 else "") + "  ".join(parts)
+            + (f"  total x{tot:.3f}" if tot is not None else ""))
 
 
 # --------------------------------------------------------------------------- one run's record

@@ -329,6 +329,29 @@ def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard
         assert {h["step"]: h[tag] for h in s["history"]} == pytest.approx(tb[tag]), tag
 
 
+def test_gradient_accumulation_sends_one_weight_exchange_per_step(tmp_path):
+    """sdp4bit with 2 microbatches per optimizer step (global batch 16 = 2 x 4 sequences x 2
+    ranks; torchtitan reduce-scatters every microbatch): qWD sends one difference per module
+    and step once the first torch.optim step was seen (the first step's second microbatch
+    sends one too: until then a finished reduction may mean an unseen optimizer), the other
+    gathers reuse the reference, and the qcomm: line says so."""
+    dump = tmp_path / "out"
+    proc = torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(4),
+                    "--training.global_batch_size", "16")
+    s = read_summary(dump)
+    n = s["hooked_modules"]
+    assert s["microbatches"] == 2 and s["training_steps"] == 4
+    modes = s["gather_modes"]
+    assert modes["qwd_full"] == n and modes["qwd_diff"] == (1 + 3) * n, modes
+    assert modes["qwd_reuse"] >= 4 * n  # the second microbatch's forward, every step
+    for h in s["history"][1:]:  # after the full-precision first step
+        assert h["qcomm/microbatches"] == 2.0
+        assert 4.0 < h["qcomm/weight_sending_bits_per_elem"] < 4.2
+        assert h["qcomm/weight_bits_per_elem"] < h["qcomm/weight_sending_bits_per_elem"] / 2
+    out = proc.stdout + proc.stderr
+    assert "qcomm: [2 microbatches/step] W " in out and "per exchange that sent" in out
+
+
 def test_learned_levels_log_their_table_exchange(tmp_path):
     """QSDP with learned levels on both sides (the ``levels_sync`` stats kind, which once
     crashed the first metrics log): the run logs every step, the table refreshes show up as

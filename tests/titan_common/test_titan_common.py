@@ -227,7 +227,7 @@ def test_run_summary_is_json_and_divides_by_the_handles_steps(tmp_path):
     fig = run.figures(2, [part])
     assert fig["qcomm/weight_bytes_per_step"] == 20  # divided by the 2 counted steps
     line = run.record(2, 3.5, 0.1, fig)
-    assert line.startswith("qcomm: W 20B/step of 80B")
+    assert line.startswith("qcomm: [2 microbatches/step] W 20B/step of 80B")
     run.record_validation(2, 3.25, [part])
     path = run.close(str(tmp_path), [part], "gpt", "tiny")
     s = json.loads(open(path).read())
