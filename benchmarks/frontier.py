@@ -52,16 +52,35 @@ ROWS: dict[str, Scheme] = {
     "SDP4Bit": accuracy.SCHEMES["SDP4Bit"],
     "QSDP (8/8)": accuracy.SCHEMES["QSDP (8/8)"],
     "ZeRO++": accuracy.SCHEMES["ZeRO++"],
+    # 3-bit weight differences: 3 or 2 gradient bits across nodes; error feedback with the
+    # stochastic rounding of the presets and with nearest rounding (the compressor EF theory
+    # assumes: contractive, but biased without EF)
+    "SDP4Bit +EF": Scheme("sdp4bit", dict(_EF)),
     "W3 G3": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=3)),
     "W3 G3 +EF": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=3, **_EF)),
     "W3 G2": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=2)),
+    "W3 G2 nearest": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=2,
+                                           grad_rounding="nearest")),
     "W3 G2 +EF": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=2, **_EF)),
-    "W2 G3 +EF": Scheme("sdp4bit", dict(weight_bits=2, grad_inter_bits=3, **_EF)),
-    "W2 G2 +EF": Scheme("sdp4bit", dict(weight_bits=2, grad_inter_bits=2, **_EF)),
-    "W2-HS G2 +EF": Scheme("sdp4bit", dict(weight_bits=2, weight_hadamard=True,
-                                          grad_inter_bits=2, **_EF)),
-    "W2-learned G2 +EF": Scheme("sdp4bit", dict(weight_bits=2, weight_levels="learned",
-                                               grad_inter_bits=2, **_EF)),
+    "W3 G2 +EF nearest": Scheme("sdp4bit", dict(weight_bits=3, grad_inter_bits=2,
+                                               grad_rounding="nearest", **_EF)),
+    # 2-bit weight differences (ternary; Hadamard-rotated; learned levels; 4 min-max levels)
+    "W2 G3": Scheme("sdp4bit", dict(weight_bits=2, grad_inter_bits=3)),
+    "W2-HS G3": Scheme("sdp4bit", dict(weight_bits=2, weight_hadamard=True, grad_inter_bits=3)),
+    "W2-learned G3": Scheme("sdp4bit", dict(weight_bits=2, weight_levels="learned",
+                                           grad_inter_bits=3)),
+    "W2-minmax G3": Scheme("sdp4bit", dict(weight_bits=2, weight_symmetric=False,
+                                          grad_inter_bits=3)),
+    "W2 G2": Scheme("sdp4bit", dict(weight_bits=2, grad_inter_bits=2)),
+    # nearest rounding for the weight differences: qWD carries what rounding drops into the next
+    # difference (error feedback on weights), the setting where a biased but contractive
+    # quantizer beats an unbiased noisy one
+    "W2-nearest G3": Scheme("sdp4bit", dict(weight_bits=2, weight_rounding="nearest",
+                                           grad_inter_bits=3)),
+    "W3-nearest G2": Scheme("sdp4bit", dict(weight_bits=3, weight_rounding="nearest",
+                                           grad_inter_bits=2)),
+    "W2-nearest G2": Scheme("sdp4bit", dict(weight_bits=2, weight_rounding="nearest",
+                                           grad_inter_bits=2)),
     "lowbit": Scheme("lowbit"),
 }
 DEFAULT_ROWS = ",".join(k for k in ROWS if k != "lowbit")  # lowbit: one of them, named
