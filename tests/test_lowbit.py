@@ -8,6 +8,9 @@ with the consistency guard on at every forward gather.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -104,23 +107,44 @@ def test_low_bit_wire_bytes(runs, name):
 
 # ---- the bit budget ---------------------------------------------------------------------------
 def test_bit_budget_chooses_widths_under_the_budget():
-    for budget in (2.2, 2.5, 2.8, 3.0, 3.7, 4.2):
+    ladder = QCommConfig.BUDGET_LADDER
+    for budget in (2.2, 2.5, 2.8, 3.0, 3.5, 3.7, 4.2, 8.0):
         cfg = QCommConfig.preset("lowbit", bit_budget=budget)
         w, g, mean = cfg.node_crossing_bits()
         assert mean <= budget, (budget, cfg)
-        # nothing better on the ladder fits: the widths are the first that do
-        better = [x for x in QCommConfig.BUDGET_LADDER
-                  if x > (cfg.weight_bits, cfg.grad_inter_bits, cfg.grad_error_feedback)]
-        for wb, gb, ef in better:
-            trial = cfg.replace(bit_budget=None, weight_bits=wb, grad_inter_bits=gb,
-                                grad_error_feedback=ef, grad_group_size=128)
+        # the first ladder point that fits: every one before it is over the budget
+        point = (cfg.weight_bits, cfg.weight_levels, cfg.grad_inter_bits)
+        assert point in ladder
+        for wb, levels, gb in ladder[: ladder.index(point)]:
+            trial = cfg.replace(bit_budget=None, weight_bits=wb, weight_levels=levels,
+                                grad_inter_bits=gb)
             assert trial.node_crossing_bits()[2] > budget
-    assert QCommConfig.preset("lowbit", bit_budget=3.0).grad_group_size == 64  # leftover bits
+        assert cfg.grad_group_size == 128 and cfg.grad_error_feedback == "none"
+    assert QCommConfig.preset("lowbit", bit_budget=3.0).replace(bit_budget=None) == (
+        QCommConfig.preset("lowbit"))
+    assert QCommConfig.preset("lowbit", bit_budget=4.2).weight_levels == "uniform"
     assert QCommConfig.preset("sdp4bit").node_crossing_bits()[2] == pytest.approx(4.1328125)
+    assert QCommConfig.preset("lowbit").node_crossing_bits()[2] == pytest.approx(2.6328125)
     with pytest.raises(ValueError, match="bit_budget=1.5 must be a number"):
         QCommConfig.preset("lowbit", bit_budget=1.5)
     with pytest.raises(ValueError, match="start from QCommConfig.preset\\('lowbit'"):
         QCommConfig(bit_budget=3.0)
+
+
+def test_lowbit_preset_is_the_frontier_row_it_ships():
+    """The preset must be the configuration the frontier measured, not a neighbour of it."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "frontier.py"
+    spec = importlib.util.spec_from_file_location("_frontier_rows", path)
+    sys.path.insert(0, str(path.parent))
+    try:
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(path.parent))
+    row = mod.ROWS[mod.LOWBIT_ROW]
+    assert QCommConfig.preset(row.preset, **row.overrides) == QCommConfig.preset("lowbit")
 
 
 def _budget_run(rank: int, world: int, budget: float) -> dict:
