@@ -64,6 +64,15 @@ def _worker(
         payload = (rank, False, traceback.format_exc())
     q.put(payload)
     if dist.is_initialized():
+        if payload[1]:
+            # Rank 0 hosts the store: leaving before a slower peer's last store operation (a
+            # subgroup it is still creating, say) resets that peer's connection. Wait for every
+            # rank first; a peer that failed never arrives, and the parent kills this process as
+            # soon as it has every report.
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - a broken group here changes no result
+                pass
         dist.destroy_process_group()
 
 
