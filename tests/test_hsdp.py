@@ -630,8 +630,8 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
 
 
 # ---- other meshes: 2 x 1, 1 x 4, 3 x 2 --------------------------------------------------------
-def _mesh_run(rank: int, world: int, shape) -> dict:
-    cfg = QCommConfig.preset("sdp4bit", ranks_per_node=shape[1], **SDP4)
+def _mesh_run(rank: int, world: int, shape, preset: str = "sdp4bit") -> dict:
+    cfg = QCommConfig.preset(preset, ranks_per_node=shape[1], **SDP4)
     nat = _native(shape)
     want = _train_steps(nat, None, 3, rank)
     model, handle, mesh = _build(shape, cfg)
@@ -670,6 +670,23 @@ def test_other_meshes(shape):
             assert r["kinds"] == ["grad_replica"]
         else:
             assert r["kinds"] == ["grad_intra", "grad_replica", "weight_allgather"]
+
+
+def test_lowbit_preset_under_hsdp():
+    """lowbit's 3-bit replica hop and 2-bit weight differences on learned levels (a table
+    exchanged inside the shard group) keep the replicas bit-identical and send the wire format."""
+    res = run_ranks(_mesh_run, 4, (2, 2), "lowbit", timeout=400)
+    spec = QCommConfig.preset("lowbit", **SDP4).grad_inter_spec()
+    assert spec.bits == 3
+    for r in res:
+        assert r["identical"]
+        assert r["losses"][0][0] == r["losses"][1][0]  # first forward: full-precision gather
+        assert r["err"] < 0.5, r["err"]
+        rep = r["replica"]
+        assert rep["calls"] == 3 * r["modules"]
+        want = sum(3 * wire_bytes(hadamard_len(-(-m // 2)), spec) for m in r["group_numels"])
+        assert rep["sent_bytes"] == 3 * want
+        assert {"grad_intra", "grad_replica", "weight_allgather"} <= set(r["kinds"])
 
 
 # ---- node placement ---------------------------------------------------------------------------
