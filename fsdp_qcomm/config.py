@@ -187,7 +187,8 @@ class QCommConfig:
         ),
         # Below the papers (benchmarks/frontier.py, docs/lowbit.md): 2-bit weight differences
         # on learned levels and 3-bit Hadamard-smoothed inter-node gradients, 8 bits inside the
-        # node; 2.64 bits per element across nodes instead of sdp4bit's 4.13.
+        # node: 2.63 bits per node-crossing element by the wire formula (2.67 measured with
+        # the level tables) instead of sdp4bit's 4.13.
         "lowbit": dict(weight_scheme="qwd", weight_bits=2, weight_levels="learned",
                        grad_scheme="two_level", grad_hadamard=True, grad_inter_bits=3),
         # ZeRO++: int8 weights (qwZ) and 4-bit gradients at both levels (qgZ), no Hadamard.
