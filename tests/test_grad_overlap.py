@@ -235,9 +235,9 @@ def test_deferrable_refuses_what_fsdp_reads_at_once():
         def __init__(self):
             self.sharded_param = nn.Parameter(torch.zeros(3))
             self.offload_to_cpu = False
+            self.sharded_grad_dtype = torch.float32
 
     class FakeGroup:
-        _orig_dtype = torch.float32
         _partial_reduce_output = None
         _all_reduce_hook = None
 
@@ -250,18 +250,23 @@ def test_deferrable_refuses_what_fsdp_reads_at_once():
     x = torch.zeros(4)
     g = FakeGroup()
     avg = dist.ReduceOp.AVG
-    assert grad_overlap.deferrable(g, x, avg)
-    assert not grad_overlap.deferrable(g, x, dist.ReduceOp.SUM)  # FSDP post-divides
-    assert not grad_overlap.deferrable(g, x.bfloat16(), avg)  # FSDP casts
-    assert not grad_overlap.deferrable(None, x, avg)
+    reason = grad_overlap.defer_reason
+    assert reason(g, x, avg) == ""
+    assert "forced-sum" in reason(g, x, dist.ReduceOp.SUM)  # FSDP post-divides
+    assert "casts" in reason(g, x.bfloat16(), avg)
+    assert reason(None, x, avg)
     g.fsdp_params[0].sharded_param.register_post_accumulate_grad_hook(lambda p: None)
-    assert not grad_overlap.deferrable(g, x, avg)  # user code reads the gradient
+    assert "hook reads" in reason(g, x, avg)  # user code reads the gradient
     g = FakeGroup()
     g.fsdp_params[0].sharded_param.grad = torch.ones(3)
-    assert not grad_overlap.deferrable(g, x, avg)  # accumulation
+    assert "accumulate" in reason(g, x, avg)
     g = FakeGroup()
     g.fsdp_params[0].offload_to_cpu = True
-    assert not grad_overlap.deferrable(g, x, avg)
+    assert "offload" in reason(g, x, avg)
     g = FakeGroup()
     g._all_reduce_hook = lambda t: None
-    assert not grad_overlap.deferrable(g, x, avg)
+    assert "all-reduce hook" in reason(g, x, avg)
+    g = FakeGroup()
+    del g.fsdp_params[0].sharded_param  # a torch that moved what we read: an error, not "no"
+    with pytest.raises(AttributeError):
+        reason(g, x, avg)

@@ -352,7 +352,7 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
     h.disable()
 
     # a user's all-reduce hook: set before enable it runs after ours on the reduced output;
-    # set after enable it would skip the replica all-reduce, so the next step refuses
+    # set after enable it would skip the replica all-reduce, so the next backward refuses
     seen = []
     mdl, _, _ = _build(shape)
     for m in _fsdp_modules(mdl):
@@ -365,8 +365,8 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
     opt.step()
     opt.zero_grad()
     mdl.blocks[0].set_all_reduce_hook(lambda t: None)
-    _loss(mdl, 1, rank).backward()
     try:
+        _loss(mdl, 1, rank).backward()
         opt.step()
         res["guard"] = "no error"
     except RuntimeError as e:

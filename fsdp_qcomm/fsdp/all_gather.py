@@ -77,7 +77,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.utils._pytree import tree_leaves
 
 from ..codec import FLOAT_DTYPES, RngKey
@@ -94,6 +93,7 @@ from ..config import QCommConfig
 from ..stats import CommStats
 from . import internals as fsdp
 from .consistency import check_consistent, consistency_error
+from .internals import AllGather
 
 KIND = "weight_allgather"
 
@@ -205,7 +205,8 @@ class QuantizedAllGather(AllGather):
         """(Re-)hook the sharded parameters' gradient writes, if they are new objects."""
         if not self._attached or (self._scheme == "none" and not self._keep):
             return
-        ids = tuple(id(fp.sharded_param) for fp in self._pg.fsdp_params)
+        params = fsdp.sharded_params(self._pg)
+        ids = tuple(id(p) for p in params)
         if ids == self._grad_hooked:
             return
         for h in self._grad_hooks:
@@ -214,9 +215,9 @@ class QuantizedAllGather(AllGather):
         # the CPU synchronously; there only optimizer step hooks tell of an update)
         note = _NoteReduction(self)
         self._grad_hooks = [
-            fp.sharded_param.register_post_accumulate_grad_hook(note)
-            for fp in self._pg.fsdp_params
-            if fp.sharded_param.requires_grad and not fsdp.offloads_to_cpu(fp)
+            p.register_post_accumulate_grad_hook(note)
+            for p, fp in zip(params, fsdp.fsdp_params(self._pg))
+            if p.requires_grad and not fsdp.offloads_to_cpu(fp)
         ]
         self._grad_hooked = ids
 
@@ -234,12 +235,12 @@ class QuantizedAllGather(AllGather):
                     for n, sub in m.named_modules():
                         where.setdefault(id(sub), ".".join(p for p in (top, n) if p))
             names = []
-            for k, fp in enumerate(self._pg.fsdp_params):
+            for k, fp in enumerate(fsdp.fsdp_params(self._pg)):
                 base = where.get(id(fsdp.owning_module(fp)), f"{self.name}[{k}]")
                 names.append(".".join(p for p in (base, fsdp.local_param_name(fp)) if p))
             if len(set(names)) < len(names):  # never two entries under one name
                 names = [f"{self.name}[{k}].{fsdp.local_param_name(fp)}"
-                         for k, fp in enumerate(self._pg.fsdp_params)]
+                         for k, fp in enumerate(fsdp.fsdp_params(self._pg))]
             self._names = names
         return self._names
 
@@ -248,11 +249,11 @@ class QuantizedAllGather(AllGather):
         if self._scheme != "qwd":
             return None
         segs, _ = self._segments()
-        fps = self._pg.fsdp_params
-        if segs is None or not fps:
+        params = fsdp.sharded_params(self._pg)
+        if segs is None or not params:
             return None
         mp_dtype = fsdp.param_dtype(self._pg)
-        dtypes = {mp_dtype or fp.sharded_param.dtype for fp in fps}
+        dtypes = {mp_dtype or p.dtype for p in params}
         if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES:
             return None  # mixed dtypes: FSDP gathers raw bytes, we gather plainly
         return next(iter(dtypes)), segs
@@ -264,8 +265,7 @@ class QuantizedAllGather(AllGather):
 
         out: dict[str, Any] = {}
         off = 0
-        for name, fp, seg in zip(self._param_names(), self._pg.fsdp_params, segs):
-            p = fp.sharded_param
+        for name, p, seg in zip(self._param_names(), fsdp.sharded_params(self._pg), segs):
             local_shape = p.to_local().shape
             local = flat[off:off + math.prod(local_shape)].view(local_shape)
             out[name] = DTensor.from_local(
@@ -289,7 +289,7 @@ class QuantizedAllGather(AllGather):
         elif q is not None and q.valid and q.segments == segs and q.ref.dtype == dtype:
             flat, valid = q.own_ref, 1
         else:  # nothing gathered yet (or a template for loading): placeholders
-            device = self._pg.fsdp_params[0].sharded_param.device
+            device = fsdp.group_device(self._pg)
             flat, valid = torch.zeros(sum(segs), dtype=dtype, device=device), 0
         state["reference_valid"] = valid
         state["reference"] = self._reference_views(flat, segs)
@@ -318,7 +318,7 @@ class QuantizedAllGather(AllGather):
                 "saved from a different model. Load the matching checkpoint, or drop the "
                 "'reference' entries to resend full-precision weights"
             )
-        device = self._pg.fsdp_params[0].sharded_param.device
+        device = fsdp.group_device(self._pg)
         flat = torch.zeros(sum(segs), dtype=dtype, device=device)
         off = 0
         for name, seg in zip(names, segs):
@@ -334,21 +334,22 @@ class QuantizedAllGather(AllGather):
             self._qwd.invalidate()  # FSDP gets a fresh output buffer, not the stale reference
 
     def _signature(self) -> tuple[_Sig, ...]:
-        return tuple(_param_signature(fp) for fp in self._pg.fsdp_params)
+        return tuple(_param_signature(fp) for fp in fsdp.fsdp_params(self._pg))
 
     def optimizer_step_pre(self, param_ids: set[int]) -> None:
         """Before an optimizer step: parameters it covers must still be as last explained."""
         if self._expected is None:
             return
-        for i, fp in enumerate(self._pg.fsdp_params):
-            if id(fp.sharded_param) in param_ids and _param_signature(fp) != self._expected[i]:
+        for i, fp in enumerate(fsdp.fsdp_params(self._pg)):
+            p = fsdp.sharded_param(fp)
+            if id(p) in param_ids and _param_signature(fp) != self._expected[i]:
                 self._outside = True
 
     def optimizer_step_post(self, param_ids: set[int]) -> None:
         """After an optimizer step: the weights changed (the next gather exchanges), and its
         version bumps are the optimizer's, not outside writes."""
-        for i, fp in enumerate(self._pg.fsdp_params):
-            if id(fp.sharded_param) in param_ids:
+        for i, fp in enumerate(fsdp.fsdp_params(self._pg)):
+            if id(fsdp.sharded_param(fp)) in param_ids:
                 self._stepped = self._optim_tracked = True
                 if self._expected is not None:
                     self._expected[i] = _param_signature(fp)
@@ -414,7 +415,7 @@ class QuantizedAllGather(AllGather):
         """Per-parameter shard sizes of the flat buffer, or None and why not. (Parameters
         resharded to a smaller group after forward are refused by ``enable``.)"""
         segs = []
-        for fp in self._pg.fsdp_params:
+        for fp in fsdp.fsdp_params(self._pg):
             if fsdp.has_pre_all_gather_extension(fp):
                 return None, "a parameter defines fsdp_pre_all_gather (tensor-subclass extension)"
             segs.append(fsdp.padded_shard_numel(fp))

@@ -110,10 +110,11 @@ class QCommHandle:
 
     def __init__(
         self, model: nn.Module, config: QCommConfig, installs: list[_Install], stats: CommStats,
-        placement: Optional[NodePlacement] = None,
+        placement: Optional[NodePlacement] = None, solo: Optional[hsdp.SoloGroup] = None,
     ) -> None:
         self.config = config
         self.placement = placement
+        self._solo = solo
         self._model = model
         self._installs = installs
         self._stats = stats
@@ -140,8 +141,7 @@ class QCommHandle:
         snap = self._stats.snapshot()
         ef = sum(residual_bytes(h, i.group) for i in self._installs
                  for h in i.reduction_hooks.values())
-        params = sum(fp.sharded_param.numel() for i in self._installs
-                     for fp in fsdp.fsdp_params(i.group))
+        params = sum(p.numel() for i in self._installs for p in fsdp.sharded_params(i.group))
         snap["summary"]["error_feedback_bytes"] = ef
         snap["summary"]["error_feedback_bytes_per_parameter"] = ef / params if params else 0.0
         return snap
@@ -238,6 +238,9 @@ class QCommHandle:
                 i.module.set_force_sum_reduction_for_comms(i.prev_force_sum)
             if i.all_gather is not None:
                 i.all_gather.release()
+        if self._solo is not None:
+            self._solo.destroy()
+            self._solo = None
         self._enabled = False
 
     def _check_enabled(self, what: str) -> None:
@@ -294,8 +297,8 @@ class _OptimizerTracker:
         ids = self._ids(optimizer)
         for g in self._live():
             g.optimizer_step_post(ids)
-        if any(id(fp.sharded_param) in ids for ref in self._groups if (pg := ref()) is not None
-               for fp in fsdp.fsdp_params(pg)):
+        if any(id(p) in ids for ref in self._groups if (pg := ref()) is not None
+               for p in fsdp.sharded_params(pg)):
             self._stats.count_step()
 
     def remove(self) -> None:
@@ -392,8 +395,14 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     quantized_grads = config.grad_scheme != "none"
     our_reduction = quantized_grads or config.grad_overlap  # overlap alone: unquantized, threaded
 
+    fsdp.verify_torch()
+    for i in installs:
+        fsdp.verify_group(i.group)
     stats = CommStats()
     names = {id(m): n for n, m in model.named_modules()}
+    solo = None  # HSDP: the one-rank group FSDP's own all-reduce is pointed at
+    if our_reduction and any(_replicas(i.group) for i in installs):
+        solo = hsdp.SoloGroup()
     # Build everything first (a failing constructor installs nothing), creating every process
     # group now, on every rank in the same order: never lazily inside the first backward.
     for i in installs:
@@ -405,10 +414,14 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
             i.all_gather.replica_group = replicas
         if our_reduction:
             i.reduce_scatter = _build_reduce_scatter(i, run, stats)
-            # grad_overlap: FSDP must not divide the output right after the call (the reduction
-            # may still be running), so it keeps passing AVG / PREMUL_SUM(1/f) to the hook.
-            i.force_sum = not config.grad_overlap
-            i.replica = _build_replica(i, run, stats, placement)
+            # grad_overlap (CPU process groups): FSDP must not divide the output right after
+            # the call (the reduction may still be running), so it keeps passing AVG /
+            # PREMUL_SUM(1/f) to the hook. Elsewhere forced SUM: FSDP's AVG over the one-rank
+            # HSDP group is documented as unreliable on NCCL.
+            i.force_sum = not (config.grad_overlap
+                               and fsdp.group_device(i.group).type == "cpu")
+            i.replica = _build_replica(i, run, stats, placement, solo)
+            i.reduce_scatter.replica = i.replica
         elif _needs_sum_for_gloo(i.group):
             i.force_sum = True
             stats.note(
@@ -429,7 +442,13 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
             hsdp.install(i.replica)
         if i.force_sum:
             i.module.set_force_sum_reduction_for_comms(True)
-    return QCommHandle(model, config, installs, stats, placement)
+    return QCommHandle(model, config, installs, stats, placement, solo)
+
+
+def _replicas(group: Any) -> bool:
+    """An HSDP group with more than one replica (FSDP all-reduces across them)."""
+    replicas = hsdp.original_replicate_group(group)
+    return replicas is not None and replicas.size() > 1
 
 
 def _build_reduce_scatter(
@@ -448,7 +467,8 @@ def _build_reduce_scatter(
 
 
 def _build_replica(
-    i: _Install, run: QCommConfig, stats: CommStats, placement: NodePlacement
+    i: _Install, run: QCommConfig, stats: CommStats, placement: NodePlacement,
+    solo: Optional[hsdp.SoloGroup],
 ) -> Optional[hsdp.ReplicaAllReduce]:
     """HSDP: the quantized all-reduce across replicas (None for 1-D FSDP or one replica).
 
@@ -475,6 +495,7 @@ def _build_replica(
         overlap_group=private_group(replicas) if run.grad_overlap else None,
         error_feedback=run.grad_error_feedback == "all" or (
             run.grad_error_feedback == "inter" and remote > 0),
+        solo=solo,
     )
 
 

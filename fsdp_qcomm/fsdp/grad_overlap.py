@@ -42,15 +42,20 @@ class ReductionQueue:
         self._drain_task: Optional[int] = None  # autograd graph task that will drain
         self.deferred = 0  # reductions that were left running when their call returned
 
-    def submit(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` after everything submitted before it. Inside backward, return at once and
-        let the end of that backward pass (or the next ``drain``) wait; outside it, wait now,
-        re-raising errors."""
+    def submit(self, fn: Callable[[], Any], defer: bool = True) -> None:
+        """Run ``fn`` after everything submitted before it. Inside backward and with ``defer``,
+        return at once and let the end of that backward pass (or the next ``drain``) wait;
+        otherwise wait now, re-raising errors.
+
+        A reduction that may not finish later still goes through the queue (``defer=False``):
+        it then runs on the same private process groups as the deferred ones, after them, so
+        every rank issues the same collectives on the same groups in the same order whatever
+        each rank decided about deferring."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="fsdp_qcomm_grad")
             self._pending.append(self._executor.submit(fn))
-        if not self._drain_at_end_of_backward():
+        if not defer or not self._drain_at_end_of_backward():
             self.drain()
         else:
             self.deferred += 1
@@ -91,55 +96,65 @@ class ReductionQueue:
 QUEUE = ReductionQueue()
 
 
-def _output_read_late(param_group: Any, dtype: torch.dtype) -> bool:
-    """FSDP2 (``foreach_reduce``) only makes views of the reduced output before backward ends:
-    no cast to the parameters' dtype, no gradient to add it to, no CPU offload copy, no
-    post-accumulate-grad hook reading it."""
-    if dtype != fsdp.orig_dtype(param_group):
-        return False  # FSDP casts the output to the parameters' dtype right away
-    for fp in fsdp.fsdp_params(param_group):
-        p = fp.sharded_param
-        if p.grad is not None or fsdp.offloads_to_cpu(fp):
-            return False  # accumulates into (or copies) the output right away
+def _output_read_late(param_group: Any, dtype: torch.dtype) -> str:
+    """Why FSDP2 (``foreach_reduce``) reads the reduced output before backward ends, or "" when
+    it only makes views of it then: no cast to the gradients' dtype, no gradient to add it to,
+    no CPU offload copy, no post-accumulate-grad hook reading it."""
+    for fp, p in zip(fsdp.fsdp_params(param_group), fsdp.sharded_params(param_group)):
+        if not p.requires_grad:
+            continue
+        if fsdp.sharded_grad_dtype(fp) != dtype:
+            return (f"FSDP casts the reduced gradients ({dtype}) to "
+                    f"{fsdp.sharded_grad_dtype(fp)} right away (mixed precision)")
+        if p.grad is not None:
+            return "gradients accumulate into existing .grad right away"
+        if fsdp.offloads_to_cpu(fp):
+            return "CPU offload copies the gradients right away"
         if any(getattr(h, "reads_grad", True) for h in fsdp.post_accumulate_grad_hooks(p)):
-            return False  # user code reads the gradient inside backward
-    return True
+            return "a post-accumulate-grad hook reads the gradients inside backward"
+    return ""
 
 
-def deferrable(
+def defer_reason(
     param_group: Any, input_tensor: torch.Tensor, op: Union[ReduceOp, "ReduceOp.RedOpType"]
-) -> bool:
-    """Whether FSDP2 leaves this reduce-scatter's output unread until backward ends, so the
-    reduction may finish later. Reads FSDP's private param-group state (checked against torch
-    2.13 and 2.14); anything unexpected means "no"."""
-    if input_tensor.device.type != "cpu" or param_group is None:
-        return False
+) -> str:
+    """Why this reduce-scatter must finish before its call returns, or "" when FSDP2 leaves the
+    output unread until backward ends, so the reduction may finish later. Reads FSDP's private
+    param-group state through ``internals`` (verified by ``enable``; a read that fails raises)."""
+    if input_tensor.device.type != "cpu":
+        return "not a CPU process group (CUDA overlaps on FSDP's own streams)"
+    if param_group is None:
+        return "no FSDP parameter group known"
     if op == ReduceOp.SUM:
-        return False  # forced-sum mode: FSDP divides the output right after the call
-    try:
-        if fsdp.is_hsdp(param_group):
-            return False  # HSDP all-reduces the output right away (fsdp.hsdp defers that)
-        if fsdp.partial_reduce_output(param_group) is not None:
-            return False
-        if fsdp.all_reduce_hook(param_group) is not None:
-            return False
-        return _output_read_late(param_group, input_tensor.dtype)
-    except AttributeError:
-        return False
+        return "forced-sum mode: FSDP divides the output right after the call"
+    if fsdp.is_hsdp(param_group):
+        return "HSDP all-reduces the output right away (the replica all-reduce is deferred)"
+    if fsdp.partial_reduce_output(param_group) is not None:
+        return "FSDP adds a partial reduction to the output right away"
+    if fsdp.all_reduce_hook(param_group) is not None:
+        return "an all-reduce hook reads the output right away"
+    return _output_read_late(param_group, input_tensor.dtype)
+
+
+def replica_defer_reason(param_group: Any, tensor: torch.Tensor) -> str:
+    """Why HSDP's all-reduce hook must finish before it returns, or "" when FSDP2 leaves its
+    output unread until backward ends (no division after the hook, and ``_output_read_late``).
+    Called from inside the hook, with FSDP's state as it will use it."""
+    if tensor.device.type != "cpu":
+        return "not a CPU process group (CUDA overlaps on FSDP's own streams)"
+    if fsdp.post_divide_factor(param_group, tensor.dtype) is not None:
+        return "FSDP divides the output right after the hook"
+    return _output_read_late(param_group, tensor.dtype)
+
+
+def deferrable(param_group: Any, input_tensor: torch.Tensor,
+               op: Union[ReduceOp, "ReduceOp.RedOpType"]) -> bool:
+    return not defer_reason(param_group, input_tensor, op)
 
 
 def replica_deferrable(param_group: Any, tensor: torch.Tensor) -> bool:
-    """Whether FSDP2 leaves the output of HSDP's all-reduce hook unread until backward ends (no
-    division after the hook, and ``_output_read_late``), so the hook may finish later. Called
-    from inside the hook, with FSDP's state as it will use it."""
-    if tensor.device.type != "cpu":
-        return False
-    try:
-        if fsdp.post_divide_factor(param_group, tensor.dtype) is not None:
-            return False
-        return _output_read_late(param_group, tensor.dtype)
-    except AttributeError:
-        return False
+    return not replica_defer_reason(param_group, tensor)
 
 
-__all__ = ["QUEUE", "ReductionQueue", "deferrable", "replica_deferrable"]
+__all__ = ["QUEUE", "ReductionQueue", "defer_reason", "deferrable", "replica_defer_reason",
+           "replica_deferrable"]

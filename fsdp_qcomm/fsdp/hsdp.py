@@ -47,7 +47,7 @@ from ..collectives.topology import is_alive
 from ..config import QuantSpec
 from ..stats import CommStats
 from . import internals as fsdp
-from .grad_overlap import QUEUE, replica_deferrable
+from .grad_overlap import QUEUE, replica_defer_reason
 
 Hook = Callable[[torch.Tensor], None]
 
@@ -58,20 +58,43 @@ def replica_op(divide_factor: Optional[float]) -> "ReduceOp.RedOpType":
     return ReduceOp.AVG if divide_factor is None else ReduceOp.SUM
 
 
-_SOLO: dict[int, ProcessGroup] = {}
+class SoloGroup:
+    """A process group of this rank alone (FSDP's all-reduce over it is a local no-op), owned
+    by one ``enable`` call and destroyed by its ``disable``, and the proof that FSDP really
+    all-reduces over it: every collective on a process group advances that group's sequence
+    number, so between two calls of the all-reduce hooks (FSDP runs its all-reduce right before
+    each hook call) the number must advance by exactly one. If FSDP had kept the real replica
+    group (a cached group in a later torch), its full-precision all-reduce would run there
+    beside ours and the gradients would be summed twice; ``check`` then raises instead.
 
+    Only this rank takes part in creating the group (``use_local_synchronization``), so it may
+    be created whatever the other ranks do; every rank creates its own at the same point of
+    ``enable``."""
 
-def solo_group() -> ProcessGroup:
-    """A process group of this rank alone, created on first use and cached (FSDP's all-reduce
-    over it is a local no-op). Only this rank takes part in creating it, so it may be created
-    whatever the other ranks do; every rank creates its own at the same point of ``enable``."""
-    rank = dist.get_rank()
-    hit = _SOLO.get(rank)
-    if hit is not None and is_alive(hit):
-        return hit
-    solo = dist.new_group([rank], use_local_synchronization=True, group_desc="qcomm_hsdp_solo")
-    _SOLO[rank] = solo
-    return solo
+    def __init__(self) -> None:
+        rank = dist.get_rank()
+        self.group = dist.new_group([rank], use_local_synchronization=True,
+                                    group_desc="qcomm_hsdp_solo")
+        self._seen = fsdp.sequence_number(self.group)
+        self.hooks: list[ReplicaAllReduce] = []  # the hooks whose FSDP all-reduce runs here
+
+    def check(self, label: str) -> None:
+        """Called first thing in every all-reduce hook call."""
+        now = fsdp.sequence_number(self.group)
+        ran, self._seen = now - self._seen, now
+        if ran != 1:
+            for hook in self.hooks:  # a replaced hook explains a skipped call
+                hook.check_installed()
+            raise fsdp.changed(
+                f"FSDP module {label!r}: FSDP's own HSDP all-reduce ran {ran} time(s) on the "
+                "one-rank group fsdp_qcomm swapped in for the replica group since the previous "
+                "all-reduce hook call (expected exactly 1), so it may have run on the real "
+                "replica group instead and summed the gradients twice"
+            )
+
+    def destroy(self) -> None:
+        if is_alive(self.group):
+            dist.destroy_process_group(self.group)
 
 
 class ReplicaAllReduce:
@@ -101,8 +124,10 @@ class ReplicaAllReduce:
         label: str = "",
         overlap_group: Optional[ProcessGroup] = None,
         error_feedback: bool = False,
+        solo: Optional[SoloGroup] = None,
     ) -> None:
         self.param_group = param_group
+        self.solo = solo
         self.replica_group = replica_group
         self.spec = spec
         self.hadamard = hadamard
@@ -122,14 +147,22 @@ class ReplicaAllReduce:
         return self.replica_group.size()
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        if self.solo is not None:
+            self.solo.check(self.label)
         op = replica_op(fsdp.gradient_divide_factor(self.param_group))
         key = replica_key(self.seed, self.call_count, dist.get_rank(), self.bucket)
         self.call_count += 1
-        if (self.overlap_group is not None and self.user_hook is None
-                and replica_deferrable(self.param_group, reduce_output)):
-            QUEUE.submit(partial(self._reduce, reduce_output, self.overlap_group, op, key))
-            return
-        self._reduce(reduce_output, self.replica_group, op, key)
+        if self.overlap_group is not None:
+            # Always on the private group, deferred or not (``ReductionQueue.submit``).
+            why = ("a user all-reduce hook runs after it" if self.user_hook is not None
+                   else replica_defer_reason(self.param_group, reduce_output))
+            if why:
+                self.stats.note(f"grad_overlap: a replica all-reduce finished inside its call: "
+                                f"{why}")
+            QUEUE.submit(partial(self._reduce, reduce_output, self.overlap_group, op, key),
+                         defer=not why)
+        else:
+            self._reduce(reduce_output, self.replica_group, op, key)
         if self.user_hook is not None:
             self.user_hook(reduce_output)
 
@@ -162,25 +195,26 @@ class ReplicaAllReduce:
 
 
 class _Swap:
-    """One swapped mesh-info object (shared by the groups of one ``fully_shard`` call)."""
+    """One swapped mesh-info object (shared by the groups of one ``fully_shard`` call), kept
+    on that object itself so it lives and dies with the model."""
 
-    def __init__(self, group: Any, solo: ProcessGroup) -> None:
-        self.original = fsdp.swap_replicate_group(group, solo)
+    def __init__(self, group: Any, solo: SoloGroup) -> None:
+        self.original = fsdp.swap_replicate_group(group, solo.group)
         self.group = group
         self.users = 0
 
 
-_SWAPS: dict[int, _Swap] = {}
-
-
 def install(hook: ReplicaAllReduce) -> None:
     """Route the group's HSDP all-reduce through ``hook`` (see the module docstring)."""
+    if hook.solo is None:
+        raise ValueError("install needs a ReplicaAllReduce built with its SoloGroup")
     group = hook.param_group
-    key = fsdp.mesh_info_id(group)
-    swap = _SWAPS.get(key)
+    swap = fsdp.swap_record(group)
     if swap is None:
-        swap = _SWAPS[key] = _Swap(group, solo_group())
+        swap = _Swap(group, hook.solo)
+        fsdp.set_swap_record(group, swap)
     swap.users += 1
+    hook.solo.hooks.append(hook)
     fsdp.set_all_reduce_hook(group, hook)
 
 
@@ -189,22 +223,21 @@ def uninstall(hook: ReplicaAllReduce) -> None:
     group = hook.param_group
     if fsdp.all_reduce_hook(group) is hook:
         fsdp.set_all_reduce_hook(group, hook.user_hook)
-    key = fsdp.mesh_info_id(group)
-    swap = _SWAPS.get(key)
+    swap = fsdp.swap_record(group)
     if swap is not None:
         swap.users -= 1
         if swap.users <= 0:
             fsdp.swap_replicate_group(swap.group, swap.original)
-            del _SWAPS[key]
+            fsdp.set_swap_record(group, None)
 
 
 def original_replicate_group(group: Any) -> Optional[ProcessGroup]:
     """The replica group FSDP would all-reduce over without fsdp_qcomm (None if not HSDP)."""
     if not fsdp.is_hsdp(group):
         return None
-    swap = _SWAPS.get(fsdp.mesh_info_id(group))
+    swap = fsdp.swap_record(group)
     return swap.original if swap is not None else fsdp.replicate_group(group)
 
 
-__all__ = ["ReplicaAllReduce", "install", "original_replicate_group", "replica_op", "solo_group",
+__all__ = ["ReplicaAllReduce", "SoloGroup", "install", "original_replicate_group", "replica_op",
            "uninstall"]

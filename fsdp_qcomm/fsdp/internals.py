@@ -1,15 +1,30 @@
-"""The one place that reads (and, for HSDP, swaps) FSDP2's private state.
+"""The one place that reads (and, for HSDP, swaps) FSDP2's private state, and checks it.
 
 FSDP2 exposes public setters (``set_custom_all_gather``, ``set_all_reduce_hook``, ...) but no
 getters: which process groups a module uses, what is installed, where a parameter's shard lives
 and whether the group is inside backward are private attributes of ``FSDPParamGroup`` and
 ``FSDPParam`` (``torch/distributed/fsdp/_fully_shard/``). Every such read of fsdp-qcomm goes
-through these functions, so a torch upgrade that renames one is a one-file change. Checked
-against torch 2.13 and 2.14.
+through this module; the rest of the package treats FSDP's objects as opaque handles.
+
+Each function says the behaviour it assumes. ``verify_group`` (run by ``enable`` on every
+parameter group before anything is installed) reads every attribute this module relies on and
+checks its type, and ``verify_torch`` checks the module-level pieces (classes, enums, the
+signature of ``_get_gradient_divide_factors``); a torch release that renamed or removed one makes
+``enable`` raise ``FSDPInternalsChanged`` naming the torch version, what changed and what to do,
+instead of training on. Behaviours that can only be seen while training are proven at run
+time where they are used (``fsdp.hsdp``: FSDP's own all-reduce ran on the one-rank group;
+``fsdp.grad_overlap``: every non-deferred reduction has a reason). ``tests/test_fsdp_canaries.py``
+pins each behaviour with one test, so a torch upgrade fails there first.
+
+Checked against torch 2.13.0, 2.14.1 and 2.15.0. What 2.15 changed that matters here:
+``FSDPParamGroup.mp_policy`` and ``FSDPParamGroup._orig_dtype`` are gone (the policy is resolved
+per parameter, ``FSDPParam.mp_policy``), reduced gradients are cast to each parameter's
+``sharded_grad_dtype`` (new), and ``reduce_dtype=None`` now reduces in the gradients' dtype.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Callable, Optional
 
@@ -17,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import (
     DDPMeshInfo,
     FSDPMeshInfo,
@@ -26,6 +42,32 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
 ParamGroup = Any  # torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup
 FSDPParam = Any  # torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam
 
+TESTED_TORCH = ("2.13", "2.14", "2.15")
+
+
+class FSDPInternalsChanged(RuntimeError):
+    """FSDP2's private state is not what fsdp-qcomm was written against."""
+
+
+def _torch_version() -> str:
+    return torch.__version__.split("+")[0]
+
+
+def changed(what: str, fix: str = "") -> FSDPInternalsChanged:
+    """The error for a private FSDP2 behaviour that is not what fsdp-qcomm relies on."""
+    tested = ", ".join(TESTED_TORCH)
+    return FSDPInternalsChanged(
+        f"fsdp_qcomm: FSDP2 in torch {_torch_version()} does not behave as fsdp_qcomm expects: "
+        f"{what}. fsdp_qcomm is tested with torch {tested}. "
+        + (fix or "Use one of those torch versions, or run without fsdp_qcomm.enable() "
+           "(FSDP2's own collectives) until fsdp_qcomm supports this release.")
+    )
+
+
+def torch_minor() -> tuple[int, int]:
+    major, minor = _torch_version().split(".")[:2]
+    return int(major), int(minor)
+
 
 # ---- modules and their parameter groups -------------------------------------------------------
 def param_groups(module: nn.Module) -> list[ParamGroup]:
@@ -34,20 +76,32 @@ def param_groups(module: nn.Module) -> list[ParamGroup]:
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{type(module).__name__} is not an FSDP module")
     state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # older torch: at most one group
-        group = getattr(state, "_fsdp_param_group", None)
-        return [] if group is None else [group]
-    return list(groups)
+    if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.13: a list (empty without params)
+        return list(state._fsdp_param_groups)
+    raise changed("FSDPState has no _fsdp_param_groups")
 
 
 def fsdp_params(group: ParamGroup) -> list[FSDPParam]:
+    """The group's ``FSDPParam`` objects in all-gather order (opaque: pass them back here)."""
     return list(group.fsdp_params)
+
+
+def sharded_param(fp: FSDPParam) -> nn.Parameter:
+    """The parameter the model and the optimizer see: a DTensor holding this rank's shard."""
+    return fp.sharded_param
+
+
+def sharded_params(group: ParamGroup) -> list[nn.Parameter]:
+    return [fp.sharded_param for fp in group.fsdp_params]
 
 
 def group_modules(group: ParamGroup) -> tuple[nn.Module, ...]:
     """The modules sharing this group (several for ``fully_shard([a, b])``)."""
     return tuple(group.modules)
+
+
+def group_device(group: ParamGroup) -> torch.device:
+    return group.device
 
 
 # ---- process groups ---------------------------------------------------------------------------
@@ -70,6 +124,12 @@ def is_hsdp(group: ParamGroup) -> bool:
     return isinstance(info, DDPMeshInfo) and isinstance(info, FSDPMeshInfo)
 
 
+def is_replicate_only(group: ParamGroup) -> bool:
+    """A ``replicate()`` (DDP-style) group: FSDP's all-reduce without a shard dimension."""
+    info = group.mesh_info
+    return isinstance(info, DDPMeshInfo) and not isinstance(info, FSDPMeshInfo)
+
+
 def replicate_group(group: ParamGroup) -> Optional[dist.ProcessGroup]:
     """The replica group FSDP all-reduces over under HSDP (None otherwise), as FSDP will use it
     now (``swap_replicate_group`` may have replaced it)."""
@@ -81,10 +141,12 @@ def replicate_group(group: ParamGroup) -> Optional[dist.ProcessGroup]:
 def swap_replicate_group(group: ParamGroup, new: dist.ProcessGroup) -> dist.ProcessGroup:
     """Make FSDP's HSDP all-reduce run over ``new``; returns the group it replaces.
 
-    FSDP reads the replica group only when it launches the all-reduce
-    (``FSDPParamGroup._all_reduce_process_group``); DTensor placements, state dicts and
-    ``clip_grad_norm_`` use the device mesh, which is untouched. The mesh-info object may be
-    shared by the groups of one ``fully_shard`` call, so this acts on all of them at once.
+    Assumes FSDP reads the replica group from the mesh-info object each time it launches the
+    all-reduce (``FSDPParamGroup._all_reduce_process_group``, a property), never caching it;
+    ``fsdp.hsdp`` proves it at every all-reduce hook call (the one-rank group's collective
+    sequence number moved). DTensor placements, state dicts and ``clip_grad_norm_`` use the
+    device mesh, which is untouched. The mesh-info object may be shared by the groups of one
+    ``fully_shard`` call, so this acts on all of them at once.
     """
     if not is_hsdp(group):
         raise ValueError("swap_replicate_group needs an HSDP parameter group (2-D mesh)")
@@ -94,9 +156,27 @@ def swap_replicate_group(group: ParamGroup, new: dist.ProcessGroup) -> dist.Proc
     return old
 
 
-def mesh_info_id(group: ParamGroup) -> int:
-    """Identity of the group's mesh-info object (shared by the groups of one fully_shard call)."""
-    return id(group.mesh_info)
+_SWAP_ATTR = "_fsdp_qcomm_swap"
+
+
+def swap_record(group: ParamGroup) -> Any:
+    """What ``set_swap_record`` stored on the group's mesh-info object (shared by the groups
+    of one ``fully_shard`` call), or None: a swapped replica group lives and dies with the
+    model, not in a module-global table."""
+    return getattr(group.mesh_info, _SWAP_ATTR, None)
+
+
+def set_swap_record(group: ParamGroup, record: Any) -> None:
+    if record is None:
+        if hasattr(group.mesh_info, _SWAP_ATTR):
+            delattr(group.mesh_info, _SWAP_ATTR)
+        return
+    setattr(group.mesh_info, _SWAP_ATTR, record)
+
+
+def sequence_number(pg: dist.ProcessGroup) -> int:
+    """How many collectives this process has issued on ``pg`` (gloo and NCCL count them)."""
+    return int(pg._get_sequence_number_for_group())
 
 
 # ---- installed collectives and reduction settings ----------------------------------------------
@@ -126,11 +206,17 @@ def gradient_divide_factor(group: ParamGroup) -> Optional[float]:
 
 def all_reduce_grads(group: ParamGroup) -> bool:
     """False after ``set_requires_all_reduce(False)`` (HSDP: accumulate, all-reduce later)."""
-    return bool(getattr(group, "all_reduce_grads", True))
+    return bool(group.all_reduce_grads)
+
+
+def reduce_grads(group: ParamGroup) -> bool:
+    """False after ``set_requires_gradient_sync(False)`` (no reduction at all this backward)."""
+    return bool(group.reduce_grads)
 
 
 def partial_reduce_output(group: ParamGroup) -> Optional[torch.Tensor]:
-    return getattr(group, "_partial_reduce_output", None)
+    """HSDP's reduce-scatter output kept for a later all-reduce (``all_reduce_grads=False``)."""
+    return group._partial_reduce_output
 
 
 def post_divide_factor(group: ParamGroup, reduce_dtype: torch.dtype) -> Optional[float]:
@@ -148,11 +234,28 @@ def post_divide_factor(group: ParamGroup, reduce_dtype: torch.dtype) -> Optional
 
 
 def orig_dtype(group: ParamGroup) -> Optional[torch.dtype]:
-    return group._orig_dtype
+    """The dtype of the group's trainable parameters (FSDP keeps sharded parameters in their
+    original dtype); None when there are none or they differ."""
+    dtypes = {fp.sharded_param.dtype for fp in group.fsdp_params
+              if fp.sharded_param.requires_grad}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
+
+
+def sharded_grad_dtype(fp: FSDPParam) -> torch.dtype:
+    """The dtype FSDP casts this parameter's reduced gradient to: its ``sharded_grad_dtype``
+    from torch 2.15 (the parameter's ``grad_dtype`` policy), the original dtype before."""
+    if torch_minor() >= (2, 15):
+        return fp.sharded_grad_dtype or fp.sharded_param.dtype
+    return fp.sharded_param.dtype
 
 
 def param_dtype(group: ParamGroup) -> Optional[torch.dtype]:
-    return group.mp_policy.param_dtype
+    """The all-gather dtype when every parameter of the group shares one (None: the parameters'
+    own dtype). Read from each parameter's mixed-precision policy, which exists before FSDP's
+    lazy init (checkpoint templates need it before the first forward); torch 2.15 resolves the
+    policy per parameter (``param_dtype_override_fn``), older releases share the group's."""
+    dtypes = {fp.mp_policy.param_dtype for fp in group.fsdp_params}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
 
 
 # ---- state ------------------------------------------------------------------------------------
@@ -188,13 +291,18 @@ def has_pre_all_gather_extension(fp: FSDPParam) -> bool:
     return hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
 
 
+def local_shard(fp: FSDPParam) -> torch.Tensor:
+    """This rank's padded shard as a flat tensor (what FSDP copies into the all-gather input),
+    sharing storage with the sharded parameter."""
+    return fp._sharded_param_data
+
+
 def param_signature(fp: FSDPParam) -> tuple:
     """(param object, its version, the local shard's version, the flat data's version and
     address): changes when the sharded parameter is replaced or written by a per-tensor
-    in-place op (``p.mul_``, ``p.copy_``, ``load_state_dict``). Checked on torch 2.13: foreach
-    and fused kernels (``Adam(foreach=True)``, ``AdamW(fused=True)``) and writes through
-    ``p.data`` leave every one of these versions unchanged, so optimizer steps must be learned
-    from ``torch.optim`` step hooks, not from this signature."""
+    in-place op (``p.mul_``, ``p.copy_``, ``load_state_dict``). Foreach and fused kernels
+    (``Adam(foreach=True)``, ``AdamW(fused=True)``) and writes through ``p.data`` leave every
+    one of these versions unchanged: those are found by content (``fsdp.change_tracker``)."""
     p = fp.sharded_param
     local = fp._sharded_local_tensor
     data = fp._sharded_param_data
@@ -203,7 +311,7 @@ def param_signature(fp: FSDPParam) -> tuple:
 
 def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
     """Hooks FSDP calls on a sharded parameter right after writing its reduced gradient."""
-    return list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
+    return list((param._post_accumulate_grad_hooks or {}).values())
 
 
 def owning_module(fp: FSDPParam) -> nn.Module:
@@ -226,20 +334,115 @@ def offloads_to_cpu(fp: FSDPParam) -> bool:
     return bool(fp.offload_to_cpu)
 
 
+# ---- checks -----------------------------------------------------------------------------------
+_DIVIDE_FACTOR_ARGS = ("reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type",
+                       "factor", "force_sum_reduction_for_comms")
+
+
+def verify_torch() -> None:
+    """Module-level pieces: the comm base classes, the training states and the divide-factor
+    helper whose positional order ``post_divide_factor`` relies on."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    for cls, name in ((AllGather, "AllGather"), (ReduceScatter, "ReduceScatter")):
+        if not callable(getattr(cls, "allocate", None)) or not callable(cls.__call__):
+            raise changed(f"_fsdp_api.{name} has no allocate()/__call__")
+    if not hasattr(TrainingState, "PRE_BACKWARD"):
+        raise changed("TrainingState.PRE_BACKWARD is gone")
+    fn = getattr(_fsdp_collectives, "_get_gradient_divide_factors", None)
+    if fn is None:
+        raise changed("_fsdp_collectives._get_gradient_divide_factors is gone")
+    names = tuple(inspect.signature(fn).parameters)[:len(_DIVIDE_FACTOR_ARGS)]
+    if names != _DIVIDE_FACTOR_ARGS:
+        raise changed(f"_get_gradient_divide_factors takes {names}, expected "
+                      f"{_DIVIDE_FACTOR_ARGS}")
+    if not hasattr(torch._C, "_current_graph_task_id"):
+        raise changed("torch._C._current_graph_task_id is gone")
+    group_cls = _param_group_class()
+    if not isinstance(getattr(group_cls, "_all_reduce_process_group", None), property):
+        raise changed("FSDPParamGroup._all_reduce_process_group is no longer a property read "
+                      "at each all-reduce (fsdp_qcomm's HSDP replica swap depends on it)")
+
+
+def _param_group_class() -> type:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return FSDPParamGroup
+
+
+def _expect(obj: Any, attr: str, kinds: Any, where: str) -> Any:
+    if not hasattr(obj, attr):
+        raise changed(f"{where} has no attribute {attr!r}")
+    value = getattr(obj, attr)
+    if kinds is not None and not isinstance(value, kinds):
+        raise changed(f"{where}.{attr} is a {type(value).__name__}, expected "
+                      f"{getattr(kinds, '__name__', kinds)}")
+    return value
+
+
+def verify_group(group: ParamGroup) -> None:
+    """Read every private attribute of one parameter group (and its parameters) that this
+    module uses and check its type; raises ``FSDPInternalsChanged`` naming the first that
+    moved. Cheap: attribute reads only."""
+    where = "FSDPParamGroup"
+    _expect(group, "fsdp_params", list, where)
+    _expect(group, "modules", tuple, where)
+    _expect(group, "device", torch.device, where)
+    info = _expect(group, "mesh_info", (FSDPMeshInfo, DDPMeshInfo), where)
+    if isinstance(info, FSDPMeshInfo):
+        _expect(info, "shard_process_group", dist.ProcessGroup, "FSDPMeshInfo")
+    if isinstance(info, DDPMeshInfo):
+        _expect(info, "replicate_process_group", dist.ProcessGroup, "DDPMeshInfo")
+    for attr in ("_all_gather_comm", "_reduce_scatter_comm", "_all_reduce_hook",
+                 "_partial_reduce_output", "post_forward_mesh_info", "gradient_divide_factor"):
+        _expect(group, attr, None, where)
+    for attr in ("force_sum_reduction_for_comms", "all_reduce_grads", "reduce_grads",
+                 "_use_post_forward_mesh"):
+        _expect(group, attr, bool, where)
+    _expect(group, "_training_state", TrainingState, where)
+    if torch_minor() < (2, 15) and not hasattr(group, "mp_policy"):
+        raise changed("FSDPParamGroup.mp_policy is gone (expected before torch 2.15)")
+    for fp in group.fsdp_params:
+        w = "FSDPParam"
+        p = _expect(fp, "sharded_param", nn.Parameter, w)
+        _expect(fp, "padded_sharded_param_size", torch.Size, w)
+        _expect(fp, "_sharded_local_tensor", torch.Tensor, w)
+        data = _expect(fp, "_sharded_param_data", torch.Tensor, w)
+        if data.dim() != 1:
+            raise changed("FSDPParam._sharded_param_data is not the flat padded shard")
+        _expect(fp, "offload_to_cpu", bool, w)
+        policy = _expect(fp, "mp_policy", None, w)
+        _expect(policy, "param_dtype", (torch.dtype, type(None)), "MixedPrecisionPolicy")
+        info = _expect(fp, "_module_info", None, w)
+        _expect(info, "module", nn.Module, "ParamModuleInfo")
+        _expect(info, "param_name", str, "ParamModuleInfo")
+        if torch_minor() >= (2, 15):
+            _expect(fp, "sharded_grad_dtype", (torch.dtype, type(None)), w)
+        if not hasattr(p, "_post_accumulate_grad_hooks"):
+            raise changed("Tensor._post_accumulate_grad_hooks is gone")
+
+
 __all__ = [
+    "AllGather",
+    "FSDPInternalsChanged",
+    "ReduceScatter",
+    "TESTED_TORCH",
     "all_reduce_grads",
     "all_reduce_hook",
     "autograd_running",
+    "changed",
     "force_sum",
     "fsdp_params",
     "gradient_divide_factor",
+    "group_device",
     "group_modules",
     "has_pre_all_gather_extension",
     "in_backward",
     "installed_comms",
     "is_hsdp",
+    "is_replicate_only",
     "local_param_name",
-    "mesh_info_id",
+    "local_shard",
     "offloads_to_cpu",
     "orig_dtype",
     "owning_module",
@@ -251,11 +454,21 @@ __all__ = [
     "partial_reduce_output",
     "post_accumulate_grad_hooks",
     "post_divide_factor",
+    "reduce_grads",
     "reduce_scatter_group",
     "replicate_group",
     "reshards_after_forward",
+    "sequence_number",
     "set_all_reduce_hook",
+    "set_swap_record",
     "shard_group",
+    "sharded_grad_dtype",
+    "sharded_param",
+    "sharded_params",
+    "swap_record",
     "swap_replicate_group",
+    "torch_minor",
     "uses_post_forward_mesh",
+    "verify_group",
+    "verify_torch",
 ]

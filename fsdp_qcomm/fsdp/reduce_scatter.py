@@ -19,7 +19,6 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..codec import RngKey
 from ..collectives.error_feedback import FeedbackState
@@ -32,7 +31,8 @@ from ..collectives.level_sync import LevelSync
 from ..collectives.topology import Topology, node_topology, private_group
 from ..config import QCommConfig
 from ..stats import CommStats
-from .grad_overlap import QUEUE, deferrable
+from .grad_overlap import QUEUE, defer_reason
+from .internals import ReduceScatter
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class QuantizedReduceScatter(ReduceScatter):
         self.param_group = param_group
         self.prepared = prepared
         self.prepared_overlap = prepared_overlap
+        # HSDP: the module's replica all-reduce hook; checked at every call, before FSDP runs
+        # its all-reduce, so a hook replaced after ``enable`` stops the backward on every rank
+        self.replica: Optional[Any] = None
         self.call_count = 0
         self.feedback = FeedbackState() if config.grad_error_feedback != "none" else None
         self.levels = None
@@ -99,6 +102,8 @@ class QuantizedReduceScatter(ReduceScatter):
         op: Union[ReduceOp, "ReduceOp.RedOpType"],
         async_op: bool = False,
     ) -> None:
+        if self.replica is not None:
+            self.replica.check_installed()
         key = RngKey(self.config.seed, self.call_count, dist.get_rank(), self.bucket)
         levels = None
         if self.levels is not None and group.size() > 1:
@@ -107,16 +112,19 @@ class QuantizedReduceScatter(ReduceScatter):
             levels = self.levels.table(rows, group, self.call_count, self.stats)
         self.call_count += 1
         topology = self._prepared_topology(group)
-        if (self.config.grad_overlap and group.size() > 1
-                and deferrable(self.param_group, input_tensor, op)):
+        if self.config.grad_overlap and group.size() > 1:
+            # Always on the private group, deferred or not (``ReductionQueue.submit``).
             if self.prepared_overlap is not None:
                 own, own_topology = self.prepared_overlap.group, self.prepared_overlap.topology
             else:  # created here, on the main thread, in the same order on every rank
                 own, own_topology = private_group(group), None
                 if self.config.grad_scheme == "two_level":
                     own_topology = node_topology(own, self.config.ranks_per_node)
+            why = defer_reason(self.param_group, input_tensor, op)
+            if why:
+                self.stats.note(f"grad_overlap: a reduce-scatter finished inside its call: {why}")
             QUEUE.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
-                                 levels, own_topology))
+                                 levels, own_topology), defer=not why)
             return None
         self._reduce(output_tensor, input_tensor, group, op, key, levels, topology)
         return None

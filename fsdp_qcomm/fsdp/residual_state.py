@@ -25,10 +25,9 @@ def shard_numel(group: Any) -> int:
 
 
 def _buffers(hook: Any, group: Any) -> dict[str, torch.Tensor]:
-    fps = fsdp.fsdp_params(group)
-    if hook is None or getattr(hook, "feedback", None) is None or not fps:
+    if hook is None or getattr(hook, "feedback", None) is None or not fsdp.fsdp_params(group):
         return {}
-    device = fps[0].sharded_param.device
+    device = fsdp.group_device(group)
     return {site: hook.feedback.buffer(site, shape, device)
             for site, shape in hook.feedback_shapes(shard_numel(group)).items()}
 
@@ -43,11 +42,11 @@ def residual_bytes(hook: Any, group: Any) -> int:
 
 def residual_entries(hooks: dict[str, Any], group: Any) -> dict[str, DTensor]:
     """``{"<hook>.<site>": DTensor}`` of this rank's residuals (views of the live buffers)."""
-    fps = fsdp.fsdp_params(group)
+    params = fsdp.sharded_params(group)
     out: dict[str, DTensor] = {}
     for name, hook in hooks.items():
         for site, buf in _buffers(hook, group).items():
-            mesh = fps[0].sharded_param.device_mesh
+            mesh = params[0].device_mesh
             flat = buf.view(-1)
             out[f"{name}.{site}"] = DTensor.from_local(
                 flat, mesh, [Shard(0)] * mesh.ndim, run_check=False,
