@@ -41,6 +41,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import _provenance  # noqa: E402
+
 ADDR0, ADDR1 = "10.77.0.1", "10.77.0.2"
 PORT = 29577
 
@@ -416,6 +419,7 @@ def main(argv=None) -> int:
     _preflight()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    _provenance.record(out, argv=None if argv is None else [__file__, *argv])
     cl = _Cluster()
     atexit.register(cl.close)
     for sig in (signal.SIGTERM, signal.SIGHUP):

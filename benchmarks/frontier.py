@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import _provenance  # noqa: E402
 import accuracy  # noqa: E402
 from _seeds import RunStore, SetupMismatch, fmt_spread, fmt_verdict, seed_list  # noqa: E402
 
@@ -213,6 +214,7 @@ def main(argv=None) -> int:
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _provenance.record(out_dir, argv=None if argv is None else [__file__, *argv])
     store = RunStore(out_dir, accuracy._setup(a))
     try:
         copied = _copy_reused(a, store)
