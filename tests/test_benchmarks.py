@@ -26,6 +26,16 @@ def test_rate_parsing_and_refusal():
         cluster_speed._rate_bps("1gbps")
 
 
+def test_cluster_table_floor_is_the_larger_bound_not_the_sum():
+    s = {"median_step_s": 0.5, "comm_s": 0.1, "quant_s": 0.0, "rest_s": 0.4,
+         "link_bytes_per_step": 2.5e7, "link_busier_direction_bytes_per_step": 2.5e7,
+         "cpu_all_ranks_s": 0.8}
+    res = {"cores": 2, "rates": {"1gbit": {"schemes": {"baseline": s}}}}
+    row = [ln for ln in cluster_speed._tables(res).splitlines() if ln.startswith("| baseline")][0]
+    # CPU floor 0.8 / 2 = 0.4 s, link floor 8 * 25 MB / 1 Gbit/s = 0.2 s: the floor is 0.4 s
+    assert row.endswith("| 0.800 | 0.400 | 0.200 | 0.400 | 1.25 |"), row
+
+
 def test_missing_data_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="--data"):
         _model.CharData(str(tmp_path / "nope.txt"))
