@@ -26,6 +26,12 @@ def _problems(tmp_path, text: str) -> list[str]:
     return [f"{p.line}: {p.figure} ({p.why})" for p in problems]
 
 
+def test_the_repository_s_figures_are_all_cited():
+    problems, cited = cf.check(cf.doc_files(ROOT))
+    assert cited, "no figure found: the heuristic or the file list is broken"
+    assert not problems, "\n".join(map(str, problems))
+
+
 def test_every_committed_results_folder_has_its_provenance():
     files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "results"], capture_output=True,
                            text=True, check=True).stdout.split()
