@@ -233,7 +233,7 @@ def _marks(block: Optional[Block]) -> tuple[bool, set[str], list[str]]:
     if block is None:
         return False, set(), []
     whole, listed, bad = False, set(), []
-    text = block.text
+    text = re.sub(r"`[^`\n]*`", " ", block.text)  # a marker shown in a code span is not one
     for m in _MARK_ANY.finditer(text):
         mm = _MARK.fullmatch(m.group(0))
         if mm is None or not mm.group(2).strip():

@@ -111,6 +111,9 @@ def test_not_measured_markers(tmp_path):
     # in a row: that row
     assert _problems(tmp_path, "| a | b |\n|---|---|\n"
                                "| paper | 35.81 <!-- not measured: the paper's --> |\n") == []
+    # a marker written in a code span (documentation) is not a marker
+    got = _problems(tmp_path, "Mark it with `<!-- not measured: REASON -->`: it took 83 s.\n")
+    assert got == ["1: 83 s (cites no committed results folder)"]
     # a marker needs a reason
     got = _problems(tmp_path, "It took 83 s. <!-- not measured -->\n")
     assert any("needs ': REASON'" in g for g in got)
