@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the checkout's fsdp_qcomm
 sys.path.insert(0, str(HERE))
 
+import _provenance  # noqa: E402
 from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
@@ -348,6 +349,7 @@ def main(argv=None) -> int:
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _provenance.record(out_dir, argv=None if argv is None else [__file__, *argv])
     store = RunStore(out_dir, _setup(a))
     try:
         todo = [] if a.report_only else _pending(a, store)

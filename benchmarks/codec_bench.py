@@ -9,10 +9,12 @@ clone time / codec time. Targets: quantize >= 0.25x clone on CPU, >= 0.7x on CUD
 same API runs the Triton kernels; ``gpu_kernels_bench.py`` has the detailed GPU checks).
 
     python benchmarks/codec_bench.py [--numel N] [--reps R] [--device cpu|cuda]
-        [--group-size G] [--chunks K] [--markdown results/codec_bench.md]
+        [--group-size G] [--chunks K] [--out results/codec_bench]
 
 Each time is the median of ``--reps`` runs after one warm-up; the machine's load average is
-printed with the table because shared CPUs make single runs noisy.
+printed with the table because shared CPUs make single runs noisy. ``--out DIR`` writes
+``DIR/table.md``, the printed output to ``DIR/output.txt`` and the invocation to
+``DIR/provenance.json`` (``_provenance``); ``--markdown FILE`` writes the table alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _provenance  # noqa: E402
 
 from fsdp_qcomm import (
     QuantSpec,  # noqa: E402
@@ -45,6 +50,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--chunks", type=int, default=4, help="wire blocks summed by the fused forms")
     p.add_argument("--markdown", default="", help="also write the table to this .md file")
+    p.add_argument("--out", default="",
+                   help="write table.md, output.txt and provenance.json to this folder")
     return p.parse_args()
 
 
@@ -69,6 +76,12 @@ def _timer(device: torch.device, reps: int):
 
 def main() -> int:
     a = _args()
+    if a.out:
+        a.markdown = a.markdown or str(Path(a.out) / "table.md")
+        _provenance.record(a.out)
+        _provenance.tee_stdout(Path(a.out) / "output.txt")
+    elif a.markdown and _provenance.under_results(a.markdown):
+        _provenance.record(Path(a.markdown).parent)
     dev = torch.device(a.device)
     timed = _timer(dev, a.reps)
     n, k = a.numel, a.chunks

@@ -34,6 +34,8 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.7
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _provenance  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -261,6 +263,8 @@ def _time(torch, dev, fn, iters: int) -> float:
 def main() -> int:
     global _K
     args = _args()
+    if args.json and _provenance.under_results(args.json):
+        _provenance.record(Path(args.json).parent)
     if args.interpret:
         args.numel = min(args.numel, 1 << 16)
         args.check_numel = min(args.check_numel, 1 << 13)

@@ -7,6 +7,10 @@ and 4-bit re-quantize of the 2 received intra-node rows, sum and inverse Hadamar
 inter-node rows). The wire buffers a real run would receive are stood in for by this rank's own.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/hook_profile.py [--profile]
+        [--out results/hook_profile]
+
+``--out DIR`` also writes the printed output to ``DIR/output.txt`` and the invocation to
+``DIR/provenance.json`` (``_provenance``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _provenance
 import torch
 
 from fsdp_qcomm import codec
@@ -46,7 +51,11 @@ def main() -> None:
     ap.add_argument("--segments", type=int, default=50)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default="", help="folder for output.txt and provenance.json")
     args = ap.parse_args()
+    if args.out:
+        _provenance.record(args.out)
+        _provenance.tee_stdout(f"{args.out}/output.txt")
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     cfg = QCommConfig.preset("sdp4bit")

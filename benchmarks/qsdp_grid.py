@@ -38,6 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 from fsdp_qcomm.testing import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import _provenance  # noqa: E402
 from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
@@ -202,6 +203,7 @@ def main() -> None:
         sys.exit(f"--seeds {args.seeds} must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    _provenance.record(out)
     setup = {k: a[k] for k in _SETUP}
     setup["data"] = file_digest(a["data"])
     store = RunStore(out, setup)

@@ -44,6 +44,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _provenance  # noqa: E402
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -207,8 +210,12 @@ def main() -> int:
         variants += list(LOWBIT.items())
     if not variants:
         args.overrides = {}
+        # one run writes <out>.csv and <out>.md: its provenance is <out>.provenance.json
+        _provenance.record(os.path.dirname(args.out) or ".",
+                           prefix=os.path.basename(args.out) + ".")
         return 0 if _run(args, args.out)[1] else 1
     os.makedirs(args.out, exist_ok=True)
+    _provenance.record(args.out)
     rows = ["| variant | overrides | mean gap_abs 500-999 | mean gap_abs last 500 | max gap_rel "
             "last 500 | verdict |", "|---|---|---|---|---|---|"]
     all_ok = True

@@ -34,6 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import _provenance  # noqa: E402
+
 SCHEMES = ["baseline", "qw4", "qwd", "tlq", "tlq_hs", "sdp4bit", "qsdp", "zeropp"]
 _PER_STEP = ("calls", "sent_bytes", "recv_bytes", "elements", "baseline_bytes",
              "cross_node_bytes", "sending_calls", "sending_elements")
@@ -266,6 +268,7 @@ def main(argv=None) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    _provenance.record(out, argv=None if argv is None else [__file__, *argv])
     t0 = time.perf_counter()
     res = run_ranks(_rank_fn, 4, a, timeout=1800)[0]
     md, summary = _tables(res, a)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import _model  # noqa: E402
+import _provenance  # noqa: E402
 import _seeds  # noqa: E402
 import accuracy  # noqa: E402
 import cluster_speed  # noqa: E402
@@ -22,6 +24,16 @@ def test_rate_parsing_and_refusal():
     assert cluster_speed._rate_bps("2.5gbit") == 2.5e9
     with pytest.raises(ValueError, match="100mbit, 1gbit"):
         cluster_speed._rate_bps("1gbps")
+
+
+def test_cluster_table_floor_is_the_larger_bound_not_the_sum():
+    s = {"median_step_s": 0.5, "comm_s": 0.1, "quant_s": 0.0, "rest_s": 0.4,
+         "link_bytes_per_step": 2.5e7, "link_busier_direction_bytes_per_step": 2.5e7,
+         "cpu_all_ranks_s": 0.8}
+    res = {"cores": 2, "rates": {"1gbit": {"schemes": {"baseline": s}}}}
+    row = [ln for ln in cluster_speed._tables(res).splitlines() if ln.startswith("| baseline")][0]
+    # CPU floor 0.8 / 2 = 0.4 s, link floor 8 * 25 MB / 1 Gbit/s = 0.2 s: the floor is 0.4 s
+    assert row.endswith("| 0.800 | 0.400 | 0.200 | 0.400 | 1.25 |"), row
 
 
 def test_missing_data_names_the_fix(tmp_path):
@@ -121,3 +133,64 @@ def test_accuracy_rows_resume_and_table(tmp_path):
     assert row.describe() == "sdp4bit grad_pipeline_chunks=2, HSDP"
     with pytest.raises(SystemExit):
         accuracy._args(["--seeds", "0"])
+
+
+# ---- provenance: every invocation that wrote to a results folder --------------------------------
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _invoke(tmp_path, body: str, *args: str):
+    import subprocess
+
+    script = tmp_path / "bench_stub.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(BENCH)!r})\nimport _provenance\n"
+                      + body)
+    env = {k: v for k, v in os.environ.items() if k not in ("SUDO_USER", "PYTHONPATH")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_provenance_appends_every_invocation_in_order(tmp_path):
+    import json
+
+    out = tmp_path / "results" / "demo"
+    ok = _invoke(tmp_path, f"_provenance.record({str(out)!r})\nprint('done')\n", "--steps", "3")
+    assert ok.returncode == 0, ok.stderr
+    bad = _invoke(tmp_path, f"_provenance.record({str(out)!r})\nraise RuntimeError('boom')\n",
+                  "--seed", "7 8")
+    assert bad.returncode == 1
+    doc = json.loads((out / "provenance.json").read_text())
+    first, second = doc["invocations"]
+    assert first["command"].startswith("OMP_NUM_THREADS=1 python ")
+    assert first["command"].endswith("bench_stub.py --steps 3")
+    assert second["command"].endswith("bench_stub.py --seed '7 8'")  # a shell command line
+    assert first["status"] == "ended without an exception"
+    assert second["status"] == "exception: RuntimeError: boom"
+    for e in (first, second):
+        assert len(e["git_commit"]) == 40 and isinstance(e["git_dirty"], bool)
+        assert e["start"] <= e["end"] and e["wall_s"] >= 0
+        assert len(e["loadavg_start"]) == len(e["loadavg_end"]) == 3
+        assert e["cpu_count"] == os.cpu_count() and e["load_samples"] >= 1
+    md = (out / "COMMANDS.md").read_text()
+    assert md.index("--steps 3") < md.index("--seed") and "load average" in md
+    assert sorted(p.name for p in out.iterdir()) == ["COMMANDS.md", "provenance.json"]
+
+
+def test_provenance_render_marks_what_was_not_recorded():
+    doc = {"folder": "results/old", "reconstructed": True, "added_in": ["abc1234"],
+           "invocations": [{"command": "python benchmarks/x.py --out results/old",
+                            "git_commit": _provenance.NOT_RECORDED,
+                            "start": _provenance.NOT_RECORDED, "source": "commit abc1234"}]}
+    md = _provenance.render(doc)
+    assert "Reconstructed after the fact" in md and "abc1234" in md
+    assert f"commit: {_provenance.NOT_RECORDED}" in md
+    assert f"at start: {_provenance.NOT_RECORDED}" in md  # absent fields say so too
+
+
+def test_every_benchmark_that_writes_results_records_its_provenance():
+    writers = [p for p in sorted(BENCH.glob("*.py"))
+               if not p.name.startswith("_") and p.name != "check_figures.py"]
+    assert writers, BENCH
+    missing = [p.name for p in writers if "_provenance.record(" not in p.read_text()]
+    assert not missing, f"benchmarks that write results without _provenance.record: {missing}"
