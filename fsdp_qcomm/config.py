@@ -119,14 +119,16 @@ class QCommConfig:
     hop over several nodes), "all" at every quantized gradient hop, "none" off. Costs fp32
     memory per rank (``handle.stats()["summary"]["error_feedback_bytes"]``, ``docs/``).
 
-    ``weight_reuse_unchanged``: a weight gather whose weights nothing changed since the
+    ``weight_reuse_unchanged``: a forward weight gather whose weights nothing changed since the
     module's previous gather (no optimizer step, no other write: gradient-accumulation
-    micro-batches, backward re-gathers, evaluation between steps) sends nothing and reuses the
-    weights that gather delivered. qWD always does this (its reference is kept anyway); for
-    "direct" and "none" it is this option, because it keeps one unsharded copy of each module's
-    parameters (in the all-gather dtype) plus one shard per rank alive between gathers
-    (``handle.reference_bytes()``). Without it, such gathers re-send the same bytes (direct
-    schemes reuse the RNG key, so the weights are the same either way).
+    micro-batches, evaluation between steps) sends nothing and reuses the weights that gather
+    delivered (what changed is decided the same on every rank: ``fsdp.change_tracker``).
+    ``None`` (default): on for qWD, whose reference is kept anyway, off for "direct" and "none",
+    where it keeps one unsharded copy of each module's parameters (in the all-gather dtype) plus
+    one shard per rank alive between gathers (``handle.reference_bytes()``). ``False`` under
+    qWD: every forward gather exchanges a quantized difference, changed or not. Without reuse,
+    direct schemes re-send the same bytes (they reuse the RNG key, so the weights are the same
+    either way). Backward re-gathers always compute with the weights their forward used.
 
     ``consistency_check_every`` (0 = off): every K-th forward weight gather of each FSDP module,
     the ranks compare exact integer checksums of the weights they are about to compute with and
@@ -139,7 +141,7 @@ class QCommConfig:
     weight_symmetric: bool = True
     weight_rounding: Rounding = "stochastic"
     weight_hadamard: bool = False
-    weight_reuse_unchanged: bool = False
+    weight_reuse_unchanged: Optional[bool] = None
 
     grad_scheme: GradScheme = "none"
     grad_intra_bits: int = 8
@@ -211,10 +213,14 @@ class QCommConfig:
             self._apply_budget()
         _check_choice(owner, "weight_scheme", self.weight_scheme, ("none", "direct", "qwd"))
         _check_choice(owner, "grad_scheme", self.grad_scheme, ("none", "one_level", "two_level"))
-        for name in ("weight_symmetric", "weight_reuse_unchanged", "weight_hadamard",
-                     "grad_symmetric", "grad_hadamard", "grad_overlap"):
+        for name in ("weight_symmetric", "weight_hadamard", "grad_symmetric", "grad_hadamard",
+                     "grad_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.weight_reuse_unchanged is not None and \
+                not isinstance(self.weight_reuse_unchanged, bool):
+            raise ValueError(f"{owner}.weight_reuse_unchanged must be a bool or None, got "
+                             f"{self.weight_reuse_unchanged!r}")
         _check_int(owner, "grad_pipeline_chunks", self.grad_pipeline_chunks, 1, 64)
         _check_int(owner, "seed", self.seed, 0, 2**63 - 1)
         _check_int(owner, "consistency_check_every", self.consistency_check_every, 0)
@@ -318,6 +324,13 @@ class QCommConfig:
         w = bits(self.weight_scheme != "none", self.weight_spec())
         g = bits(self.grad_scheme != "none", self.grad_inter_spec())
         return w, g, (w + g) / 2
+
+    @property
+    def reuses_unchanged_weights(self) -> bool:
+        """``weight_reuse_unchanged`` resolved: on for qWD unless set False, else as set."""
+        if self.weight_reuse_unchanged is None:
+            return self.weight_scheme == "qwd"
+        return self.weight_reuse_unchanged
 
     # ---- quantizers --------------------------------------------------------------------
     def weight_spec(self) -> QuantSpec:

@@ -94,13 +94,16 @@ def _accumulation(rank, world, names, ks, steps):
                 tag = f"{name} K={k} raf={raf}"
                 # one exchange per optimizer step whatever K, except FSDP's own raf=True path
                 # under direct quantization without kept weights, which re-sends the same bytes
+                agreement = 8 * units * (1 + k)  # one int64 per module per root forward
                 for step, got in enumerate(sent):
                     want = _exchange_bytes(name, groups, step == 0, 4)
                     if name == "direct" and raf:
                         want *= 1 + 2 * k  # evaluation, K forwards, K backward re-gathers
-                    assert got == want, f"{tag} step {step}: sent {got} B, wire format {want}"
+                    assert got == want + agreement, \
+                        f"{tag} step {step}: sent {got} B, wire format {want} + {agreement}"
+                assert handle.stats()["agreement"]["sent_bytes"] == steps * agreement
                 st = handle.stats()["weight_allgather"]
-                assert st["sent_bytes"] == sum(sent), tag
+                assert st["sent_bytes"] + steps * agreement == sum(sent), tag
                 modes = handle.gather_modes()
                 gathers = units * steps * ((1 + 2 * k) if raf else 1)
                 assert sum(modes.values()) == gathers == st["calls"], (tag, modes)
@@ -189,8 +192,8 @@ def _spmd(rank, world):
     _same_on_all_ranks({"modes": torch.tensor([hash(str(report))], dtype=torch.int64)},
                        "gather decisions")
 
-    # A rank deciding differently is caught: here rank 1 alone re-keys its next gathers (same
-    # sizes, so nothing hangs and the weights even stay identical); the guard names it.
+    # A rank deciding differently is caught before anything is gathered: here rank 1 alone
+    # resets one module; the agreement before the next forward names it, on every rank.
     torch.manual_seed(0)
     model = _GatedLM()
     shard(model, True)
@@ -199,7 +202,8 @@ def _spmd(rank, world):
     lm_loss(model, batch(0, rank)).backward()
     if rank == 1:
         model.blocks[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.reset()
-    with pytest.raises(RuntimeError, match=r"different gather decisions .*rank\(s\) \[1\]"):
+    with pytest.raises(RuntimeError, match=r"disagree about what changed .*'blocks\.0'.*"
+                       r"global rank\(s\) \[1\]: handle\.reset\(\)"):
         lm_loss(model, batch(1, rank)).backward()
     return True
 
@@ -234,12 +238,13 @@ def _forwards(rank, world):
                 for k, v in entry.items():
                     assert torch.equal(v, first[k]), f"{name} step {step}: backward {k} differs"
             want = _exchange_bytes(name, _groups(model), step == 0, 4)
+            agreement = 2 * 8 * len(_groups(model))  # one int64 per module per forward
             if name == "direct":  # every gather of the step re-sends under the step's one key
                 keys = [g._all_gather_comm._counter for g in _groups(model)]
                 assert keys == [step + 1] * len(keys), keys
-                assert sent_forwards == 2 * want
-            else:
-                assert sent_forwards == bc.sent == want, name  # only the first forward sends
+                assert sent_forwards == 2 * want + agreement
+            else:  # only the first forward sends
+                assert sent_forwards == bc.sent == want + agreement, name
             opt.step()
             opt.zero_grad()
         cap.remove()
@@ -337,16 +342,16 @@ def _untracked(rank, world):
                 p.data.add_(p.grad, alpha=-0.5)
                 p.grad = None
     assert handle.gather_modes() == {"qwd_full": 3, "qwd_diff": 9, "qwd_reuse": 36}
-    # a .data write with no gradient reduction before it is invisible until handle.reset()
+    # a .data write with no gradient reduction before it: found by content, re-sent at full
+    # precision, so the very next forward computes with it (a forward first takes the
+    # hand-written step above: a reduction and changed values, a quantized difference)
     with torch.no_grad():
+        lm_loss(model, batch(98, rank))
         model.norm.weight.data.fill_(2.0)
     cap.clear()
     lm_loss(model, batch(99, rank)).backward()
-    assert not torch.equal(cap.fwd["norm.weight"], torch.full((22,), 2.0))
-    handle.reset()
-    cap.clear()
-    lm_loss(model, batch(99, rank)).backward()
     assert torch.equal(cap.fwd["norm.weight"], torch.full((22,), 2.0))
+    assert handle.gather_modes()["qwd_full"] == 4 and handle.gather_modes()["qwd_diff"] == 12
     cap.remove()
     handle.disable()
     return True

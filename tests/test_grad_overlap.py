@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.fsdp import grad_overlap
-from fsdp_qcomm.fsdp.grad_overlap import QUEUE, ReductionQueue
+from fsdp_qcomm.fsdp.grad_overlap import ReductionQueue
 from fsdp_qcomm.testing import digest, run_ranks, same_on_all_ranks
 
 
@@ -62,13 +62,13 @@ def _train(cfg: QCommConfig, steps: int, micro: int = 1, divide_factor=None, mp=
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     rank = dist.get_rank()
     losses, grads = [], {}
-    deferred0 = QUEUE.deferred
     for step in range(steps):
         for m in range(micro):
             x, y = _batch(step, rank, m)
             loss = F.mse_loss(model(x), y)
             loss.backward()
-            assert QUEUE.pending == 0, "backward() returned with reductions still running"
+            assert handle._session.queue is None or handle._session.queue.pending == 0, \
+                "backward() returned with reductions still running"
             losses.append(loss.item())
         grads = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
         opt.step()
@@ -78,7 +78,7 @@ def _train(cfg: QCommConfig, steps: int, micro: int = 1, divide_factor=None, mp=
     out = {
         "losses": losses, "grads": {k: digest(v) for k, v in grads.items()},
         "weights": {k: digest(v) for k, v in weights.items()},
-        "grad_values": grads, "deferred": QUEUE.deferred - deferred0,
+        "grad_values": grads, "deferred": handle.deferred_reductions,
         "grad_bytes": {k: v["sent_bytes"] for k, v in handle.stats().items()
                        if k.startswith("grad")},
     }
@@ -174,7 +174,7 @@ def _worker_error(rank, world):
     for b in model.blocks:
         fully_shard(b)
     fully_shard(model)
-    fsdp_qcomm.enable(model, cfg)
+    handle = fsdp_qcomm.enable(model, cfg)
 
     def broken(*a, **k):
         raise RuntimeError("injected reduction failure")
@@ -184,7 +184,7 @@ def _worker_error(rank, world):
     try:
         F.mse_loss(model(x), y).backward()
     except RuntimeError as e:
-        assert QUEUE.pending == 0
+        assert handle._session.queue.pending == 0
         return str(e)
     return "no error"
 

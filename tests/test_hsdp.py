@@ -374,14 +374,11 @@ def _hsdp_2x2(rank: int, world: int) -> dict:
     h.disable()
 
     # grad_overlap: the replica all-reduce runs on the background thread, same bits
-    from fsdp_qcomm.fsdp.grad_overlap import QUEUE
-
     overlap = {}
     for label, cfg in (("sdp4bit", sdp4), ("baseline", QCommConfig(ranks_per_node=2))):
         mdl, h, mesh = _build(shape, cfg.replace(grad_overlap=True))
-        before = QUEUE.deferred
         got = _train_steps(mdl, h, 3, rank)
-        overlap[label] = dict(deferred=QUEUE.deferred - before, grads=got["grads"],
+        overlap[label] = dict(deferred=h.deferred_reductions, grads=got["grads"],
                               losses=got["losses"], stats=h.stats(),
                               identical=all(_same_across_replicas(g, mesh) for g in got["grads"]))
         h.disable()

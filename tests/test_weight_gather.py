@@ -73,6 +73,7 @@ def _check_identity(rank, world, schemes, rafs, steps, param_dtype=None):
                 exact = _exact(model, param_dtype)
                 cap.clear()
                 before = handle.stats().get("weight_allgather", {}).get("sent_bytes", 0)
+                agreed = handle.stats().get("agreement", {}).get("sent_bytes", 0)
                 with _ByteCounter() as bc:
                     _lm_loss(model, _batch(step, rank)).backward()
                 sent = handle.stats()["weight_allgather"]["sent_bytes"] - before
@@ -95,8 +96,13 @@ def _check_identity(rank, world, schemes, rafs, steps, param_dtype=None):
                     else:  # qWD: one step of the quantized difference
                         bound = (x - prev[k].float()).abs().max().item() / spec.qmax
                         assert err <= bound * (1 + 1e-5) + slack, f"{tag}: {k} err {err} > {bound}"
-                # 3. bytes on the wire: counted == stats == wire format
-                assert bc.sent == sent, f"{tag}: process group saw {bc.sent} B, stats say {sent}"
+                # 3. bytes on the wire: counted == stats (gathers + the change agreement, one
+                # int64 per module per forward) == wire format
+                agreed = handle.stats().get("agreement", {}).get("sent_bytes", 0) - agreed
+                if name != "none":
+                    assert agreed == 8 * len(groups), f"{tag}: agreement sent {agreed} B"
+                assert bc.sent == sent + agreed, \
+                    f"{tag}: process group saw {bc.sent} B, stats say {sent} + {agreed}"
                 gathers = 2 if raf else 1
                 expect = 0
                 for g in groups:

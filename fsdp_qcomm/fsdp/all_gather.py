@@ -8,42 +8,31 @@ size; those sizes (our segments) come from the module's ``FSDPParamGroup``. When
 parameters have mixed dtypes FSDP sends raw uint8 bytes: we then run a plain gather and say so
 in ``CommStats.note``.
 
-One exchange per optimizer step. A gather whose weights nothing changed since the module's
-previous gather sends nothing and reuses what that gather delivered (kept weights; for qWD the
-reference, which is kept anyway). "Changed" (``_change``) is decided from facts that are the
-same on every rank of an SPMD program, so all ranks take the same branch and no rank ever
-sends a message its peers do not expect:
-
-* the module's own gather history (first gather, ``handle.reset()``, a loaded checkpoint);
-* a ``torch.optim`` optimizer step covering the module's parameters (global step hooks
-  installed by ``enable``; foreach and fused optimizers leave no trace in version counters);
-* the sharded parameters' signature: objects, storages and version counters (in-place writes
-  outside an optimizer, ``load_state_dict``, swapped tensors);
-* outside a backward pass, a gradient reduction of the module's parameters that finished
-  since the last gather (a post-accumulate-grad hook on each sharded parameter, which FSDP
-  calls when it writes the reduced gradient): an optimizer may have consumed it, even one that
-  is not a ``torch.optim`` optimizer or writes through ``p.data``. Within a backward pass it
-  is ignored: FSDP reduces a module's gradients between two re-gathers of the same weights
-  when several forwards share one backward. Once a ``torch.optim`` step over the module's
-  parameters has been seen, its hooks report every step and this fallback is off, so
-  accumulation that reduces every micro-batch (torchtitan's) also exchanges once per step
-  after the first.
+One exchange per optimizer step. A forward gather whose weights nothing changed since the
+module's previous gather sends nothing and reuses what that gather delivered (qWD's reference,
+kept anyway; for the other schemes the kept weights of ``weight_reuse_unchanged``). What
+changed is decided by the module's ``ChangeTracker`` (``fsdp.change_tracker``): optimizer steps,
+``handle.mark_changed()``, ``handle.reset()``, loaded checkpoints, writes seen by version
+counters and writes seen by content only (``p.data``), agreed on by every rank at a fixed point
+(before the root module's forward, ``fsdp.session``, or inside a gather that runs outside one),
+so all ranks take the same branch, and ranks that disagree on what they must all have seen
+fail at once with an error naming them instead of hanging.
 
 So gradient-accumulation micro-batches, forward-only evaluation between steps, backward
-re-gathers (``reshard_after_forward=True``) and activation-checkpoint recomputation all reuse.
-Writes through ``p.data`` (and foreach kernels outside an optimizer) change none of these facts:
-call ``handle.reset()`` after them.
+re-gathers (``reshard_after_forward=True``) and activation-checkpoint recomputation all reuse,
+and every way of writing weights ends in a forward on the new weights.
 
-qWD state machine, per module: first gather, after ``handle.reset()``, or when a parameter
-changed outside a ``torch.optim`` optimizer step: full precision, which sets the reference to
-the exact weights; unchanged: nothing sent; otherwise: quantized differences (error feedback
-keeps the gap bounded). Direct scheme (QSDP, ZeRO++ qwZ): a gather of changed weights
-quantizes the current shard under a new RNG key; a gather of unchanged weights uses the
-previous key, so it sends the very same bytes (every forward of the step, the backward
-re-gather and recomputations compute with the same weights, which is what makes the gradient
-an unbiased estimate at that point), or, with ``weight_reuse_unchanged=True``, sends nothing
-and reuses the kept copy. With ``weight_levels="learned"`` a ``LevelSync`` refits the module's
-table from all ranks' shards every ``levels_refresh_every`` keys. ``weight_scheme="none"`` with
+qWD state machine, per module: the first gather, after ``handle.reset()`` or after a write no
+optimizer step or ``mark_changed()`` explains: full precision, which sets the reference to the
+exact weights; unchanged: nothing sent (unless ``weight_reuse_unchanged=False``); otherwise:
+quantized differences (error feedback keeps the gap bounded). Direct scheme (QSDP, ZeRO++
+qwZ): a gather of changed weights quantizes the current shard under a new RNG key; a gather of
+unchanged weights uses the previous key, so it sends the very same bytes (every forward of the
+step, the backward re-gather and recomputations compute with the same weights, which is what
+makes the gradient an unbiased estimate at that point), or, with
+``weight_reuse_unchanged=True``, sends nothing and reuses the kept copy. With
+``weight_levels="learned"`` a ``LevelSync`` refits the module's table from all ranks' shards
+every ``levels_refresh_every`` keys. ``weight_scheme="none"`` with
 ``weight_reuse_unchanged=True`` keeps the plain gather's output the same way.
 
 Backward exactness. A backward must compute with the weights its forward used. Inside a
@@ -92,14 +81,11 @@ from ..collectives.weight_gather import (
 from ..config import QCommConfig
 from ..stats import CommStats
 from . import internals as fsdp
+from .change_tracker import Agreement, Change, ChangeTracker, describe, plan
 from .consistency import check_consistent, consistency_error
 from .internals import AllGather
 
 KIND = "weight_allgather"
-
-_Sig = tuple  # internals.param_signature: param object, versions, data address
-_param_signature = fsdp.param_signature
-
 
 class QuantizedAllGather(AllGather):
     """The all-gather of one FSDP module under ``config.weight_scheme``.
@@ -125,7 +111,8 @@ class QuantizedAllGather(AllGather):
         self._config = config
         self._spec = config.weight_spec()
         self._scheme = config.weight_scheme
-        self._keep = config.weight_reuse_unchanged and self._scheme != "qwd"
+        self._reuse = config.reuses_unchanged_weights
+        self._keep = self._reuse and self._scheme != "qwd"
         self._stats = stats
         self.bucket = bucket
         self.name = name or "<root>"
@@ -136,15 +123,13 @@ class QuantizedAllGather(AllGather):
         # Generation of the weights the module computes with: bumped by every gather that can
         # change them, recorded by grad-enabled forwards, compared in backward.
         self._gen = 0
-        # What the previous gather saw (``_change`` compares against it) and what explains the
-        # parameters' current signature (the last gather, then optimizer steps: ``_expected``).
-        self._last_sig: Optional[tuple[_Sig, ...]] = None
-        self._expected: Optional[list[_Sig]] = None
-        self._outside = False
-        self._stepped = False
-        self._reduced = False
-        self._optim_tracked = False  # a torch.optim step over these parameters was seen
-        self._reset = False
+        # What changed since the previous gather (none for FSDP's own semantics: plain gathers
+        # without kept weights decide nothing). ``session`` is set by ``enable``: whether a root
+        # forward has agreed already, else the gather agrees itself.
+        self.tracker: Optional[ChangeTracker] = None
+        if self._scheme != "none" or self._keep:
+            self.tracker = ChangeTracker(param_group, self.name)
+        self.session: Optional[Any] = None
         self.levels: Optional[LevelSync] = None
         if config.weight_levels == "learned":
             self.levels = LevelSync(self._spec, config.levels_refresh_every,
@@ -170,7 +155,14 @@ class QuantizedAllGather(AllGather):
 
     def reset(self) -> None:
         """Next gather re-sends: full precision under qWD, a new RNG key for direct schemes."""
-        self._reset = True
+        if self.tracker is not None:
+            self.tracker.reset()
+
+    def mark_changed(self) -> None:
+        """The parameters were changed on purpose (outside a ``torch.optim`` step): the next
+        forward gather sends a quantized difference (a new key for direct schemes)."""
+        if self.tracker is not None:
+            self.tracker.mark_changed()
 
     def attach(self) -> None:
         """Install the hooks the gathers decide with (once ``enable`` installed the gather):
@@ -203,7 +195,7 @@ class QuantizedAllGather(AllGather):
 
     def _watch_grads(self) -> None:
         """(Re-)hook the sharded parameters' gradient writes, if they are new objects."""
-        if not self._attached or (self._scheme == "none" and not self._keep):
+        if not self._attached or self.tracker is None:
             return
         params = fsdp.sharded_params(self._pg)
         ids = tuple(id(p) for p in params)
@@ -299,7 +291,8 @@ class QuantizedAllGather(AllGather):
         """Restore the counter; adopt a saved qWD reference (re-assembled at the next gather), or
         make the next gather send full precision when the checkpoint has none."""
         self._counter = int(state["weight_calls"])
-        self._last_sig = None  # the next gather exchanges
+        if self.tracker is not None:
+            self.tracker.loaded()  # the next gather exchanges
         self._forward_gathers = 0
         self._pending_ref = None
         if self._kept is not None:
@@ -327,58 +320,25 @@ class QuantizedAllGather(AllGather):
             flat[off:off + local.numel()].copy_(local.reshape(-1))
             off += seg
         self._pending_ref = flat
-        self._reset = False
-        self._outside = False
-        self._expected = None
         if self._qwd is not None:
             self._qwd.invalidate()  # FSDP gets a fresh output buffer, not the stale reference
 
-    def _signature(self) -> tuple[_Sig, ...]:
-        return tuple(_param_signature(fp) for fp in fsdp.fsdp_params(self._pg))
-
-    def optimizer_step_pre(self, param_ids: set[int]) -> None:
-        """Before an optimizer step: parameters it covers must still be as last explained."""
-        if self._expected is None:
-            return
-        for i, fp in enumerate(fsdp.fsdp_params(self._pg)):
-            p = fsdp.sharded_param(fp)
-            if id(p) in param_ids and _param_signature(fp) != self._expected[i]:
-                self._outside = True
-
-    def optimizer_step_post(self, param_ids: set[int]) -> None:
-        """After an optimizer step: the weights changed (the next gather exchanges), and its
-        version bumps are the optimizer's, not outside writes."""
-        for i, fp in enumerate(fsdp.fsdp_params(self._pg)):
-            if id(fsdp.sharded_param(fp)) in param_ids:
-                self._stepped = self._optim_tracked = True
-                if self._expected is not None:
-                    self._expected[i] = _param_signature(fp)
-
-    def _change(self, sig: tuple, backward: bool) -> str:
-        """Why the weights may differ from those the previous gather delivered, or "" if
-        nothing changed (see the module docstring: every input is the same on every rank)."""
-        if self._last_sig is None:
-            return "first gather"
-        if self._reset:
-            return "handle.reset() was called"
-        if self._pending_ref is not None:
-            return "a checkpoint was loaded"
-        if self._stepped:
-            return "an optimizer step updated the parameters"
-        if sig != self._last_sig:
-            return "the parameters were written outside an optimizer step"
-        if self._reduced and not backward and not self._optim_tracked:
-            return "a gradient reduction finished"
-        return ""
-
-    def _note_gather(self, sig: tuple, backward: bool) -> None:
-        """This gather explains the current state: later changes are measured from here. (A
-        reduction seen inside a backward pass still counts for the next forward.)"""
-        self._last_sig = sig
-        self._expected = list(sig)
-        self._outside = self._stepped = self._reset = False
-        if not backward:
-            self._reduced = False
+    # ---- decisions ---------------------------------------------------------------------------
+    def _decide(self, backward: bool, group: dist.ProcessGroup) -> int:
+        """The agreed change code of this gather (``change_tracker``): inside backward the
+        declared events only; in a root forward the code agreed before it (the first gather of
+        the forward consumes it; later ones in the same forward see declared events only);
+        elsewhere one agreement round over the gather group, here."""
+        t = self.tracker
+        assert t is not None
+        if backward:
+            return t.local_flags(backward=True)
+        if t.pending is not None:
+            return t.pending
+        if self.session is not None and self.session.in_root_forward:
+            return t.local_flags(backward=True)
+        return Agreement(group, self._stats).agree([t], f"a gather of FSDP module {self.name!r} outside "
+                                      "the root module's forward")[0]
 
     # ---- backward exactness ----------------------------------------------------------------
     def _refuse_in_backward(self, change: str) -> None:
@@ -469,25 +429,26 @@ class QuantizedAllGather(AllGather):
         world = group.size()
         segs, why = self._fallback_reason(input_tensor, world)
         record = self._checked_record(output_tensor, segs, group)
+        backward = fsdp.in_backward(self._pg) or fsdp.autograd_running()
         if segs is None:
+            if self.tracker is not None:
+                self.tracker.gathered(backward)
             return self._plain_fallback(output_tensor, input_tensor, group, why, async_op, record)
 
         self._watch_grads()
-        sig = self._signature()
-        backward = fsdp.in_backward(self._pg) or fsdp.autograd_running()
-        change = self._change(sig, backward)
-        if change and backward and self._last_sig is not None and self._scheme != "none":
-            self._refuse_in_backward(change)  # on every rank alike, before anything is sent
+        code = self._decide(backward, group)
+        exchange, full = plan(code)
+        if exchange and backward and self.tracker.gathered_once and self._scheme != "none":
+            self._refuse_in_backward(describe(code))  # every rank alike, before anything is sent
         if self._scheme == "qwd":
-            return self._qwd_gather(
-                output_tensor, input_tensor, group, segs, sig, backward, change, async_op, record
-            )
-        self._note_gather(sig, backward)
-        if change:
+            return self._qwd_gather(output_tensor, input_tensor, group, segs, backward, code,
+                                    async_op, record)
+        self.tracker.gathered(backward)
+        if exchange:
             self._counter += 1  # new weights: a new key (direct) and a new generation
             self._gen += 1
         kept = self._kept_for(input_tensor, segs, group) if self._keep else None
-        if kept is not None and kept.valid and not change:
+        if kept is not None and kept.valid and not exchange:
             kept.reuse(f"{'plain' if self._scheme == 'none' else 'direct'}_reuse", on_done=record)
             return None
         on_done = record
@@ -561,9 +522,8 @@ class QuantizedAllGather(AllGather):
         input: torch.Tensor,
         group: dist.ProcessGroup,
         segs: tuple[int, ...],
-        sig: tuple,
         backward: bool,
-        change: str,
+        code: int,
         async_op: bool,
         record: Any,
     ) -> Optional[dist.Work]:
@@ -581,20 +541,19 @@ class QuantizedAllGather(AllGather):
                 output.copy_(q.ref)
                 record(o)
 
-        outside = self._outside or (
-            self._expected is not None and any(s != e for s, e in zip(sig, self._expected))
-        )
+        exchange, full = plan(code)
         if self._pending_ref is not None:
             input = self._restore_reference(q, input, aliased)
-            outside = False  # the loaded reference belongs to these weights
-        full = self._reset or not q.valid or outside
-        if outside and q.valid and not self._reset:
+            full = False  # the loaded reference belongs to these weights
+        elif full and q.valid and code & ~int(Change.FIRST | Change.RESET):
             self._stats.note(
-                f"{self.name}: parameters changed outside a torch.optim optimizer step (load, "
-                "in-place write, new tensors); qWD re-sent them at full precision"
+                f"{self.name}: parameters changed outside a torch.optim optimizer step "
+                f"({describe(code)}); qWD re-sent them at full precision. After a deliberate "
+                "change, handle.mark_changed() on every rank sends a quantized difference instead"
             )
-        self._note_gather(sig, backward)
-        if not change and not full:
+        full = full or not q.valid
+        self.tracker.gathered(backward)
+        if not exchange and not full and (backward or self._reuse):
             q.reuse("qwd_reuse", on_done=on_done)
             return None
         self._counter += 1
@@ -685,7 +644,8 @@ class _NoteReduction:
         self._gather = gather
 
     def __call__(self, param: torch.Tensor) -> None:
-        self._gather._reduced = True
+        if self._gather.tracker is not None:
+            self._gather.tracker.reduction_finished()
 
 
 def _fits(k: KeptWeights, numel: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -36,17 +36,11 @@ weights as a run that never stopped.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from ..collectives.topology import (
     NodePlacement,
@@ -61,9 +55,10 @@ from ..stats import CommStats
 from . import hsdp
 from . import internals as fsdp
 from .all_gather import QuantizedAllGather
-from .grad_overlap import QUEUE
+from .grad_overlap import ReductionQueue
 from .reduce_scatter import PreparedGroup, QuantizedReduceScatter
 from .residual_state import load_residuals, residual_bytes, residual_entries
+from .session import Session
 
 
 class _Install:
@@ -109,26 +104,28 @@ class QCommHandle:
     ``placement`` says which ranks the hooks treat as one node and why."""
 
     def __init__(
-        self, model: nn.Module, config: QCommConfig, installs: list[_Install], stats: CommStats,
-        placement: Optional[NodePlacement] = None, solo: Optional[hsdp.SoloGroup] = None,
+        self, session: Session, config: QCommConfig, placement: Optional[NodePlacement] = None,
     ) -> None:
         self.config = config
         self.placement = placement
-        self._solo = solo
-        self._model = model
-        self._installs = installs
-        self._stats = stats
-        self._enabled = True
-        # every weight scheme: an optimizer step is what makes the next weight gather exchange
-        gathers = [i.all_gather for i in installs if i.all_gather]
-        replicas = [i.replica for i in installs if i.replica is not None]
-        self._tracker: Optional[_OptimizerTracker] = _OptimizerTracker(
-            gathers, replicas, stats, [i.group for i in installs]
-        )
+        self._session = session
+        self._installs = session.installs
+        self._stats = session.stats
+
+    @property
+    def _enabled(self) -> bool:
+        return self._session.enabled
 
     @property
     def enabled(self) -> bool:
         return self._enabled
+
+    @property
+    def deferred_reductions(self) -> int:
+        """``grad_overlap``: reductions left running on the background thread when their call
+        returned (0 without the option)."""
+        q = self._session.queue
+        return q.deferred if q is not None else 0
 
     @property
     def module_names(self) -> list[str]:
@@ -216,19 +213,28 @@ class QCommHandle:
 
     def reset(self) -> None:
         """Make the next weight gather of every module send full precision (call on every rank,
-        like any FSDP API): for example after changing weights in a way version counters miss."""
+        like any FSDP API). Writes are found without it (``fsdp.change_tracker``); this forces a
+        full-precision resend, for example to rule out an accumulated quantization error."""
         self._check_enabled("reset")
         for i in self._installs:
             if i.all_gather is not None:
                 i.all_gather.reset()
 
+    def mark_changed(self) -> None:
+        """Say that the parameters were changed on purpose outside a ``torch.optim`` optimizer
+        step (an outer DiLoCo step, an EMA blend, an optimizer of another kind): the next
+        forward gather of every module sends a quantized difference (qWD) or re-quantizes under
+        a new key (direct schemes), instead of the full-precision resend an unexplained write
+        gets. Call it on every rank, after the write and before the next forward."""
+        self._check_enabled("mark_changed")
+        for i in self._installs:
+            if i.all_gather is not None:
+                i.all_gather.mark_changed()
+
     def disable(self) -> None:
         """Put FSDP's previous collectives and reduction setting back and free qWD references."""
         self._check_enabled("disable")
-        QUEUE.drain()  # grad_overlap: no reduction may still be writing gradients
-        if self._tracker is not None:
-            self._tracker.remove()
-            self._tracker = None
+        self._session.close()  # grad_overlap: drains, so no reduction still writes gradients
         for i in self._installs:
             i.module.set_custom_all_gather(i.prev_all_gather)
             i.module.set_custom_reduce_scatter(i.prev_reduce_scatter)
@@ -238,10 +244,7 @@ class QCommHandle:
                 i.module.set_force_sum_reduction_for_comms(i.prev_force_sum)
             if i.all_gather is not None:
                 i.all_gather.release()
-        if self._solo is not None:
-            self._solo.destroy()
-            self._solo = None
-        self._enabled = False
+        self._session.release()
 
     def _check_enabled(self, what: str) -> None:
         if not self._enabled:
@@ -250,61 +253,6 @@ class QCommHandle:
     def __repr__(self) -> str:
         state = "enabled" if self._enabled else "disabled"
         return f"QCommHandle({state}, {len(self._installs)} FSDP modules, {self.config})"
-
-
-class _OptimizerTracker:
-    """Global ``torch.optim`` step hooks telling weight gathers that an optimizer step updated
-    their parameters (the next gather exchanges) and which version bumps it made (qWD: not an
-    outside write), checking before each step that HSDP's replica all-reduce hooks are still
-    installed, and counting the steps over the model's parameters for the per-step stats.
-    Holds the gathers weakly: they live as long as the model (FSDP references them), so
-    dropping the handle keeps tracking and does not keep a dead model alive."""
-
-    def __init__(
-        self, gathers: list[QuantizedAllGather], replicas: list[hsdp.ReplicaAllReduce],
-        stats: CommStats, groups: list[Any],
-    ) -> None:
-        self._refs = [weakref.ref(g) for g in gathers]
-        self._replicas = [weakref.ref(r) for r in replicas]
-        self._stats = stats
-        self._groups = [weakref.ref(g) for g in groups]
-        self._handles = [
-            register_optimizer_step_pre_hook(self._pre),
-            register_optimizer_step_post_hook(self._post),
-        ]
-
-    def _live(self) -> list[QuantizedAllGather]:
-        # (A tracker whose model is gone stays registered but idle: removing a hook from
-        # inside torch's loop over the hooks would break that loop.)
-        return [g for g in (r() for r in self._refs) if g is not None]
-
-    @staticmethod
-    def _ids(optimizer: torch.optim.Optimizer) -> set[int]:
-        return {id(p) for g in optimizer.param_groups for p in g["params"]}
-
-    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for ref in self._replicas:  # HSDP: no step on gradients the replicas did not share
-            r = ref()
-            if r is not None:
-                r.check_installed()
-        gathers = self._live()
-        if gathers:
-            ids = self._ids(optimizer)
-            for g in gathers:
-                g.optimizer_step_pre(ids)
-
-    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        ids = self._ids(optimizer)
-        for g in self._live():
-            g.optimizer_step_post(ids)
-        if any(id(p) in ids for ref in self._groups if (pg := ref()) is not None
-               for p in fsdp.sharded_params(pg)):
-            self._stats.count_step()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
 
 _STATE_VERSION = 1
@@ -403,6 +351,8 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     solo = None  # HSDP: the one-rank group FSDP's own all-reduce is pointed at
     if our_reduction and any(_replicas(i.group) for i in installs):
         solo = hsdp.SoloGroup()
+    queue = ReductionQueue() if config.grad_overlap else None  # this call's reduction thread
+    agreement_group = _agreement_group(installs)
     # Build everything first (a failing constructor installs nothing), creating every process
     # group now, on every rank in the same order: never lazily inside the first backward.
     for i in installs:
@@ -413,14 +363,14 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
         if replicas is not None and replicas.size() > 1:
             i.all_gather.replica_group = replicas
         if our_reduction:
-            i.reduce_scatter = _build_reduce_scatter(i, run, stats)
+            i.reduce_scatter = _build_reduce_scatter(i, run, stats, queue)
             # grad_overlap (CPU process groups): FSDP must not divide the output right after
             # the call (the reduction may still be running), so it keeps passing AVG /
             # PREMUL_SUM(1/f) to the hook. Elsewhere forced SUM: FSDP's AVG over the one-rank
             # HSDP group is documented as unreliable on NCCL.
             i.force_sum = not (config.grad_overlap
                                and fsdp.group_device(i.group).type == "cpu")
-            i.replica = _build_replica(i, run, stats, placement, solo)
+            i.replica = _build_replica(i, run, stats, placement, solo, queue)
             i.reduce_scatter.replica = i.replica
         elif _needs_sum_for_gloo(i.group):
             i.force_sum = True
@@ -442,7 +392,28 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
             hsdp.install(i.replica)
         if i.force_sum:
             i.module.set_force_sum_reduction_for_comms(True)
-    return QCommHandle(model, config, installs, stats, placement, solo)
+    session = Session(model, installs, stats, queue, agreement_group, solo)
+    for i in installs:
+        i.all_gather.session = session
+        for hook in (i.all_gather, i.reduce_scatter, i.replica):
+            if hook is not None:
+                hook.owner = session  # FSDP holds the hooks, the hooks hold the session
+    return QCommHandle(session, config, placement)
+
+
+def _agreement_group(installs: list[_Install]) -> Optional[dist.ProcessGroup]:
+    """The ranks that must agree on gather decisions: every rank of the modules' gather and
+    replica groups (None: the whole world, the usual case). Created here, on every member."""
+    ranks: set[int] = set()
+    for i in installs:
+        ranks.update(dist.get_process_group_ranks(fsdp.shard_group(i.group)))
+        replicas = hsdp.original_replicate_group(i.group)
+        if replicas is not None:
+            ranks.update(dist.get_process_group_ranks(replicas))
+    if len(ranks) == dist.get_world_size():
+        return None
+    return dist.new_group(sorted(ranks), use_local_synchronization=True,
+                          group_desc="qcomm_agreement")
 
 
 def _replicas(group: Any) -> bool:
@@ -452,7 +423,7 @@ def _replicas(group: Any) -> bool:
 
 
 def _build_reduce_scatter(
-    i: _Install, run: QCommConfig, stats: CommStats
+    i: _Install, run: QCommConfig, stats: CommStats, queue: Optional[ReductionQueue]
 ) -> QuantizedReduceScatter:
     """The module's quantized reduce-scatter with its process groups prepared."""
     group = fsdp.reduce_scatter_group(i.group)
@@ -463,12 +434,12 @@ def _build_reduce_scatter(
         own = private_group(group)
         overlap = PreparedGroup(own, prepare(own, run.ranks_per_node))
     return QuantizedReduceScatter(run, stats, i.index, i.group, prepared=prepared,
-                                  prepared_overlap=overlap)
+                                  prepared_overlap=overlap, queue=queue)
 
 
 def _build_replica(
     i: _Install, run: QCommConfig, stats: CommStats, placement: NodePlacement,
-    solo: Optional[hsdp.SoloGroup],
+    solo: Optional[hsdp.SoloGroup], queue: Optional[ReductionQueue],
 ) -> Optional[hsdp.ReplicaAllReduce]:
     """HSDP: the quantized all-reduce across replicas (None for 1-D FSDP or one replica).
 
@@ -495,7 +466,7 @@ def _build_replica(
         overlap_group=private_group(replicas) if run.grad_overlap else None,
         error_feedback=run.grad_error_feedback == "all" or (
             run.grad_error_feedback == "inter" and remote > 0),
-        solo=solo,
+        solo=solo, queue=queue,
     )
 
 

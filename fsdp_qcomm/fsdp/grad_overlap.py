@@ -6,7 +6,8 @@ stream: FSDP calls the reduce-scatter hook on the autograd thread and every laye
 waits for the previous layer's exchange. With ``QCommConfig.grad_overlap=True`` the hook hands
 the reduction to one background thread per process and returns; the thread runs reductions in
 call order (the same order on every rank, as FSDP's own collectives), on process groups of its
-own, and the end of ``backward()`` waits for all of them. The bytes and values are those of
+own, and the end of ``backward()`` waits for all of them. Each ``enable`` call owns one such
+queue (``ReductionQueue``), which its hooks share. The bytes and values are those of
 the synchronous path: only when they are computed changes.
 
 A reduction is deferred only when FSDP will not read its output before backward ends
@@ -33,7 +34,8 @@ from . import internals as fsdp
 
 
 class ReductionQueue:
-    """One worker thread running this process's deferred reductions in submission order."""
+    """One worker thread running one ``enable`` call's deferred reductions in submission order
+    (owned by its ``fsdp.session.Session``; the thread stops with ``shutdown``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,8 +94,12 @@ class ReductionQueue:
         with self._lock:
             return sum(not f.done() for f in self._pending)
 
-
-QUEUE = ReductionQueue()
+    def shutdown(self) -> None:
+        """Stop the worker thread (queued reductions still run first)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
 
 def _output_read_late(param_group: Any, dtype: torch.dtype) -> str:
@@ -156,5 +162,5 @@ def replica_deferrable(param_group: Any, tensor: torch.Tensor) -> bool:
     return not replica_defer_reason(param_group, tensor)
 
 
-__all__ = ["QUEUE", "ReductionQueue", "defer_reason", "deferrable", "replica_defer_reason",
+__all__ = ["ReductionQueue", "defer_reason", "deferrable", "replica_defer_reason",
            "replica_deferrable"]

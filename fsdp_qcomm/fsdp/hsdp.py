@@ -47,7 +47,7 @@ from ..collectives.topology import is_alive
 from ..config import QuantSpec
 from ..stats import CommStats
 from . import internals as fsdp
-from .grad_overlap import QUEUE, replica_defer_reason
+from .grad_overlap import ReductionQueue, replica_defer_reason
 
 Hook = Callable[[torch.Tensor], None]
 
@@ -125,9 +125,13 @@ class ReplicaAllReduce:
         overlap_group: Optional[ProcessGroup] = None,
         error_feedback: bool = False,
         solo: Optional[SoloGroup] = None,
+        queue: Optional[ReductionQueue] = None,
     ) -> None:
         self.param_group = param_group
         self.solo = solo
+        if overlap_group is not None and queue is None:
+            queue = ReductionQueue()
+        self.queue = queue  # grad_overlap: the enable call's reduction thread
         self.replica_group = replica_group
         self.spec = spec
         self.hadamard = hadamard
@@ -159,7 +163,7 @@ class ReplicaAllReduce:
             if why:
                 self.stats.note(f"grad_overlap: a replica all-reduce finished inside its call: "
                                 f"{why}")
-            QUEUE.submit(partial(self._reduce, reduce_output, self.overlap_group, op, key),
+            self.queue.submit(partial(self._reduce, reduce_output, self.overlap_group, op, key),
                          defer=not why)
         else:
             self._reduce(reduce_output, self.replica_group, op, key)

@@ -31,7 +31,7 @@ from ..collectives.level_sync import LevelSync
 from ..collectives.topology import Topology, node_topology, private_group
 from ..config import QCommConfig
 from ..stats import CommStats
-from .grad_overlap import QUEUE, defer_reason
+from .grad_overlap import ReductionQueue, defer_reason
 from .internals import ReduceScatter
 
 
@@ -65,6 +65,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self, config: QCommConfig, stats: CommStats, bucket: int, param_group: Optional[Any] = None,
         *, prepared: Optional[PreparedGroup] = None,
         prepared_overlap: Optional[PreparedGroup] = None,
+        queue: Optional[ReductionQueue] = None,
     ) -> None:
         if config.grad_scheme == "none" and not config.grad_overlap:
             raise ValueError(
@@ -80,6 +81,9 @@ class QuantizedReduceScatter(ReduceScatter):
         self.param_group = param_group
         self.prepared = prepared
         self.prepared_overlap = prepared_overlap
+        if config.grad_overlap and queue is None:
+            queue = ReductionQueue()
+        self.queue = queue  # grad_overlap: the enable call's reduction thread
         # HSDP: the module's replica all-reduce hook; checked at every call, before FSDP runs
         # its all-reduce, so a hook replaced after ``enable`` stops the backward on every rank
         self.replica: Optional[Any] = None
@@ -123,7 +127,7 @@ class QuantizedReduceScatter(ReduceScatter):
             why = defer_reason(self.param_group, input_tensor, op)
             if why:
                 self.stats.note(f"grad_overlap: a reduce-scatter finished inside its call: {why}")
-            QUEUE.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
+            self.queue.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
                                  levels, own_topology), defer=not why)
             return None
         self._reduce(output_tensor, input_tensor, group, op, key, levels, topology)

@@ -1,0 +1,296 @@
+"""Did an FSDP module's weights change since its previous gather? Decided the same on every rank.
+
+A quantized weight gather may send nothing when the weights are those its previous gather
+delivered (gradient-accumulation micro-batches, evaluation between steps, backward re-gathers),
+must send a quantized difference after an optimizer step, and should re-send full precision
+after any other write (a loaded checkpoint, an EMA swap): a quantized difference of a large
+jump would leave the reference off by a quantization step of that jump for as long as the
+weights stay put. And every rank of the gather group must take the same decision, or one rank
+sends bytes its peers do not expect and the group hangs.
+
+``ChangeTracker`` (one per FSDP parameter group) collects what this rank knows, as ``Change``
+flags:
+
+* declared events, the same on every rank of an SPMD program: the first gather (``FIRST``), a
+  ``torch.optim`` step over the group's parameters (``STEP``, from the optimizer step hooks
+  ``enable`` installs) or ``handle.mark_changed()`` (``STEP`` too: the caller vouches for the
+  new values), ``handle.reset()`` (``RESET``), a loaded checkpoint (``LOADED``), and a gradient
+  reduction of the group's parameters outside backward while no ``torch.optim`` step was ever
+  seen for them (``REDUCED``: an optimizer of another kind may have consumed it);
+* writes found by the parameters' signature (objects, storages, version counters: ``p.mul_``,
+  ``p.copy_``, ``load_state_dict``, new tensors) that no declared event explains (``WRITE``);
+* writes found by content only (``CONTENT``): an exact integer digest of this rank's shard
+  differs from the one taken at the previous gather. This is what catches ``p.data.copy_``,
+  ``p.data = t`` and foreach kernels run outside an optimizer, which leave every version counter
+  unchanged.
+
+``Agreement`` turns local flags into one decision per module at a fixed point: one small
+all-gather of every module's flags (int64) over the ranks that gather together, before the
+root module's forward (``fsdp.session``), or inside a gather that runs outside a root forward.
+Every rank sees the same gathered rows, so every rank decides alike:
+
+* the declared and signature flags must agree across ranks (they are SPMD facts); when they do
+  not (a parameter written on some ranks only, an optimizer stepped on some ranks only), every
+  rank raises the same error naming the module and the ranks, at once, instead of hanging in
+  the gather that follows;
+* ``CONTENT`` is or-ed over the ranks: a write through ``p.data`` may leave one rank's shard
+  unchanged (all zeros halved), so one changed shard is enough for all to exchange, which is
+  what FSDP2 itself computes (each rank gathers the shards as they are).
+
+Inside a backward pass (a re-gather for backward, or an activation-checkpoint recomputation)
+only the declared flags count and nothing is exchanged to agree: FSDP's backward must compute
+with the weights its forward used, and those flags are SPMD facts.
+
+What an agreed code means (``plan``): nothing to exchange for no flag or ``REDUCED`` alone;
+full precision for ``FIRST``, ``RESET``, ``WRITE``, and ``CONTENT`` that no ``STEP``,
+``LOADED`` or ``REDUCED`` explains; a quantized difference otherwise. ``LOADED`` has its own
+path (the saved reference is re-assembled).
+
+Cost: one digest pass over this rank's shard per forward gather decision (integer view, a
+position-weighted int64 sum), and one all-gather of ``8 * modules`` bytes per root forward
+(``4 + 8 * modules`` bytes on the wire for gloo); on CUDA one host read per root forward.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import internals as fsdp
+
+
+class Change(enum.IntFlag):
+    NONE = 0
+    FIRST = 1
+    STEP = 2
+    RESET = 4
+    LOADED = 8
+    WRITE = 16
+    REDUCED = 32
+    CONTENT = 64
+
+
+#: facts every rank of an SPMD program has alike: ranks must agree on them
+SPMD = Change.FIRST | Change.STEP | Change.RESET | Change.LOADED | Change.WRITE | Change.REDUCED
+#: changes that make the next exchange send full precision
+FULL = Change.FIRST | Change.RESET | Change.WRITE | Change.CONTENT
+
+_DESCRIBE = {
+    Change.FIRST: "first gather",
+    Change.STEP: "an optimizer step or handle.mark_changed()",
+    Change.RESET: "handle.reset()",
+    Change.LOADED: "a loaded checkpoint",
+    Change.WRITE: "a write outside an optimizer step (p.mul_/p.copy_/load_state_dict/new "
+                  "tensors)",
+    Change.REDUCED: "a gradient reduction (an optimizer that is not a torch.optim.Optimizer)",
+    Change.CONTENT: "values written without a version bump (p.data writes)",
+}
+
+
+def describe(code: int) -> str:
+    """The events behind a code, in words."""
+    parts = [text for flag, text in _DESCRIBE.items() if code & flag]
+    return ", ".join(parts) or "nothing"
+
+
+def plan(code: int) -> tuple[bool, bool]:
+    """(exchange, full precision) for an agreed code. Changed values are explained by an
+    optimizer step, ``mark_changed()`` or a loaded checkpoint; with a gradient reduction alone
+    they are taken for an optimizer step of another kind (a quantized difference); a reduction
+    alone changes nothing; unexplained changes re-send full precision."""
+    c = Change(code)
+    if c & Change.CONTENT and c & (Change.STEP | Change.LOADED | Change.REDUCED):
+        c &= ~Change.CONTENT
+        if c & Change.REDUCED:
+            c |= Change.STEP
+    c &= ~Change.REDUCED
+    return bool(c), bool(c & FULL)
+
+
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}
+_PRIME = 65521
+
+
+def shard_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An exact integer digest of flat tensors (int64 scalar, on their device): the raw bits
+    of each value weighted by its position. Any single changed value, and any exchange of two
+    values, changes it; equal inputs give equal digests on every device and in any order of
+    summation (integer arithmetic wraps modulo 2^64, deterministically)."""
+    device = shards[0].device if shards else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    off = 0
+    for x in shards:
+        n = x.numel()
+        if n == 0:
+            continue
+        bits = x.detach().reshape(-1)
+        if bits.dtype in _BITS:
+            bits = bits.view(_BITS[bits.dtype])
+        w = (torch.arange(off, off + n, device=device, dtype=torch.int64) % _PRIME) + 1
+        total += (bits.to(torch.int64) * w).sum()
+        off += n
+    return total
+
+
+class ChangeTracker:
+    """What this rank knows about changes to one FSDP parameter group's weights since its
+    previous gather (see the module docstring). ``gathered`` marks the point the state is
+    measured from; events accumulate until a gather consumes them."""
+
+    def __init__(self, param_group: Any, name: str) -> None:
+        self._pg = param_group
+        self.name = name
+        self._flags = Change.FIRST
+        self._expected: Optional[list[tuple]] = None  # signatures explained so far
+        self._digest: Optional[torch.Tensor] = None  # at the previous forward gather
+        self._digest_now: Optional[torch.Tensor] = None
+        self._optim_tracked = False  # a torch.optim step over these parameters was seen
+        self.pending: Optional[int] = None  # agreed code for the next forward gather
+        self.gathered_once = False
+
+    # ---- declared events (call on every rank) ------------------------------------------
+    def mark_changed(self) -> None:
+        """The parameters were changed on purpose: the next gather sends a quantized
+        difference, and their current signatures are explained."""
+        self._flags |= Change.STEP
+        self._expected = None
+
+    def reset(self) -> None:
+        self._flags |= Change.RESET
+
+    def loaded(self) -> None:
+        self._flags |= Change.LOADED
+        self._expected = None
+
+    def optimizer_step_pre(self, param_ids: set[int]) -> None:
+        """Before an optimizer step: parameters it covers must still be as last explained."""
+        if self._expected is None:
+            return
+        for i, fp in enumerate(fsdp.fsdp_params(self._pg)):
+            if id(fsdp.sharded_param(fp)) in param_ids and \
+                    fsdp.param_signature(fp) != self._expected[i]:
+                self._flags |= Change.WRITE
+
+    def optimizer_step_post(self, param_ids: set[int]) -> bool:
+        """After an optimizer step: the weights changed, and its version bumps are explained.
+        Returns whether the step covered this group."""
+        hit = False
+        for i, fp in enumerate(fsdp.fsdp_params(self._pg)):
+            if id(fsdp.sharded_param(fp)) in param_ids:
+                hit = True
+                if self._expected is not None:
+                    self._expected[i] = fsdp.param_signature(fp)
+        if hit:
+            self._flags |= Change.STEP
+            self._optim_tracked = True
+        return hit
+
+    def reduction_finished(self) -> None:
+        """A gradient reduction of these parameters finished: until a ``torch.optim`` step over
+        them is seen, an optimizer of another kind may consume it (``REDUCED``; it counts from
+        the next forward on, never inside the backward that made it)."""
+        if not self._optim_tracked:
+            self._flags |= Change.REDUCED
+
+    # ---- local facts ---------------------------------------------------------------------
+    def local_flags(self, backward: bool) -> int:
+        """This rank's host-side flags (declared events and signature writes)."""
+        if backward:
+            return int(self._flags & (Change.FIRST | Change.STEP | Change.RESET | Change.LOADED))
+        flags = self._flags
+        if self._expected is not None and self._signature() != self._expected:
+            flags |= Change.WRITE
+        return int(flags)
+
+    def content_changed(self) -> torch.Tensor:
+        """A device bool: this rank's shard differs from the previous forward gather's.
+        Takes the digest the next ``gathered`` records."""
+        self._digest_now = shard_digest([fsdp.local_shard(fp)
+                                         for fp in fsdp.fsdp_params(self._pg)])
+        if self._digest is None:
+            return torch.zeros((), dtype=torch.bool, device=self._digest_now.device)
+        return self._digest_now != self._digest
+
+    def _signature(self) -> list[tuple]:
+        return [fsdp.param_signature(fp) for fp in fsdp.fsdp_params(self._pg)]
+
+    # ---- after a gather --------------------------------------------------------------------
+    def gathered(self, backward: bool) -> None:
+        """The module's weights are now what this gather delivered: consumed events are
+        cleared, and later changes are measured from here (in backward, only declared events:
+        the forward's measurements stay)."""
+        self.gathered_once = True
+        self.pending = None
+        if backward:
+            self._flags &= ~(Change.FIRST | Change.STEP | Change.RESET | Change.LOADED)
+            return
+        self._flags = Change.NONE
+        self._expected = self._signature()
+        if self._digest_now is not None:
+            self._digest = self._digest_now
+            self._digest_now = None
+
+
+KIND = "agreement"
+
+
+class Agreement:
+    """One all-gather of per-module change codes over ``group``; every rank gets the same
+    agreed codes or the same error (see the module docstring). Its bytes are recorded under
+    the stats kind ``"agreement"`` (elements 0, baseline 0: pure overhead)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], stats: Optional[Any] = None) -> None:
+        self.group = group
+        self.stats = stats
+
+    def agree(self, trackers: Sequence[ChangeTracker], where: str) -> list[int]:
+        if not trackers:
+            return []
+        local = torch.tensor([t.local_flags(backward=False) for t in trackers],
+                             dtype=torch.int64)
+        content = torch.stack([t.content_changed() for t in trackers])
+        device = content.device
+        mine = local.to(device) | (content.to(torch.int64) * int(Change.CONTENT))
+        world = dist.get_world_size(self.group)
+        if world == 1:
+            return [int(c) for c in mine.cpu()]
+        every = torch.empty(world * len(trackers), dtype=torch.int64, device=device)
+        dist.all_gather_single(every, mine, group=self.group)
+        if self.stats is not None:
+            self.stats.record(KIND, sent_bytes=mine.nbytes, recv_bytes=every.nbytes, elements=0,
+                              baseline_bytes=0)
+        rows = every.view(world, len(trackers)).cpu()  # the one host read
+        out = []
+        for k, t in enumerate(trackers):
+            col = rows[:, k]
+            spmd = col & int(SPMD)
+            if not torch.equal(spmd, spmd[:1].expand_as(spmd)):
+                raise RuntimeError(_disagreement(t.name, spmd.tolist(), where, self.group))
+            content_any = bool((col & int(Change.CONTENT)).any())
+            out.append(int(spmd[0]) | (int(Change.CONTENT) if content_any else 0))
+        return out
+
+
+def _disagreement(name: str, codes: list[int], where: str,
+                  group: Optional[dist.ProcessGroup]) -> str:
+    by_code: dict[int, list[int]] = {}
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    for r, c in enumerate(codes):
+        by_code.setdefault(c, []).append(ranks[r])
+    seen = "; ".join(f"global rank(s) {rs}: {describe(c)}" for c, rs in sorted(by_code.items()))
+    return (
+        f"fsdp_qcomm: the ranks disagree about what changed in FSDP module {name!r}'s "
+        f"parameters since its previous gather ({where}) — {seen}. Every rank must take the "
+        "same gather decision, and these events happen on every rank of an SPMD program: "
+        "step the optimizer, write parameters, load checkpoints and call handle.reset() on "
+        "every rank. After a deliberate write on some ranks only, call handle.mark_changed() "
+        "on every rank before the next forward."
+    )
+
+
+__all__ = ["KIND", "Agreement", "Change", "ChangeTracker", "FULL", "SPMD", "describe", "plan",
+           "shard_digest"]

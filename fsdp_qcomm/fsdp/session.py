@@ -1,0 +1,180 @@
+"""What one ``enable`` call installed, owned by the model it was installed on.
+
+FSDP2 holds the collectives ``enable`` installs (the all-gather, reduce-scatter and all-reduce
+hook objects of every module), and each of them holds the ``Session``; so the session, and with
+it every guard, lives exactly as long as the model keeps the hooks, whether or not the caller
+kept the ``QCommHandle``. Nothing module-global keeps a session alive: the ``torch.optim`` step
+hooks are registered once per process and reach live sessions through a ``WeakSet``.
+
+Fixed points, the same on every rank:
+
+* before the root module's forward (a forward pre-hook that runs before FSDP's own): the
+  installed collectives are still ours (a later ``set_custom_all_gather`` /
+  ``set_all_reduce_hook`` would silently undo ``enable``), and one ``change_tracker.Agreement``
+  round decides, for every module whose gathers may reuse weights, what changed since its
+  previous gather;
+* around every ``torch.optim`` optimizer step: which modules' parameters it updated (their next
+  gather exchanges a quantized difference), and how many steps the statistics count.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ..stats import CommStats
+from . import internals as fsdp
+from .change_tracker import Agreement, ChangeTracker
+from .grad_overlap import ReductionQueue
+
+
+class Session:
+    """State of one ``enable`` call (see the module docstring). ``installs`` are
+    ``enable._Install`` records; ``agreement_group`` spans every rank of the model's meshes."""
+
+    def __init__(
+        self, model: nn.Module, installs: list[Any], stats: CommStats,
+        queue: Optional[ReductionQueue], agreement_group: Optional[dist.ProcessGroup],
+        solo: Optional[Any] = None,
+    ) -> None:
+        self.installs = installs
+        self.solo = solo  # HSDP: ``hsdp.SoloGroup``
+        self.stats = stats
+        self.queue = queue
+        self.agreement = Agreement(agreement_group, stats)
+        self.enabled = True
+        self.in_root_forward = False
+        self._model_ref = weakref.ref(model)
+        self._param_ids = {id(p) for i in installs for p in fsdp.sharded_params(i.group)}
+        # not traced by torch.compile (like FSDP's own hooks); wrapped here, not at import
+        before = torch.compiler.disable(self._before_root_forward)
+        after = torch.compiler.disable(self._after_root_forward)
+        self._hooks = [
+            model.register_forward_pre_hook(before, prepend=True),
+            model.register_forward_hook(after, always_call=True),
+        ]
+        _DISPATCH.add(self)
+        self._finalizer = None
+        if queue is not None:
+            self._finalizer = weakref.finalize(self, queue.shutdown)
+
+    @property
+    def trackers(self) -> list[ChangeTracker]:
+        return [i.all_gather.tracker for i in self.installs
+                if i.all_gather is not None and i.all_gather.tracker is not None]
+
+    # ---- the root forward ------------------------------------------------------------------
+    def _before_root_forward(self, module: nn.Module, args: Any) -> None:
+        if not self.enabled or fsdp.autograd_running():
+            return  # an activation-checkpoint recomputation inside backward: no new forward
+        self.check_installed()
+        trackers = self.trackers
+        codes = self.agreement.agree(trackers, "before the root module's forward")
+        for t, c in zip(trackers, codes):
+            t.pending = c
+        self.in_root_forward = True
+
+    def _after_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.in_root_forward = False
+        for t in self.trackers:
+            t.pending = None
+
+    def check_installed(self) -> None:
+        """Raise if something replaced the collectives or hooks ``enable`` installed."""
+        for i in self.installs:
+            gather, scatter = fsdp.installed_comms(i.group)
+            if i.all_gather is not None and gather is not i.all_gather:
+                raise RuntimeError(
+                    f"FSDP module {i.label!r}: its all-gather was replaced after "
+                    "fsdp_qcomm.enable() (set_custom_all_gather), so its weights would no longer "
+                    "be gathered the way the other modules' are. Call handle.disable() before "
+                    "installing another all-gather, or install it before enable()"
+                )
+            if i.reduce_scatter is not None and scatter is not i.reduce_scatter:
+                raise RuntimeError(
+                    f"FSDP module {i.label!r}: its reduce-scatter was replaced after "
+                    "fsdp_qcomm.enable() (set_custom_reduce_scatter). Call handle.disable() "
+                    "before installing another reduce-scatter, or install it before enable()"
+                )
+            if i.replica is not None:
+                i.replica.check_installed()
+
+    # ---- optimizer steps -------------------------------------------------------------------
+    def optimizer_step_pre(self, ids: set[int]) -> None:
+        if not self.enabled or not ids & self._param_ids:
+            return
+        self.check_installed()  # HSDP: no step on gradients the replicas did not share
+        for t in self.trackers:
+            t.optimizer_step_pre(ids)
+
+    def optimizer_step_post(self, ids: set[int]) -> None:
+        if not self.enabled or not ids & self._param_ids:
+            return
+        for t in self.trackers:
+            t.optimizer_step_post(ids)
+        self.stats.count_step()
+
+    def close(self) -> None:
+        """Remove the root hooks and stop the reduction thread (``handle.disable``)."""
+        self.enabled = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        _DISPATCH.discard(self)
+        if self.queue is not None:
+            self.queue.drain()
+            self.queue.shutdown()
+
+    def release(self) -> None:
+        """After the hooks are uninstalled: destroy the groups this session created."""
+        if self.solo is not None:
+            self.solo.destroy()
+            self.solo = None
+        group = self.agreement.group
+        if group is not None:
+            dist.destroy_process_group(group)
+            self.agreement.group = None
+
+
+class _Dispatch:
+    """The process's one pair of ``torch.optim`` step hooks, registered on first use, passing
+    each step to the live sessions (held weakly: a dropped model takes its session along)."""
+
+    def __init__(self) -> None:
+        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+        self._registered = False
+
+    def add(self, session: Session) -> None:
+        self._sessions.add(session)
+        if not self._registered:
+            register_optimizer_step_pre_hook(self._call("optimizer_step_pre"))
+            register_optimizer_step_post_hook(self._call("optimizer_step_post"))
+            self._registered = True
+
+    def discard(self, session: Session) -> None:
+        self._sessions.discard(session)
+
+    def _call(self, method: str) -> Callable[[Any, Any, Any], None]:
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            sessions = list(self._sessions)
+            if not sessions:
+                return
+            ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            for s in sessions:
+                getattr(s, method)(ids)
+
+        return hook
+
+
+_DISPATCH = _Dispatch()
+
+
+__all__ = ["Session"]

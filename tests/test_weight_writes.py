@@ -1,0 +1,282 @@
+"""Every way users write weights ends in a forward on the new weights, under every scheme.
+
+Each case trains a small tied-embedding model for two AdamW steps, runs an evaluation forward
+(so every gather has something to reuse), writes the parameters in one of the ways found in
+the wild (EMA swaps, LocalSGD/DiLoCo outer steps, checkpoint loads, optimizers that are not
+``torch.optim`` optimizers), and compares what each module computes with in the next forward
+(captured after FSDP's unshard) with the new weights: exactly, for a full-precision resend;
+within one quantization step, for a quantized difference or directly quantized weights. A write
+on one rank only is an error on every rank, at once, never a hang.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _models import Capture, TinyLM, batch, lm_loss, shard
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+import fsdp_qcomm
+from fsdp_qcomm import QCommConfig
+from fsdp_qcomm.testing import run_ranks
+
+SCHEMES = {
+    "fsdp": None,  # FSDP's own collectives: the reference behaviour
+    "none": QCommConfig(),
+    "none_kept": QCommConfig(weight_reuse_unchanged=True),
+    "direct": QCommConfig(weight_scheme="direct", weight_bits=8, weight_group_size=16),
+    "direct_kept": QCommConfig(weight_scheme="direct", weight_bits=8, weight_group_size=16,
+                               weight_reuse_unchanged=True),
+    "qwd": QCommConfig(weight_scheme="qwd", weight_group_size=16),
+    "qwd_learned": QCommConfig(weight_scheme="qwd", weight_bits=2, weight_group_size=16,
+                               weight_levels="learned"),
+    "qwd_no_reuse": QCommConfig(weight_scheme="qwd", weight_group_size=16,
+                                weight_reuse_unchanged=False),
+}
+WRITES = ("copy_", "data_copy_", "data_assign", "load_state_dict", "set_model_state_dict",
+          "swap_and_back", "custom_optimizer", "mark_changed")
+
+
+class _HandSGD:
+    """An optimizer that is not a ``torch.optim.Optimizer``: no step hooks, writes via .data."""
+
+    def __init__(self, params, lr: float) -> None:
+        self.params, self.lr = list(params), lr
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-self.lr)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def _exact(model) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded, as stored (``full_tensor`` gathers outside our hooks)."""
+    out = {}
+    for name, mod in model.named_modules():
+        for p, t in mod.named_parameters(recurse=False):
+            out[f"{name}.{p}"] = t.full_tensor().detach().clone()
+    return out
+
+
+def _forward(model, cap, rank, step) -> dict[str, torch.Tensor]:
+    cap.clear()
+    with torch.no_grad():
+        lm_loss(model, batch(step, rank))
+    return dict(cap.fwd)
+
+
+def _halve(model, how: str) -> None:
+    params = list(model.parameters())
+    with torch.no_grad():
+        if how == "copy_":
+            for p in params:
+                p.copy_(p * 0.5)
+        elif how in ("data_copy_", "mark_changed"):
+            for p in params:
+                p.data.copy_(p.data * 0.5)
+        elif how == "data_assign":  # DTensor drops it: FSDP2 computes with the old values
+            for p in params:
+                p.data = p.data * 0.5
+        elif how == "load_state_dict":
+            model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+        elif how == "set_model_state_dict":
+            sd = get_model_state_dict(model)
+            set_model_state_dict(model, {k: v * 0.5 for k, v in sd.items()})
+        else:
+            raise ValueError(how)
+
+
+def _err(used: dict, want: dict) -> float:
+    assert used.keys() == want.keys()
+    return max((used[k].float() - want[k].float()).abs().max().item() for k in want)
+
+
+def _bound(name: str, cfg, new: dict, old: dict) -> float:
+    """How far a forward may be from the new weights: 0 for a full-precision resend, one step
+    of the quantizer for directly quantized weights, or of the change from ``old`` (what the
+    previous forward computed with: qWD's reference) for a quantized difference."""
+    if cfg is None or cfg.weight_scheme == "none":
+        return 0.0
+    qmax = cfg.weight_spec().qmax
+    if cfg.weight_scheme == "direct":
+        return max(v.abs().max().item() for v in new.values()) / qmax * 1.001
+    if cfg.weight_levels == "learned":  # 4 levels fitted to the change: within its range
+        return max((new[k] - old[k]).abs().max().item() for k in new) * 1.001
+    return max((new[k] - old[k]).abs().max().item() for k in new) / qmax * 1.001
+
+
+def _case(rank, name, how) -> dict:
+    cfg = SCHEMES[name]
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard(model, True)
+    handle = fsdp_qcomm.enable(model, cfg) if cfg is not None else None
+    if how == "custom_optimizer":  # the whole run with it: no torch.optim hook ever fires
+        opt = _HandSGD(model.parameters(), lr=0.05)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2, foreach=True)
+    for step in range(2):
+        lm_loss(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    cap = Capture(model)
+    old = _forward(model, cap, rank, 50)  # what the gathers delivered last (qWD: the reference)
+    modes0 = handle.gather_modes() if handle is not None else {}
+    out = {}
+    if how == "swap_and_back":
+        ema = [p.detach().clone() * 0.5 for p in model.parameters()]
+        orig = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p, e in zip(model.parameters(), ema):
+                p.data.copy_(e)
+        new = _exact(model)
+        used = _forward(model, cap, rank, 51)
+        out["swapped"] = (_err(used, new), _bound(name, cfg, new, old))
+        with torch.no_grad():
+            for p, o in zip(model.parameters(), orig):
+                p.data.copy_(o)
+        back = _exact(model)
+        out["back"] = (_err(_forward(model, cap, rank, 52), back), _bound(name, cfg, back, used))
+    elif how == "custom_optimizer":
+        lm_loss(model, batch(7, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        new = _exact(model)
+        out["after"] = (_err(_forward(model, cap, rank, 51), new), _bound(name, cfg, new, old))
+    else:
+        _halve(model, how)
+        if how == "mark_changed" and handle is not None:
+            handle.mark_changed()
+        new = _exact(model)
+        used = _forward(model, cap, rank, 51)
+        reuses = cfg is None or cfg.reuses_unchanged_weights or cfg.weight_scheme != "qwd"
+        if how == "data_assign" and reuses:  # nothing changed for FSDP2: the same weights
+            out["after"] = (_err(used, old), 0.0)
+        else:
+            out["after"] = (_err(used, new), _bound(name, cfg, new, old))
+    if handle is not None:
+        modes = handle.gather_modes()
+        out["modes"] = {k: modes.get(k, 0) - modes0.get(k, 0) for k in modes}
+        handle.disable()
+    cap.remove()
+    return out
+
+
+def _all_cases(rank, world, names) -> dict:
+    return {(name, how): _case(rank, name, how) for name in names for how in WRITES}
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict:
+    return run_ranks(_all_cases, 2, list(SCHEMES), timeout=600)[0]
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("how", WRITES)
+def test_a_write_reaches_the_next_forward(cases, name, how):
+    res = cases[(name, how)]
+    for label, value in res.items():
+        if label == "modes":
+            continue
+        err, bound = value
+        assert err <= bound, f"{name}, {how} ({label}): forward is {err} from the new weights"
+    cfg = SCHEMES[name]
+    if cfg is None or cfg.weight_scheme != "qwd":
+        return
+    modes = res["modes"]
+    if how == "mark_changed":  # a quantized difference, not a full-precision resend
+        assert modes.get("qwd_diff", 0) > 0 and modes.get("qwd_full", 0) == 0, modes
+    elif how == "custom_optimizer":  # a gradient reduction and changed values: a step
+        assert modes.get("qwd_full", 0) == 0 and modes.get("qwd_diff", 0) > 0, modes
+    elif how == "data_assign":  # the values did not change: nothing to send (unless no reuse)
+        assert modes.get("qwd_full", 0) == 0, modes
+        assert modes.get("qwd_diff", 0) == (0 if cfg.reuses_unchanged_weights else 3), modes
+    else:  # a write nothing declared: full precision, exact
+        assert modes.get("qwd_full", 0) > 0, modes
+        for label, value in res.items():
+            if label != "modes":
+                assert value[0] == 0.0, (label, value)
+
+
+# ---- a write on some ranks only -----------------------------------------------------------
+def _one_rank_writes(rank, world, how):
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard(model, True)
+    handle = fsdp_qcomm.enable(model, SCHEMES["qwd"])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    lm_loss(model, batch(0, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+    cap = Capture(model)
+    before = _forward(model, cap, rank, 1)
+    if rank == 0:
+        with torch.no_grad():
+            if how == "version":
+                model.norm.weight.mul_(0.5)
+            else:
+                model.norm.weight.data.mul_(0.5)
+    t0 = time.monotonic()
+    try:
+        used = _forward(model, cap, rank, 2)
+    except RuntimeError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    new = _exact(model)
+    root = ("emb.weight", "head.weight", "norm.weight", "norm.bias")  # the written module's
+    out = {"error": None, "err": _err({k: used[k] for k in root}, {k: new[k] for k in root}),
+           "others": _err({k: v for k, v in used.items() if k not in root},
+                          {k: v for k, v in before.items() if k not in root})}
+    handle.disable()
+    return out
+
+
+def test_a_write_on_one_rank_only_fails_fast_on_every_rank():
+    # p.mul_ on rank 0 only: version counters moved on rank 0 alone. Every rank raises the
+    # same error, naming the module and the ranks, long before the process group would time out.
+    res = run_ranks(_one_rank_writes, 2, "version", timeout=120)
+    for r in res:
+        assert r["error"] is not None and r["seconds"] < 30, r
+        assert "disagree about what changed in FSDP module '<root>'" in r["error"], r["error"]
+        assert "global rank(s) [0]: a write outside an optimizer step" in r["error"], r["error"]
+        assert "global rank(s) [1]: nothing" in r["error"], r["error"]
+    assert res[0]["error"] == res[1]["error"]
+
+
+def test_a_data_write_on_one_rank_runs_like_fsdp():
+    # p.data on rank 0 only: no version moved, only rank 0's content. One changed shard is
+    # enough for every rank to re-send: both compute with the shards as they are, exactly what
+    # FSDP2 itself computes.
+    res = run_ranks(_one_rank_writes, 2, "data", timeout=120)
+    for r in res:  # the written module re-sent at full precision, the others reused
+        assert r["error"] is None and r["err"] == 0.0 and r["others"] == 0.0, r
+
+
+# ---- reuse can be turned off under qWD ------------------------------------------------------
+def _no_reuse(rank, world):
+    out = {}
+    for name in ("qwd", "qwd_no_reuse"):
+        torch.manual_seed(0)
+        model = TinyLM()
+        shard(model, True)
+        handle = fsdp_qcomm.enable(model, SCHEMES[name])
+        cap = Capture(model)
+        for step in range(3):  # forwards with nothing changed in between
+            _forward(model, cap, rank, step)
+        out[name] = handle.gather_modes()
+        cap.remove()
+        handle.disable()
+    return out
+
+
+def test_weight_reuse_unchanged_false_turns_qwd_reuse_off():
+    for r in run_ranks(_no_reuse, 2):
+        units = r["qwd"]["qwd_full"]
+        assert r["qwd"] == {"qwd_full": units, "qwd_reuse": 2 * units}, r
+        assert r["qwd_no_reuse"] == {"qwd_full": units, "qwd_diff": 2 * units}, r
