@@ -337,8 +337,8 @@ class QuantizedAllGather(AllGather):
             return t.pending
         if self.session is not None and self.session.in_root_forward:
             return t.local_flags(backward=True)
-        return Agreement(group, self._stats).agree([t], f"a gather of FSDP module {self.name!r} outside "
-                                      "the root module's forward")[0]
+        where = f"a gather of FSDP module {self.name!r} outside the root module's forward"
+        return Agreement(group, self._stats).agree([t], where)[0]
 
     # ---- backward exactness ----------------------------------------------------------------
     def _refuse_in_backward(self, change: str) -> None:
