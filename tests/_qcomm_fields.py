@@ -41,6 +41,8 @@ def _candidates(f: dataclasses.Field, tp: Any) -> list:
         inner = [a for a in args if a is not type(None)]
         if inner == [int]:
             return [1, 2]
+        if inner == [bool]:
+            return [True, False]
     raise TypeError(
         f"tests/_qcomm_fields.py cannot vary QCommConfig.{f.name} ({tp}); add its values to "
         "CHOICES or teach _candidates its type"
