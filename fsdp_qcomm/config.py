@@ -19,6 +19,7 @@ WeightScheme = Literal["none", "direct", "qwd"]
 GradScheme = Literal["none", "one_level", "two_level"]
 ErrorFeedback = Literal["none", "inter", "all"]
 Levels = Literal["uniform", "learned"]
+Reference = Literal["node", "full"]
 _QSDP_STRING = re.compile(r"^W(\d+)G(\d+)(?:[-:_](uniform|learned))?$", re.IGNORECASE)
 
 _SCALE_DTYPES: dict[str, torch.dtype] = {
@@ -130,6 +131,20 @@ class QCommConfig:
     direct schemes re-send the same bytes (they reuse the RNG key, so the weights are the same
     either way). Backward re-gathers always compute with the weights their forward used.
 
+    ``weight_reference`` (qWD): "node" keeps on each rank only the reference of the shards of
+    the ranks with its local index on every node (``1/ranks_per_node`` of the model: ZeRO++'s
+    hpZ partitioning): a gather sends the quantized differences across nodes among those ranks,
+    then all-gathers the rebuilt slices inside the node, and a gather of unchanged weights
+    crosses no node. "full" keeps the whole reference on every rank (``(1 + 1/world)`` of the
+    parameters), which makes gathers of unchanged weights send nothing at all. With one rank per
+    node, or nodes holding different numbers of the group's ranks, the reference is full.
+
+    ``quantize_intra_node``: quantize collectives whose members all share one node (a one-node
+    gather group, HSDP's weight all-gather and reduce-scatter inside a node). Off by default:
+    only traffic that crosses nodes is quantized, the rest stays FSDP2's own, with no reference
+    and no codec work; turn it on for nodes whose ranks talk over PCIe rather than NVLink.
+    Two-level gradient reductions whose second hop crosses nodes keep their 8-bit first hop.
+
     ``consistency_check_every`` (0 = off): every K-th forward weight gather of each FSDP module,
     the ranks compare exact integer checksums of the weights they are about to compute with and
     raise naming the first parameter that differs (one tiny all-gather per module and check).
@@ -142,6 +157,7 @@ class QCommConfig:
     weight_rounding: Rounding = "stochastic"
     weight_hadamard: bool = False
     weight_reuse_unchanged: Optional[bool] = None
+    weight_reference: Reference = "node"
 
     grad_scheme: GradScheme = "none"
     grad_intra_bits: int = 8
@@ -156,6 +172,7 @@ class QCommConfig:
 
     scale_dtype: str = "float32"
     ranks_per_node: Optional[int] = None
+    quantize_intra_node: bool = False
     seed: int = 0
     consistency_check_every: int = 0
 
@@ -213,8 +230,9 @@ class QCommConfig:
             self._apply_budget()
         _check_choice(owner, "weight_scheme", self.weight_scheme, ("none", "direct", "qwd"))
         _check_choice(owner, "grad_scheme", self.grad_scheme, ("none", "one_level", "two_level"))
+        _check_choice(owner, "weight_reference", self.weight_reference, ("node", "full"))
         for name in ("weight_symmetric", "weight_hadamard", "grad_symmetric", "grad_hadamard",
-                     "grad_overlap"):
+                     "grad_overlap", "quantize_intra_node"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         if self.weight_reuse_unchanged is not None and \
@@ -435,5 +453,5 @@ class QCommConfig:
         return dataclasses.asdict(self)
 
 
-__all__ = ["ErrorFeedback", "GradScheme", "Levels", "QCommConfig", "QuantSpec", "Rounding",
-           "WeightScheme"]
+__all__ = ["ErrorFeedback", "GradScheme", "Levels", "QCommConfig", "QuantSpec", "Reference",
+           "Rounding", "WeightScheme"]

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..codec import FLOAT_DTYPES, RngKey, dequantize, hadamard_len, quantize, wire_bytes
 from ..codec.levels import dequantize_levels, levels_wire_bytes, quantize_levels
 from ..config import QuantSpec
+from .topology import NodeLayout
 
 _WEIGHT_SALT = 1 << 40
 
@@ -56,6 +57,12 @@ class GatherOutcome:
     recv_bytes: bytes of the outputs the process group wrote.
     elements: values in this rank's shard (what the bytes carry per rank).
     baseline_bytes: what an unquantized all-gather of the shard would have sent.
+    cross_node_bytes: bytes this rank sent to ranks on other nodes, when the gather knows it
+        (a node-sharded gather does); None: the caller counts ``sent_bytes`` once per remote
+        member of the group.
+    intra: the node-sharded gather's second hop, an all-gather inside the node of the rebuilt
+        reference slices in the all-gather dtype: (sent bytes, received bytes, elements), or
+        None when there is none.
     """
 
     mode: str
@@ -63,6 +70,8 @@ class GatherOutcome:
     recv_bytes: int
     elements: int
     baseline_bytes: int
+    cross_node_bytes: Optional[int] = None
+    intra: Optional[tuple[int, int, int]] = None
 
 
 OnDone = Optional[Callable[[GatherOutcome], None]]
@@ -429,6 +438,14 @@ class QwdAllGather(KeptWeights):
         return [input[a:a + n].float() - self.own_ref[a:a + n].float()
                 for a, n in zip(segment_offsets(self.segments), self.segments) if n]
 
+    def restore(self, own: torch.Tensor) -> int:
+        """Re-assemble a saved reference from every rank's own shard ``own`` (one
+        full-precision all-gather); returns the bytes this rank sent."""
+        self.own_ref.copy_(own)
+        dist.all_gather_single(self.ref, self.own_ref, group=self.group)
+        self.valid = True
+        return self.numel * self.ref.element_size()
+
     def __call__(
         self,
         input: torch.Tensor,
@@ -489,9 +506,174 @@ class QwdAllGather(KeptWeights):
         return _launch(gathered, wire, self.group, async_op, finish_diff)
 
 
+class NodeShardedQwd:
+    """qWD with the reference sharded inside each node (ZeRO++'s hpZ partitioning, applied to
+    SDP4Bit's reference).
+
+    The gather group's ``W = N * L`` members are laid out as ``N`` nodes of ``L``
+    (``topology.NodeLayout``); member ``(q, p)`` (node ``q``, local index ``p``) keeps the
+    reference only of the ``N`` shards ``(q', p)`` that share its local index, one per node:
+    ``N * n`` values, ``1/L`` of the unsharded buffer, where the full reference
+    (``QwdAllGather``) keeps all ``W * n``. A gather is two hops:
+
+    1. across nodes, over the ranks with the same local index (``inter``): the quantized
+       difference of each one's shard against its own slice, exactly the bytes and random bits
+       of the full reference's gather (same key, same segments); each of them adds the decoded
+       differences to its ``N`` slices, all from the same bytes, so they stay bit-identical;
+    2. inside the node (``intra``): an all-gather of the ``N`` rebuilt slices in the all-gather
+       dtype, which lands every shard's reference in ``output``.
+
+    The result is bit for bit the full reference's output. A gather of unchanged weights
+    (``reuse``: backward re-gathers, accumulation micro-batches) runs hop 2 only and crosses no
+    node. A full-precision gather (first gather, unexplained writes) sends the shard itself over
+    hop 1. ``own_ref`` is this rank's own slice: what checkpoints save.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        spec: QuantSpec,
+        group: dist.ProcessGroup,
+        layout: "NodeLayout",
+        intra: dist.ProcessGroup,
+        inter: dist.ProcessGroup,
+        *,
+        segments: Optional[Sequence[int]] = None,
+        hadamard: bool = False,
+    ) -> None:
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"the qWD reference is float32/bfloat16/float16; got {dtype}")
+        if not layout.regular or layout.local_size < 2 or layout.num_nodes < 2:
+            raise ValueError("a node-sharded reference needs a regular layout of at least 2 "
+                             "nodes of at least 2 members; use QwdAllGather")
+        self.group = group
+        self.layout = layout
+        self.intra = intra
+        self.inter = inter
+        self.world = group.size()
+        self.nodes = layout.num_nodes
+        self.local = layout.local_size
+        self.node, self.index = layout.position(layout.rank)
+        self.numel = int(numel)
+        self.segments = check_segments(segments, self.numel)
+        self.spec = spec
+        self.hadamard = hadamard
+        # slices[q'] = the reference of member (q', self.index)
+        self.slices = torch.zeros(self.nodes, self.numel, dtype=dtype, device=device)
+        self.valid = False
+        # where each (local index p', node q') block of hop 2's output goes in FSDP's buffer
+        self._slots = torch.tensor(
+            [layout.nodes[q][p] for p in range(self.local) for q in range(self.nodes)],
+            dtype=torch.long, device=device)
+
+    @property
+    def own_ref(self) -> torch.Tensor:
+        return self.slices[self.node]
+
+    @property
+    def nbytes(self) -> int:
+        return self.slices.nbytes
+
+    def matches(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (numel == self.numel and dtype == self.slices.dtype
+                and device == self.slices.device)
+
+    def invalidate(self) -> None:
+        self.valid = False
+
+    def differences(self, input: torch.Tensor) -> list[torch.Tensor]:
+        """The fp32 differences the next gather would encode, one block per segment."""
+        own = self.own_ref
+        return [input[a:a + n].float() - own[a:a + n].float()
+                for a, n in zip(segment_offsets(self.segments), self.segments) if n]
+
+    def _intra_gather(self, output: torch.Tensor) -> tuple[int, int, int]:
+        """Hop 2: every member's slices into ``output`` in FSDP's slot order."""
+        n = self.numel
+        gathered = torch.empty(self.local * self.nodes * n, dtype=self.slices.dtype,
+                               device=self.slices.device)
+        dist.all_gather_single(gathered, self.slices.view(-1), group=self.intra)
+        output.view(self.world, n).index_copy_(0, self._slots, gathered.view(-1, n))
+        return self.slices.nbytes, gathered.nbytes, self.nodes * n
+
+    def _base(self) -> int:
+        return self.numel * self.slices.element_size()
+
+    def reuse(self, mode: str, *, output: torch.Tensor, on_done: OnDone = None) -> None:
+        """Nothing crosses nodes: hop 2 rebuilds ``output`` from the kept slices."""
+        if not self.valid:
+            raise RuntimeError("reuse() needs a reference; gather first")
+        intra = self._intra_gather(output)
+        if on_done is not None:
+            on_done(GatherOutcome(mode, 0, 0, self.numel, self._base(), 0, intra))
+
+    def restore(self, own: torch.Tensor) -> int:
+        """Re-assemble a saved reference from every rank's own slice: hop 1 at full
+        precision; returns the bytes this rank sent."""
+        self.own_ref.copy_(own)
+        dist.all_gather_single(self.slices.view(-1), self.own_ref.clone(), group=self.inter)
+        self.valid = True
+        return self._base()
+
+    def __call__(
+        self,
+        input: torch.Tensor,
+        key: Optional[RngKey],
+        *,
+        output: torch.Tensor,
+        full: bool = False,
+        async_op: bool = False,
+        on_done: OnDone = None,
+        levels: Optional[torch.Tensor] = None,
+    ) -> Optional[dist.Work]:
+        """Bring every slice up to its owner's new shard (``input``, this rank's) and write the
+        reference of every shard into ``output`` (``world * numel`` values, FSDP's layout;
+        ``input`` may be a view of ``output``'s own slot: it is read before ``output`` is
+        written)."""
+        if input.dim() != 1 or input.numel() != self.numel:
+            raise ValueError(f"input must be a flat shard of {self.numel} values")
+        if input.dtype != self.slices.dtype:
+            raise TypeError(
+                f"input dtype {input.dtype} differs from the reference's {self.slices.dtype}"
+            )
+        base = self._base()
+        remote = self.nodes - 1
+        if full or not self.valid:
+            self.valid = False  # until the gather lands
+            own = input.clone()
+
+            def finish_full() -> None:
+                self.valid = True
+                intra = self._intra_gather(output)
+                if on_done is not None:
+                    on_done(GatherOutcome("qwd_full", base, self.nodes * base, self.numel, base,
+                                          base * remote, intra))
+
+            return _launch(self.slices.view(-1), own, self.inter, async_op, finish_full)
+
+        wire = encode_shard(input, self.segments, self.spec, key, ref=self.own_ref,
+                            levels=levels, hadamard=self.hadamard)
+        gathered = torch.empty(self.nodes * wire.numel(), dtype=torch.uint8, device=wire.device)
+
+        def finish_diff() -> None:
+            decode_shards(
+                gathered.view(self.nodes, -1), self.segments, self.spec, self.slices,
+                accumulate=True, learned=levels is not None, hadamard=self.hadamard,
+            )
+            intra = self._intra_gather(output)
+            if on_done is not None:
+                on_done(GatherOutcome("qwd_diff", wire.numel(), gathered.numel(), self.numel,
+                                      base, wire.numel() * remote, intra))
+
+        return _launch(gathered, wire, self.inter, async_op, finish_diff)
+
+
 __all__ = [
     "GatherOutcome",
     "KeptWeights",
+    "NodeShardedQwd",
     "QwdAllGather",
     "check_segments",
     "decode_shards",

@@ -70,9 +70,11 @@ from torch.utils._pytree import tree_leaves
 
 from ..codec import FLOAT_DTYPES, RngKey
 from ..collectives.level_sync import LevelSync
+from ..collectives.topology import Topology
 from ..collectives.weight_gather import (
     GatherOutcome,
     KeptWeights,
+    NodeShardedQwd,
     QwdAllGather,
     direct_all_gather,
     plain_all_gather,
@@ -86,6 +88,7 @@ from .consistency import check_consistent, consistency_error
 from .internals import AllGather
 
 KIND = "weight_allgather"
+KIND_INTRA = "weight_allgather_intra"
 
 class QuantizedAllGather(AllGather):
     """The all-gather of one FSDP module under ``config.weight_scheme``.
@@ -117,7 +120,10 @@ class QuantizedAllGather(AllGather):
         self.bucket = bucket
         self.name = name or "<root>"
         self.modes: Counter = Counter()
-        self._qwd: Optional[QwdAllGather] = None
+        self._qwd: Optional[QwdAllGather | NodeShardedQwd] = None
+        # qWD's node-sharded reference: the gather group's node layout and its subgroups,
+        # prepared by ``enable`` (None: the full reference on every rank)
+        self.topology: Optional[Topology] = None
         self._kept: Optional[KeptWeights] = None
         self._counter = 0
         # Generation of the weights the module computes with: bumped by every gather that can
@@ -278,7 +284,7 @@ class QuantizedAllGather(AllGather):
         q = self._qwd
         if self._pending_ref is not None:
             flat, valid = self._pending_ref, 1
-        elif q is not None and q.valid and q.segments == segs and q.ref.dtype == dtype:
+        elif q is not None and q.valid and q.segments == segs and q.own_ref.dtype == dtype:
             flat, valid = q.own_ref, 1
         else:  # nothing gathered yet (or a template for loading): placeholders
             device = fsdp.group_device(self._pg)
@@ -412,7 +418,7 @@ class QuantizedAllGather(AllGather):
     ) -> torch.Tensor:
         numel = math.prod(int(s) for s in size)
         q = self._qwd
-        if q is not None and q.valid and _fits(q, numel, dtype, device):
+        if isinstance(q, QwdAllGather) and q.valid and _fits(q, numel, dtype, device):
             return q.ref.view(*size)
         k = self._kept  # overwritten by every gather that sends, so valid or not
         if k is not None and _fits(k, numel, dtype, device):
@@ -496,7 +502,9 @@ class QuantizedAllGather(AllGather):
             self._kept.invalidate()
         done = record
         q = self._qwd
-        if q is not None and output.data_ptr() == q.ref.data_ptr():
+        if isinstance(q, NodeShardedQwd):
+            q.invalidate()  # the next qWD gather rebuilds it at full precision
+        elif q is not None and output.data_ptr() == q.ref.data_ptr():
             # the reference is overwritten by exact weights: adopt them
             def done(o: GatherOutcome) -> None:
                 q.own_ref.copy_(q.own_slot())
@@ -530,16 +538,19 @@ class QuantizedAllGather(AllGather):
         q = self._qwd
         stale = q is None or q.group is not group or q.segments != segs
         if stale or not q.matches(input.numel(), input.dtype, input.device):
-            q = self._qwd = QwdAllGather(
-                input.numel(), input.dtype, input.device, self._spec, group, segments=segs,
-                hadamard=self._config.weight_hadamard,
-            )
-        aliased = output.data_ptr() == q.ref.data_ptr()
-        on_done = record
-        if not aliased:
-            def on_done(o: GatherOutcome) -> None:
-                output.copy_(q.ref)
-                record(o)
+            q = self._qwd = self._new_reference(input, group, segs)
+        if isinstance(q, NodeShardedQwd):
+            aliased = False
+            on_done = record
+            into = {"output": output}
+        else:
+            aliased = output.data_ptr() == q.ref.data_ptr()
+            on_done = record
+            into = {}
+            if not aliased:
+                def on_done(o: GatherOutcome) -> None:
+                    output.copy_(q.ref)
+                    record(o)
 
         exchange, full = plan(code)
         if self._pending_ref is not None:
@@ -554,7 +565,7 @@ class QuantizedAllGather(AllGather):
         full = full or not q.valid
         self.tracker.gathered(backward)
         if not exchange and not full and (backward or self._reuse):
-            q.reuse("qwd_reuse", on_done=on_done)
+            q.reuse("qwd_reuse", on_done=on_done, **into)
             return None
         self._counter += 1
         self._gen += 1
@@ -563,24 +574,46 @@ class QuantizedAllGather(AllGather):
         if self.levels is not None and not full and q.valid:
             # fitted on the differences about to be sent, one histogram row per segment
             levels = self.levels.table(q.differences(input), group, self._counter, self._stats)
-        return q(input, key, full=full, async_op=async_op, on_done=on_done, levels=levels)
+        return q(input, key, full=full, async_op=async_op, on_done=on_done, levels=levels,
+                 **into)
+
+    def _new_reference(
+        self, input: torch.Tensor, group: dist.ProcessGroup, segs: tuple[int, ...]
+    ) -> QwdAllGather | NodeShardedQwd:
+        """The node-sharded reference when ``enable`` prepared this group's node topology, else
+        the full one."""
+        topo = self.topology
+        hadamard = self._config.weight_hadamard
+        if topo is not None and topo.intra is not None and topo.inter is not None:
+            if tuple(dist.get_process_group_ranks(group)) != topo.layout.global_ranks:
+                raise RuntimeError(
+                    f"FSDP module {self.name!r}: FSDP gathers over another process group than "
+                    "the one fsdp_qcomm.enable() prepared the node-sharded qWD reference for; "
+                    "change FSDP's meshes before enable(), or disable and enable again"
+                )
+            return NodeShardedQwd(
+                input.numel(), input.dtype, input.device, self._spec, group, topo.layout,
+                topo.intra, topo.inter, segments=segs, hadamard=hadamard,
+            )
+        return QwdAllGather(input.numel(), input.dtype, input.device, self._spec, group,
+                            segments=segs, hadamard=hadamard)
 
     def _restore_reference(
-        self, q: QwdAllGather, input: torch.Tensor, aliased: bool
+        self, q: QwdAllGather | NodeShardedQwd, input: torch.Tensor, aliased: bool
     ) -> torch.Tensor:
         """Re-assemble a checkpointed reference: one full-precision all-gather of every rank's
-        saved shard into ``q.ref``. Returns the input (copied first if it lives in ``q.ref``)."""
+        saved shard (across nodes only, for a node-sharded one). Returns the input (copied
+        first if it lives in the reference)."""
         pending, self._pending_ref = self._pending_ref, None
         if aliased:
             input = input.clone()
-        q.own_ref.copy_(pending)
-        dist.all_gather_single(q.ref, q.own_ref, group=q.group)
-        q.valid = True
-        base = q.numel * q.ref.element_size()
+        base = q.restore(pending)
         self.modes["qwd_restore"] += 1
+        sharded = isinstance(q, NodeShardedQwd)
+        peers = (q.nodes - 1) if sharded else self._remote()
         self._stats.record(
-            KIND, sent_bytes=base, recv_bytes=q.world * base, elements=q.numel,
-            baseline_bytes=base, cross_node_bytes=base * self._remote(),
+            KIND, sent_bytes=base, recv_bytes=(q.nodes if sharded else q.world) * base,
+            elements=q.numel, baseline_bytes=base, cross_node_bytes=base * peers,
         )
         return input
 
@@ -628,10 +661,15 @@ class QuantizedAllGather(AllGather):
     def _record(self, o: GatherOutcome) -> None:
         self.modes[o.mode] += 1
         # every other member receives this rank's row: the remote ones over the slow link
+        cross = o.sent_bytes * self._remote() if o.cross_node_bytes is None else o.cross_node_bytes
         self._stats.record(
             KIND, sent_bytes=o.sent_bytes, recv_bytes=o.recv_bytes, elements=o.elements,
-            baseline_bytes=o.baseline_bytes, cross_node_bytes=o.sent_bytes * self._remote(),
+            baseline_bytes=o.baseline_bytes, cross_node_bytes=cross,
         )
+        if o.intra is not None:  # the node-sharded reference's hop inside the node
+            sent, recv, elements = o.intra
+            self._stats.record(KIND_INTRA, sent_bytes=sent, recv_bytes=recv, elements=elements,
+                               baseline_bytes=sent)
 
 
 class _NoteReduction:
@@ -653,4 +691,4 @@ def _fits(k: KeptWeights, numel: int, dtype: torch.dtype, device: torch.device) 
     return numel % k.world == 0 and k.matches(numel // k.world, dtype, device)
 
 
-__all__ = ["KIND", "QuantizedAllGather"]
+__all__ = ["KIND", "KIND_INTRA", "QuantizedAllGather"]

@@ -52,7 +52,7 @@ from ..collectives.topology import (
 )
 from ..config import QCommConfig
 from ..stats import CommStats
-from . import hsdp
+from . import hop_plan, hsdp
 from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import ReductionQueue
@@ -258,13 +258,25 @@ class QCommHandle:
 _STATE_VERSION = 1
 
 
-def _check_topology(installs: list[_Install], config: QCommConfig) -> None:
+def _plan(i: _Install, run: QCommConfig) -> hop_plan.ModulePlan:
+    """``hop_plan.plan_module`` on the node layouts of the module's groups."""
+    rpn = run.ranks_per_node
+    replicas = hsdp.original_replicate_group(i.group)
+    return hop_plan.plan_module(
+        run, group_layout(fsdp.shard_group(i.group), rpn),
+        group_layout(fsdp.reduce_scatter_group(i.group), rpn),
+        group_layout(replicas, rpn) if replicas is not None and replicas.size() > 1 else None,
+    )
+
+
+def _check_topology(installs: list[_Install], plans: dict[str, hop_plan.ModulePlan]) -> None:
     """Two-level reduction needs every node to hold the same number of the group's ranks; check
-    every module's reduce-scatter group now rather than in the first backward."""
-    if config.grad_scheme != "two_level":
-        return
+    every module's quantized reduce-scatter group now rather than in the first backward."""
     for i in installs:
-        layout = group_layout(fsdp.reduce_scatter_group(i.group), config.ranks_per_node)
+        rs = plans[i.label].reduce_scatter
+        if rs is None or rs.grad_scheme != "two_level":
+            continue
+        layout = group_layout(fsdp.reduce_scatter_group(i.group), rs.ranks_per_node)
         if not layout.regular:
             raise ValueError(f"FSDP module {i.label!r}: {layout._irregular_message()}")
 
@@ -339,50 +351,51 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     installs = _collect(model)
     placement = resolve_placement(config.ranks_per_node)  # collective: host names, once
     run = config.replace(ranks_per_node=placement.ranks_per_node)
-    _check_topology(installs, run)
-    quantized_grads = config.grad_scheme != "none"
-    our_reduction = quantized_grads or config.grad_overlap  # overlap alone: unquantized, threaded
-
     fsdp.verify_torch()
     for i in installs:
         fsdp.verify_group(i.group)
+    plans = {i.label: _plan(i, run) for i in installs}
+    _check_topology(installs, plans)
+
     stats = CommStats()
+    for line in hop_plan.notes(plans):
+        stats.note(line)
     names = {id(m): n for n, m in model.named_modules()}
     solo = None  # HSDP: the one-rank group FSDP's own all-reduce is pointed at
-    if our_reduction and any(_replicas(i.group) for i in installs):
+    if any(p.replica is not None for p in plans.values()):
         solo = hsdp.SoloGroup()
     queue = ReductionQueue() if config.grad_overlap else None  # this call's reduction thread
     agreement_group = _agreement_group(installs)
     # Build everything first (a failing constructor installs nothing), creating every process
     # group now, on every rank in the same order: never lazily inside the first backward.
     for i in installs:
+        plan = plans[i.label]
         gather_group = fsdp.shard_group(i.group)
-        i.all_gather = QuantizedAllGather(i.group, run, stats, i.index, i.name, names)
+        i.all_gather = QuantizedAllGather(i.group, plan.weights, stats, i.index, i.name, names)
         i.all_gather.remote_peers = group_layout(gather_group, run.ranks_per_node).remote_peers
+        if plan.node_reference:
+            i.all_gather.topology = node_topology(gather_group, run.ranks_per_node)
         replicas = hsdp.original_replicate_group(i.group)
         if replicas is not None and replicas.size() > 1:
             i.all_gather.replica_group = replicas
-        if our_reduction:
-            i.reduce_scatter = _build_reduce_scatter(i, run, stats, queue)
+        if plan.reduce_scatter is not None:
+            i.reduce_scatter = _build_reduce_scatter(i, plan.reduce_scatter, stats, queue)
             # grad_overlap (CPU process groups): FSDP must not divide the output right after
             # the call (the reduction may still be running), so it keeps passing AVG /
             # PREMUL_SUM(1/f) to the hook. Elsewhere forced SUM: FSDP's AVG over the one-rank
             # HSDP group is documented as unreliable on NCCL.
             i.force_sum = not (config.grad_overlap
                                and fsdp.group_device(i.group).type == "cpu")
-            i.replica = _build_replica(i, run, stats, placement, solo, queue)
-            i.reduce_scatter.replica = i.replica
         elif _needs_sum_for_gloo(i.group):
             i.force_sum = True
             stats.note(
                 f"{i.label}: gloo cannot run FSDP's PREMUL_SUM reduce-scatter "
                 "(gradient divide factor set); forced SUM reduction, FSDP divides afterwards"
             )
-        if fsdp.is_hsdp(i.group) and i.replica is None and not our_reduction:
-            stats.note(
-                f"{i.label}: HSDP's all-reduce across replicas stays FSDP's own, unquantized "
-                "(grad_scheme='none')"
-            )
+        if plan.replica is not None:
+            i.replica = _build_replica(i, plan.replica, stats, placement, solo, queue)
+            if i.reduce_scatter is not None:
+                i.reduce_scatter.replica = i.replica
     for i in installs:
         i.module.set_custom_all_gather(i.all_gather)
         i.all_gather.attach()
@@ -414,12 +427,6 @@ def _agreement_group(installs: list[_Install]) -> Optional[dist.ProcessGroup]:
         return None
     return dist.new_group(sorted(ranks), use_local_synchronization=True,
                           group_desc="qcomm_agreement")
-
-
-def _replicas(group: Any) -> bool:
-    """An HSDP group with more than one replica (FSDP all-reduces across them)."""
-    replicas = hsdp.original_replicate_group(group)
-    return replicas is not None and replicas.size() > 1
 
 
 def _build_reduce_scatter(

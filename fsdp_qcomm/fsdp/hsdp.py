@@ -76,21 +76,36 @@ class SoloGroup:
         self.group = dist.new_group([rank], use_local_synchronization=True,
                                     group_desc="qcomm_hsdp_solo")
         self._seen = fsdp.sequence_number(self.group)
+        self._task: Optional[int] = None  # the backward pass whose end is checked
         self.hooks: list[ReplicaAllReduce] = []  # the hooks whose FSDP all-reduce runs here
 
     def check(self, label: str) -> None:
-        """Called first thing in every all-reduce hook call."""
+        """Called first thing in every all-reduce hook call; also arranges ``_end_of_backward``
+        for the backward pass it runs in."""
+        self._expect_one(f"FSDP module {label!r}")
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._task:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._task = task
+
+    def _expect_one(self, where: str, ran_expected: int = 1) -> None:
         now = fsdp.sequence_number(self.group)
         ran, self._seen = now - self._seen, now
-        if ran != 1:
+        if ran != ran_expected:
             for hook in self.hooks:  # a replaced hook explains a skipped call
                 hook.check_installed()
             raise fsdp.changed(
-                f"FSDP module {label!r}: FSDP's own HSDP all-reduce ran {ran} time(s) on the "
-                "one-rank group fsdp_qcomm swapped in for the replica group since the previous "
-                "all-reduce hook call (expected exactly 1), so it may have run on the real "
-                "replica group instead and summed the gradients twice"
+                f"{where}: FSDP's own HSDP all-reduce ran {ran} time(s) on the one-rank group "
+                f"fsdp_qcomm swapped in for the replica group (expected {ran_expected}), so "
+                "it may have run on the real replica group instead and summed the gradients "
+                "twice, or an all-reduce hook did not run"
             )
+
+    def _end_of_backward(self) -> None:
+        """After FSDP's own end-of-backward work (queued before ours): every all-reduce FSDP
+        ran since the last hook call must have had its hook call (none is pending)."""
+        self._task = None
+        self._expect_one("at the end of backward", 0)
 
     def destroy(self) -> None:
         if is_alive(self.group):
