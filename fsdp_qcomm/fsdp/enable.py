@@ -63,7 +63,7 @@ from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import QUEUE
 from .reduce_scatter import PreparedGroup, QuantizedReduceScatter
-from .residual_state import load_residuals, residual_bytes, residual_entries
+from .residual_state import load_residuals, residual_bytes, residual_entries, scaler_scale
 
 
 class _Install:
@@ -213,6 +213,20 @@ class QCommHandle:
                 i.replica.call_count = int(saved[i.label].get("replica_calls", 0))
             load_residuals(i.reduction_hooks, i.group, saved[i.label].get("grad_residuals", {}),
                            i.label)
+
+    def attach_grad_scaler(self, scaler: Any) -> None:
+        """Keep the error-feedback residuals in unscaled units under a loss scaler
+        (``torch.amp.GradScaler``, fp16): every gradient reduction then reads the scaler's
+        current scale (its scale tensor: no host sync) and stores residuals divided by it, so a
+        scale change between steps does not leave them in the old scale's units. Call on every
+        rank before the first backward (residuals already kept are read as unscaled), and again
+        after loading a checkpoint into a new handle."""
+        self._check_enabled("attach_grad_scaler")
+        read = scaler_scale(scaler)
+        for i in self._installs:
+            for hook in i.reduction_hooks.values():
+                if hook is not None:
+                    hook.grad_scale = read
 
     def reset(self) -> None:
         """Make the next weight gather of every module send full precision (call on every rank,
