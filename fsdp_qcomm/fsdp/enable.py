@@ -356,6 +356,13 @@ def _collect(model: nn.Module) -> list[_Install]:
         if not groups:
             continue  # no parameters of its own: FSDP never gathers for it
         group = groups[0]
+        if fsdp.is_replicate_only(group):
+            raise ValueError(
+                f"module {label!r} is replicated without sharding (replicate(), or a mesh with "
+                "no shard dimension): FSDP all-reduces its gradients and never gathers its "
+                "weights, and fsdp_qcomm has no quantized collective for that. Shard it with "
+                "fully_shard (on a 2-D mesh for HSDP), or leave fsdp_qcomm off for this model"
+            )
         if id(group) in seen:  # fully_shard([a, b]): one group shared by several modules
             continue
         seen.add(id(group))
@@ -403,6 +410,12 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
     installs = _collect(model)
+    if config.grad_levels == "learned" and any(_replicas(i.group) for i in installs):
+        raise ValueError(
+            "QCommConfig.grad_levels='learned' is not supported under HSDP: the all-reduce "
+            "across replicas has no learned level table and would run on uniform levels. Use "
+            "grad_levels='uniform' with HSDP, or a 1-D mesh (fully_shard over all ranks)"
+        )
     placement = resolve_placement(config.ranks_per_node)  # collective: host names, once
     run = config.replace(ranks_per_node=placement.ranks_per_node)
     _check_topology(installs, run)
