@@ -131,6 +131,33 @@ def test_bit_budget_chooses_widths_under_the_budget():
         QCommConfig(bit_budget=3.0)
 
 
+def test_replace_keeps_the_budget_and_refuses_widths_next_to_it():
+    """``replace`` of a budget config keeps the widths the budget chose (a field the budget
+    does not depend on changes nothing); a width set while a budget is set is an error naming
+    both fields instead of being overwritten silently; ``bit_budget=None`` hands the widths
+    back to the user."""
+    cfg = QCommConfig.preset("lowbit", bit_budget=3.0)
+    chosen = (cfg.weight_bits, cfg.weight_levels, cfg.grad_inter_bits)
+    assert (2, "learned", 3) == chosen
+    again = cfg.replace(seed=5, ranks_per_node=2)
+    assert (again.weight_bits, again.weight_levels, again.grad_inter_bits) == chosen
+    for field, value in (("weight_bits", 4), ("grad_inter_bits", 4),
+                         ("weight_levels", "uniform")):
+        with pytest.raises(ValueError, match=rf"{field}={value!r} cannot be set while "
+                                             r"QCommConfig.bit_budget=3.0 is set"):
+            cfg.replace(**{field: value})
+        with pytest.raises(ValueError, match=rf"{field}={value!r} cannot be set while "
+                                             r"QCommConfig.bit_budget=2.5 is set"):
+            QCommConfig.preset("lowbit", bit_budget=2.5, **{field: value})
+    with pytest.raises(ValueError, match="bit_budget=3.0 is set"):
+        QCommConfig.preset("lowbit").replace(bit_budget=3.0, weight_bits=3)
+    mine = cfg.replace(bit_budget=None, weight_bits=4, grad_inter_bits=4)
+    assert (mine.weight_bits, mine.grad_inter_bits, mine.bit_budget) == (4, 4, None)
+    assert mine.replace(seed=1).weight_bits == 4  # no budget: nothing re-chosen
+    assert cfg.replace(bit_budget=4.2).weight_levels == "uniform"  # a new budget re-chooses
+    assert QCommConfig.from_dict(cfg.to_dict()) == cfg  # round trip of a budget config
+
+
 def test_lowbit_preset_is_the_frontier_row_it_ships():
     """The preset must be the configuration the frontier measured, not a neighbour of it."""
     import importlib.util
