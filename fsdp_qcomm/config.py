@@ -185,8 +185,10 @@ class QCommConfig:
 
     # A bit budget (``docs/lowbit.md``): the mean bits per element wanted on the node-crossing
     # exchanges that send (weight gathers and the inter-node gradient hop). When set it chooses
-    # weight_bits, weight_levels and grad_inter_bits: the first ``BUDGET_LADDER`` point that
-    # fits; the other fields stay as given.
+    # weight_bits, weight_levels and grad_inter_bits (``BUDGET_FIELDS``): the first
+    # ``BUDGET_LADDER`` point that fits, recomputed at every construction from the budget and
+    # the other fields (which stay as given); the constructor's values of those three are
+    # overwritten. ``replace`` and ``preset`` refuse to set them while a budget is set.
     bit_budget: Optional[float] = None
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -223,6 +225,9 @@ class QCommConfig:
     BUDGET_LADDER: ClassVar[tuple[tuple[int, str, int], ...]] = (
         (4, "uniform", 4), (3, "uniform", 3), (2, "learned", 3), (2, "learned", 2),
     )
+
+    #: The fields a bit budget chooses.
+    BUDGET_FIELDS: ClassVar[tuple[str, ...]] = ("weight_bits", "weight_levels", "grad_inter_bits")
 
     def __post_init__(self) -> None:
         owner = "QCommConfig"
@@ -384,6 +389,7 @@ class QCommConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "QCommConfig":
         """A named configuration (``QCommConfig.PRESETS``), optionally with field overrides."""
+        cls._check_budget_changes(overrides, overrides.get("bit_budget"), f"preset({name!r})")
         if name not in cls.PRESETS:
             if isinstance(name, str) and _QSDP_STRING.match(name):
                 return cls.from_qsdp_string(name, **overrides)
@@ -447,7 +453,26 @@ class QCommConfig:
         return cls(**values)
 
     def replace(self, **changes: Any) -> "QCommConfig":
+        """A copy with ``changes``, validated anew. While ``bit_budget`` is set (here or by
+        ``changes``) it chooses ``BUDGET_FIELDS``: naming one of them is an error (pass
+        ``bit_budget=None`` with it to choose widths yourself), and the widths are recomputed
+        from the budget and the other fields, so they stay as they are unless the budget or a
+        field it depends on (group sizes, scale dtype, symmetry) changes. ``bit_budget=None``
+        keeps the widths the budget chose."""
+        self._check_budget_changes(changes, changes.get("bit_budget", self.bit_budget),
+                                   "replace()")
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def _check_budget_changes(cls, changes: dict, budget: Any, where: str) -> None:
+        chosen = [k for k in cls.BUDGET_FIELDS if k in changes]
+        if budget is not None and chosen:
+            set_ = ", ".join(f"{k}={changes[k]!r}" for k in chosen)
+            raise ValueError(
+                f"QCommConfig.{where}: {set_} cannot be set while QCommConfig.bit_budget="
+                f"{budget!r} is set (the budget chooses {', '.join(cls.BUDGET_FIELDS)}); pass "
+                "bit_budget=None to set widths yourself, or change bit_budget"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

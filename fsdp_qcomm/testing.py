@@ -17,6 +17,11 @@ seconds importing torch on a loaded 2-core machine, a fork from the server milli
 server is a clean single-threaded process (unlike the pytest process, which is unsafe to fork).
 Results travel as plain pickle bytes: torch's queue would pass tensors as shared memory owned by
 a process that is about to exit.
+
+``ComputeWeights(model)`` captures the weights each rank really computes with (the unsharded
+parameters of every FSDP module, right after FSDP's pre-forward unshard) and ``check_same``
+compares them across ranks. Comparing ``p.full_tensor()`` across ranks proves nothing: it is
+an all-gather, equal on every rank by construction.
 """
 
 from __future__ import annotations
@@ -171,3 +176,55 @@ def same_on_all_ranks(tensors: dict, what: str) -> None:
     for r, d in enumerate(every):
         bad = [k for k in mine if d.get(k) != mine[k]]
         assert d.keys() == mine.keys() and not bad, f"{what}: rank {r} differs on {bad}"
+
+
+class ComputeWeights:
+    """The parameters each rank computes with in its forwards, captured in a forward pre-hook of
+    every FSDP module under ``model`` (registered after ``fully_shard``, so it runs after FSDP's
+    own pre-forward, which unshards), by parameter name; the latest forward of each module
+    wins. Raises inside the forward if a parameter it reads is not the unsharded one (a
+    DTensor, or not the parameter's full shape). Call ``check_same`` inside every rank."""
+
+    def __init__(self, model) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        from .fsdp import internals
+
+        self.weights: dict[str, torch.Tensor] = {}
+        self._handles = []
+        names = {id(m): n for n, m in model.named_modules()}
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            params = [(internals.owning_module(fp), internals.local_param_name(fp),
+                       tuple(internals.sharded_param(fp).shape))
+                      for g in internals.param_groups(module) for fp in internals.fsdp_params(g)]
+            self._handles.append(module.register_forward_pre_hook(self._hook(params, names)))
+
+    def _hook(self, params, names):
+        from torch.distributed.tensor import DTensor
+
+        def hook(module, args):
+            for owner, name, shape in params:
+                t = getattr(owner, name)
+                key = f"{names[id(owner)]}.{name}".lstrip(".")
+                if isinstance(t, DTensor) or tuple(t.shape) != shape:
+                    raise AssertionError(
+                        f"ComputeWeights: {key} is not unsharded in the forward pre-hook "
+                        f"({type(t).__name__} of shape {tuple(t.shape)}, expected {shape})")
+                self.weights[key] = t.detach().clone()
+        return hook
+
+    def check_same(self, what: str) -> None:
+        """Assert every rank computed with bit-identical weights (and captured the same ones)."""
+        if not self.weights:
+            raise AssertionError(f"{what}: no forward captured any weights")
+        same_on_all_ranks(self.weights, what)
+
+    def clear(self) -> None:
+        self.weights.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

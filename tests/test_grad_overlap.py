@@ -22,7 +22,7 @@ import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.fsdp import grad_overlap
 from fsdp_qcomm.fsdp.grad_overlap import ReductionQueue
-from fsdp_qcomm.testing import digest, run_ranks, same_on_all_ranks
+from fsdp_qcomm.testing import ComputeWeights, digest, run_ranks
 
 
 class Net(nn.Module):
@@ -59,13 +59,16 @@ def _train(cfg: QCommConfig, steps: int, micro: int = 1, divide_factor=None, mp=
     if divide_factor is not None:
         model.set_gradient_divide_factor(divide_factor)
     handle = fsdp_qcomm.enable(model, cfg)
+    used = ComputeWeights(model)  # what each rank's forwards compute with
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     rank = dist.get_rank()
     losses, grads = [], {}
     for step in range(steps):
         for m in range(micro):
             x, y = _batch(step, rank, m)
+            used.clear()
             loss = F.mse_loss(model(x), y)
+            used.check_same(f"weights of step {step}, micro-batch {m}")
             loss.backward()
             assert handle._session.queue is None or handle._session.queue.pending == 0, \
                 "backward() returned with reductions still running"
@@ -74,7 +77,11 @@ def _train(cfg: QCommConfig, steps: int, micro: int = 1, divide_factor=None, mp=
         opt.step()
         opt.zero_grad()
     weights = {k: p.to_local().detach().clone() for k, p in model.named_parameters()}
-    same_on_all_ranks({k: p.full_tensor() for k, p in model.named_parameters()}, "weights")
+    used.clear()
+    with torch.no_grad():  # the weights the last step wrote, as the next forward gathers them
+        model(_batch(steps, rank)[0])
+    used.check_same("weights after the last step")
+    used.remove()
     out = {
         "losses": losses, "grads": {k: digest(v) for k, v in grads.items()},
         "weights": {k: digest(v) for k, v in weights.items()},

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from _models import TinyLM, batch, lm_loss, shard
 from torch.distributed.fsdp import FSDPModule
 
@@ -22,7 +21,7 @@ from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.codec import hadamard_len, wire_bytes
 from fsdp_qcomm.codec.levels import levels_wire_bytes
 from fsdp_qcomm.fsdp import internals
-from fsdp_qcomm.testing import digest, run_ranks
+from fsdp_qcomm.testing import ComputeWeights, run_ranks
 
 VARIANTS = {
     "w2": dict(weight_bits=2),
@@ -51,23 +50,63 @@ def _run(rank: int, world: int) -> dict:
         model = TinyLM()
         shard(model, True)
         handle = fsdp_qcomm.enable(model, cfg)
+        used = ComputeWeights(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for s in range(STEPS):
+            used.clear()
             loss = lm_loss(model, batch(s, rank))
+            used.check_same(f"{name}: weights of step {s}'s forward")  # raises if not
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(float(loss.detach()))
-        full = {k: digest(p.full_tensor()) for k, p in model.named_parameters()}
-        every = [None] * world
-        dist.all_gather_object(every, full)
+        used.remove()
         st = handle.stats()["weight_allgather"]
-        out[name] = dict(losses=losses, same=all(e == full for e in every),
+        out[name] = dict(losses=losses, same=True,
                          sent=st["sent_bytes"], modes=handle.gather_modes(),
                          segments=_segments(model), bits=st["sending_bits_per_element"])
         handle.disable()
     return out
+
+
+def _corrupted(rank: int, world: int) -> dict:
+    """One rank computes with other weights than its peers: the check must say so."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard(model, True)
+    handle = fsdp_qcomm.enable(model, QCommConfig(weight_scheme="qwd", weight_bits=2,
+                                                  weight_group_size=32, ranks_per_node=2))
+    out = {}
+    clean = ComputeWeights(model)
+    lm_loss(model, batch(0, rank))
+    clean.check_same("uncorrupted forward")
+    clean.remove()
+
+    def corrupt(module, args):  # after FSDP's unshard, before the capture below
+        with torch.no_grad():
+            module.fc1.weight.view(-1)[3] += 1e-3
+    if rank == 1:
+        hook = model.blocks[1].register_forward_pre_hook(corrupt)
+    used = ComputeWeights(model)
+    lm_loss(model, batch(1, rank))
+    try:
+        used.check_same("corrupted forward")
+        out["error"] = None
+    except AssertionError as e:
+        out["error"] = str(e)
+    out["keys"] = sorted(used.weights)
+    if rank == 1:
+        hook.remove()
+    handle.disable()
+    return out
+
+
+def test_compute_weight_check_catches_one_rank_with_other_weights():
+    for rank, r in enumerate(run_ranks(_corrupted, 2, timeout=300)):
+        assert r["error"] is not None, r
+        assert f"rank {1 - rank} differs on ['blocks.1.fc1.weight']" in r["error"], r
+        assert "emb.weight" in r["keys"] and "blocks.0.qkv.weight" in r["keys"]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +168,33 @@ def test_bit_budget_chooses_widths_under_the_budget():
         QCommConfig.preset("lowbit", bit_budget=1.5)
     with pytest.raises(ValueError, match="start from QCommConfig.preset\\('lowbit'"):
         QCommConfig(bit_budget=3.0)
+
+
+def test_replace_keeps_the_budget_and_refuses_widths_next_to_it():
+    """``replace`` of a budget config keeps the widths the budget chose (a field the budget
+    does not depend on changes nothing); a width set while a budget is set is an error naming
+    both fields instead of being overwritten silently; ``bit_budget=None`` hands the widths
+    back to the user."""
+    cfg = QCommConfig.preset("lowbit", bit_budget=3.0)
+    chosen = (cfg.weight_bits, cfg.weight_levels, cfg.grad_inter_bits)
+    assert (2, "learned", 3) == chosen
+    again = cfg.replace(seed=5, ranks_per_node=2)
+    assert (again.weight_bits, again.weight_levels, again.grad_inter_bits) == chosen
+    for field, value in (("weight_bits", 4), ("grad_inter_bits", 4),
+                         ("weight_levels", "uniform")):
+        with pytest.raises(ValueError, match=rf"{field}={value!r} cannot be set while "
+                                             r"QCommConfig.bit_budget=3.0 is set"):
+            cfg.replace(**{field: value})
+        with pytest.raises(ValueError, match=rf"{field}={value!r} cannot be set while "
+                                             r"QCommConfig.bit_budget=2.5 is set"):
+            QCommConfig.preset("lowbit", bit_budget=2.5, **{field: value})
+    with pytest.raises(ValueError, match="bit_budget=3.0 is set"):
+        QCommConfig.preset("lowbit").replace(bit_budget=3.0, weight_bits=3)
+    mine = cfg.replace(bit_budget=None, weight_bits=4, grad_inter_bits=4)
+    assert (mine.weight_bits, mine.grad_inter_bits, mine.bit_budget) == (4, 4, None)
+    assert mine.replace(seed=1).weight_bits == 4  # no budget: nothing re-chosen
+    assert cfg.replace(bit_budget=4.2).weight_levels == "uniform"  # a new budget re-chooses
+    assert QCommConfig.from_dict(cfg.to_dict()) == cfg  # round trip of a budget config
 
 
 def test_lowbit_preset_is_the_frontier_row_it_ships():

@@ -25,14 +25,31 @@ Sites (``FeedbackState`` keys; pipeline spans use views of one buffer per site):
 Non-finite values: where the new residual is not finite (a quantization group that held
 NaN/Inf), the previous residual is kept, so one bad step (skipped by the optimizer or a grad
 scaler) cannot poison every later step; the finite groups of that step keep at most one
-quantization step of its discarded gradient.
+quantization step of its discarded gradient. No host sync: ``torch.where`` on ``isfinite``.
+
+Layouts (``ValueLayout``, ``MappedFeedback``). A residual value belongs to one value of the
+reduced buffer, which belongs to one parameter. A caller whose buffers do not always hold the
+same values (FSDP reduces only the parameters that have a gradient, so a module's buffer
+holds a different subset of its parameters from one step to the next) keeps its residuals in
+one *full* layout and passes ``MappedFeedback(state, layout)``: each call reads the residuals
+of the values it holds from the full layout and writes them back there, and the residuals of
+values it does not hold stay as they were. Each collective describes its sites (``Site``:
+which values a buffer covers and whether it stores them Hadamard-rotated); a rotated site is
+converted through position space, exact up to fp32 rounding, and only for calls whose layout
+is not the full one. With ``scale`` (a loss scaler's current scale, a tensor read without a
+host sync) the gradients a call reduces are ``scale`` times the true ones: the residuals are
+kept divided by it (unscaled), so a scale change between steps leaves them in the right
+units. Powers of two (``GradScaler``'s scales) make that exact.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Union
 
 import torch
+
+from ..codec.wire import hadamard_len
 
 
 class FeedbackState:
@@ -75,6 +92,165 @@ def compensated(
     return wire
 
 
-Feedback = Optional[FeedbackState]
+@dataclass(frozen=True)
+class ValueLayout:
+    """Where the values of one call sit in the full layout its residuals are kept in: the
+    call's values are the full layout's ranges ``[start, start + length)`` back to back, in
+    ``ranges`` order; ``full`` is the full layout's length."""
 
-__all__ = ["Feedback", "FeedbackState", "compensated"]
+    ranges: tuple[tuple[int, int], ...]
+    full: int
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    @property
+    def identity(self) -> bool:
+        """The call holds the full layout, in order."""
+        pos = 0
+        for start, n in self.ranges:
+            if n == 0:
+                continue
+            if start != pos:
+                return False
+            pos += n
+        return pos == self.full
+
+
+@dataclass(frozen=True)
+class Site:
+    """How one residual buffer (``shape``) covers the values of a call: rows of ``width``
+    values, the call's values ``[lo, lo + width)`` (one row per destination; the buffer's
+    columns past ``width`` are padding). ``rotated``: ``(a, b, off)`` spans whose values
+    ``[a, b)`` of the window are stored 32-point-Hadamard-rotated (unnormalized, as the codec
+    sends them) at columns ``[off, off + hadamard_len(b - a))``; empty: stored as values."""
+
+    shape: tuple[int, ...]
+    rows: int
+    lo: int
+    width: int
+    rotated: tuple[tuple[int, int, int], ...] = ()
+
+    def positions(self, buf: torch.Tensor) -> torch.Tensor:
+        """``[rows, width]`` residual per value: a view of ``buf`` when not rotated."""
+        v = buf.view(self.rows, -1)
+        if not self.rotated:
+            return v[:, :self.width]
+        from ..codec.torch_codec import hadamard32
+
+        out = torch.zeros(self.rows, self.width, dtype=torch.float32, device=buf.device)
+        for a, b, off in self.rotated:
+            end = min(b, self.width)
+            if end > a:
+                block = v[:, off:off + hadamard_len(b - a)].contiguous()
+                out[:, a:end] = hadamard32(block)[:, :end - a] * (1.0 / 32)
+        return out
+
+    def native(self, pos: torch.Tensor) -> torch.Tensor:
+        """The buffer holding ``pos`` (``[rows, width]``), zero in the padding."""
+        buf = torch.zeros(self.shape, dtype=torch.float32, device=pos.device)
+        v = buf.view(self.rows, -1)
+        if not self.rotated:
+            v[:, :self.width] = pos
+            return buf
+        from ..codec.torch_codec import hadamard32
+
+        for a, b, off in self.rotated:
+            n = hadamard_len(b - a)
+            block = torch.zeros(self.rows, n, dtype=torch.float32, device=pos.device)
+            end = min(b, self.width)
+            if end > a:
+                block[:, :end - a] = pos[:, a:end]
+            v[:, off:off + n] = hadamard32(block)
+        return buf
+
+
+class MappedFeedback:
+    """A module's residuals (``state``, in the full layout) as one call sees them: its values
+    laid out by ``layout`` and, with ``scale``, reduced ``scale`` times too large (a loss
+    scaler's scale; ``state`` then holds unscaled residuals)."""
+
+    def __init__(self, state: FeedbackState, layout: ValueLayout,
+                 scale: Optional[torch.Tensor] = None) -> None:
+        self.state = state
+        self.layout = layout
+        self.scale = scale
+
+
+Feedback = Union[FeedbackState, MappedFeedback, None]
+Sites = Callable[[int], "dict[str, Site]"]
+
+
+def _pairs(layout: ValueLayout, call: Site, full: Site) -> Iterator[tuple[int, int, int]]:
+    """``(call column, full column, count)`` runs mapping a call site's columns to the full
+    site's, for the values both windows cover."""
+    p = 0
+    for start, n in layout.ranges:
+        t0 = max(0, call.lo - p, full.lo - start)
+        t1 = min(n, call.lo + call.width - p, full.lo + full.width - start)
+        if t1 > t0:
+            yield p + t0 - call.lo, start + t0 - full.lo, t1 - t0
+        p += n
+
+
+def _nothing() -> None:
+    return None
+
+
+def open_residuals(
+    feedback: Feedback, sites: Sites, m: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """The residual buffer of each site of a call over ``m`` values (``sites(n)``: the
+    collective's sites for ``n`` values), and the function to call once the call has updated
+    them: with a ``MappedFeedback`` it writes them back to the full layout (values the call
+    does not hold keep their residuals). A plain ``FeedbackState`` is used as it is."""
+    if feedback is None:
+        return {}, _nothing
+    if isinstance(feedback, FeedbackState):
+        return {s: feedback.buffer(s, g.shape, device) for s, g in sites(m).items()}, _nothing
+    state, layout, scale = feedback.state, feedback.layout, feedback.scale
+    if layout.size != m:
+        raise ValueError(f"the feedback layout holds {layout.size} values, the call {m}")
+    full_sites = sites(layout.full)
+    full = {s: state.buffer(s, g.shape, device) for s, g in full_sites.items()}
+    if layout.identity and scale is None:
+        return full, _nothing
+    if scale is not None:
+        scale = scale.to(device=device, dtype=torch.float32)
+    call_sites = sites(m)
+    res: dict[str, torch.Tensor] = {}
+    for s, g in call_sites.items():
+        if layout.identity:  # same buffers, scaled: rotation commutes with the scale
+            res[s] = full[s] * scale
+            continue
+        fpos = full_sites[s].positions(full[s])
+        pos = torch.zeros(g.rows, g.width, dtype=torch.float32, device=device)
+        for c, f, n in _pairs(layout, g, full_sites[s]):
+            pos[:, c:c + n] = fpos[:, f:f + n]
+        if scale is not None:
+            pos.mul_(scale)
+        res[s] = g.native(pos)
+
+    def write_back() -> None:
+        for s, g in call_sites.items():
+            fs, buf = full_sites[s], full[s]
+            if layout.identity:
+                new = res[s] / scale
+                buf.copy_(torch.where(torch.isfinite(new), new, buf))
+                continue
+            cpos = g.positions(res[s])
+            if scale is not None:
+                cpos = cpos / scale
+            fpos = fs.positions(buf)
+            for c, f, n in _pairs(layout, g, fs):
+                fpos[:, f:f + n] = torch.where(torch.isfinite(cpos[:, c:c + n]),
+                                               cpos[:, c:c + n], fpos[:, f:f + n])
+            if fs.rotated:  # fpos is a copy: rotate it back
+                buf.copy_(fs.native(fpos))
+
+    return res, write_back
+
+
+__all__ = ["Feedback", "FeedbackState", "MappedFeedback", "Site", "ValueLayout", "compensated",
+           "open_residuals"]

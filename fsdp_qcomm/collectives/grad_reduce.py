@@ -69,7 +69,7 @@ from ..codec import levels as _levels
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QCommConfig, QuantSpec
 from ..stats import CommStats
-from .error_feedback import Feedback, compensated
+from .error_feedback import Feedback, Site, compensated, open_residuals
 from .topology import NodeLayout, Topology, group_layout, known_ranks_per_node, node_topology
 
 # One quantize call may cover at most 2^32 RNG counters (codec.rng); stay well below.
@@ -147,7 +147,9 @@ def reduce_scatter_quantized(
     call creates the node subgroups on first use. ``key`` seeds stochastic rounding: the same key
     and inputs give the same bits; pass a fresh key (``RngKey(seed, step, rank, bucket)``) every
     call. ``feedback``: this rank's error-feedback residuals for the module, used at the sites
-    ``config.grad_error_feedback`` names (``feedback_shapes``; ``collectives.error_feedback``).
+    ``config.grad_error_feedback`` names (``feedback_shapes``; ``collectives.error_feedback``):
+    a ``FeedbackState`` in this call's layout, or a ``MappedFeedback`` that says where the
+    call's ``m`` columns sit in the layout the residuals are kept in.
     """
     if config.grad_scheme == "none":
         raise ValueError(
@@ -181,7 +183,8 @@ def reduce_scatter_quantized(
         lay = topo.layout
     else:
         lay = topology.layout if topology is not None else _known_layout(group, config)
-    res = _residuals(feedback, feedback_shapes(config, world, m, lay), input.device)
+    res, done = open_residuals(feedback, lambda n: feedback_sites(config, world, n, lay), m,
+                               input.device)
     if config.grad_scheme == "two_level":
         if lay.num_nodes > 1 and lay.local_size > 1:
             hop1 = _Hop(topo.intra, config.grad_intra_spec(), "grad_intra")
@@ -189,6 +192,7 @@ def reduce_scatter_quantized(
             perm = _hop1_perm(tuple(lay.hop1_order()), input.device)
             t1, t2 = _two_hops(out, x, spans, hop1, hop2, perm, lay.local_size, lay.num_nodes,
                                hadamard, key, finish, res.get("a2a"), res.get("requant"))
+            done()
             if stats is not None:
                 # hop 2 sends one row to each node, all but one of them remote
                 stats.record(hop1.kind, sent_bytes=t1.sent, recv_bytes=t1.recv,
@@ -207,6 +211,7 @@ def reduce_scatter_quantized(
         hop = _Hop(group, config.grad_inter_spec(), kind)
         remote = world - 1 if lay is None else lay.remote_peers
     t = _one_hop(out, x, spans, hop, hadamard, key, finish, levels, res.get("a2a"))
+    done()
     if stats is not None:
         # one equal row per group rank; placement unknown counts every peer as remote
         stats.record(hop.kind, sent_bytes=t.sent, recv_bytes=t.recv, elements=world * m,
@@ -232,26 +237,37 @@ def feedback_shapes(
     span lengths). ``grad_error_feedback="inter"`` keeps the sites whose bytes cross nodes (the
     single hop when the group spans nodes or its placement is unknown; hop 2), ``"all"`` every
     site."""
+    return {s: g.shape for s, g in feedback_sites(config, world, m, layout).items()}
+
+
+def feedback_sites(
+    config: QCommConfig, world: int, m: int, layout: Optional[NodeLayout]
+) -> dict[str, Site]:
+    """``feedback_shapes`` with what each buffer holds (``error_feedback.Site``): column ``c``
+    of every row is the residual of output value ``c`` of the rank (``"a2a"``) or node
+    (``"requant"``) the row is sent to, whatever the layout; ``"requant"`` is stored
+    Hadamard-rotated per pipeline span under ``grad_hadamard``."""
     mode = config.grad_error_feedback
     if mode == "none" or world == 1 or m == 0 or config.grad_scheme == "none":
         return {}
     two = (config.grad_scheme == "two_level" and layout is not None and layout.num_nodes > 1
            and layout.local_size > 1)
     if two:
-        shapes: dict[str, tuple[int, ...]] = {}
+        sites: dict[str, Site] = {}
         if mode == "all":
-            shapes["a2a"] = (world, m)
-        pad = codec.hadamard_len if config.grad_hadamard else (lambda n: n)
-        shapes["requant"] = (layout.num_nodes, sum(pad(b - a) for a, b in _spans(config, world, m)))
-        return shapes
+            sites["a2a"] = Site((world, m), world, 0, m)
+        nodes = layout.num_nodes
+        if not config.grad_hadamard:
+            sites["requant"] = Site((nodes, m), nodes, 0, m)
+            return sites
+        rotated, off = [], 0
+        for a, b in _spans(config, world, m):
+            rotated.append((a, b, off))
+            off += codec.hadamard_len(b - a)
+        sites["requant"] = Site((nodes, off), nodes, 0, m, tuple(rotated))
+        return sites
     crosses = layout is None or layout.num_nodes > 1
-    return {"a2a": (world, m)} if mode == "all" or crosses else {}
-
-
-def _residuals(feedback: Feedback, shapes: dict, device: torch.device) -> dict:
-    if feedback is None:
-        return {}
-    return {site: feedback.buffer(site, shape, device) for site, shape in shapes.items()}
+    return {"a2a": Site((world, m), world, 0, m)} if mode == "all" or crosses else {}
 
 
 def reduce_scatter_plain(
@@ -436,5 +452,5 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: 
     return t1, t2
 
 
-__all__ = ["chunk_spans", "feedback_shapes", "reduce_op_finisher", "reduce_scatter_plain",
-           "reduce_scatter_quantized"]
+__all__ = ["chunk_spans", "feedback_shapes", "feedback_sites", "reduce_op_finisher",
+           "reduce_scatter_plain", "reduce_scatter_quantized"]

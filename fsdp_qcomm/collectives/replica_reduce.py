@@ -43,7 +43,7 @@ from ..codec._checks import FLOAT_DTYPES
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QuantSpec
 from ..stats import CommStats
-from .error_feedback import Feedback, compensated
+from .error_feedback import Feedback, Site, compensated, open_residuals
 from .grad_reduce import _MAX_CALL_ELEMENTS, chunk_spans, reduce_op_finisher
 
 KIND = "grad_replica"
@@ -84,7 +84,8 @@ def all_reduce_quantized(
     ``key`` seeds stochastic rounding (pass a fresh one per call, e.g. ``replica_key``).
     ``remote_peers``: members of ``group`` on other nodes than this rank, for the stats.
     ``feedback``: error-feedback residuals of both encodings (``feedback_shapes``; the rows
-    sent in the all-to-all, and the reduced row this replica re-encodes for the all-gather).
+    sent in the all-to-all, and the reduced row this replica re-encodes for the all-gather): a
+    ``FeedbackState`` in this call's layout or a ``MappedFeedback`` (``error_feedback``).
     A quantization group holding NaN/Inf decodes as NaN on every replica.
     """
     if tensor.dtype not in FLOAT_DTYPES:
@@ -109,9 +110,10 @@ def all_reduce_quantized(
     x[:m].copy_(flat)
     x = x.view(replicas, c)
     spans = _spans(c, replicas, spec, hadamard, chunks)
-    res = {} if feedback is None else {
-        site: feedback.buffer(site, shape, tensor.device)
-        for site, shape in feedback_shapes(m, replicas, spec, hadamard, chunks).items()}
+    index = dist.get_rank(group)
+    res, done = open_residuals(
+        feedback, lambda n: feedback_sites(n, replicas, spec, hadamard, chunks, index), m,
+        tensor.device)
     e_a2a, e_requant = res.get("a2a"), res.get("requant")
     out = torch.empty(replicas, c, dtype=torch.float32, device=tensor.device)
     sent = recv = row = 0  # row: bytes of one a2a row plus one gathered row, over all spans
@@ -166,6 +168,7 @@ def all_reduce_quantized(
             decode(s - 1, hop2)
         hop2 = nxt
     decode(len(spans) - 1, hop2)
+    done()
 
     res = out.view(-1)[:m]
     if finish is not None:
@@ -196,12 +199,31 @@ def feedback_shapes(m: int, replicas: int, spec: QuantSpec, hadamard: bool,
     """Error-feedback residuals of one call on each replica: ``"a2a"`` ``[R, c]`` (the rows it
     sends) and ``"requant"`` ``[P]`` (its reduced row, rotated, ``P`` the Hadamard-padded span
     lengths), ``c = ceil(m / R)``: ``(R + 1) c`` fp32 values, about ``(1 + 1/R) m``."""
+    return {s: g.shape for s, g in feedback_sites(m, replicas, spec, hadamard, chunks).items()}
+
+
+def feedback_sites(m: int, replicas: int, spec: QuantSpec, hadamard: bool, chunks: int = 1,
+                   index: int = 0) -> dict[str, Site]:
+    """``feedback_shapes`` with what each buffer holds (``error_feedback.Site``) on the replica
+    of group rank ``index``: ``"a2a"`` holds a residual for every value (value ``k`` at row
+    ``k // c``, column ``k % c``); ``"requant"`` for the values of the row this replica
+    reduces, ``[index * c, (index + 1) * c)``, stored Hadamard-rotated per span with
+    ``hadamard``. Which replica reduces a value depends on the layout, so a value whose row
+    changes owner leaves its ``"requant"`` residual with the replica that holds it."""
     if replicas == 1 or m == 0:
         return {}
     c = -(-m // replicas)
-    pad = codec.hadamard_len if hadamard else (lambda n: n)
-    return {"a2a": (replicas, c),
-            "requant": (sum(pad(b - a) for a, b in _spans(c, replicas, spec, hadamard, chunks)),)}
+    lo = index * c
+    width = max(0, min(c, m - lo))
+    if hadamard:
+        rotated, off = [], 0
+        for a, b in _spans(c, replicas, spec, hadamard, chunks):
+            rotated.append((a, b, off))
+            off += codec.hadamard_len(b - a)
+        requant = Site((off,), 1, lo, width, tuple(rotated))
+    else:
+        requant = Site((c,), 1, lo, width)
+    return {"a2a": Site((replicas, c), 1, 0, m), "requant": requant}
 
 
 def all_reduce_plain(
@@ -233,5 +255,5 @@ def all_reduce_plain(
                      baseline_bytes=nbytes, cross_node_bytes=2 * nbytes * remote // replicas)
 
 
-__all__ = ["KIND", "all_reduce_plain", "all_reduce_quantized", "feedback_shapes", "replica_key",
-           "replica_wire_bytes"]
+__all__ = ["KIND", "all_reduce_plain", "all_reduce_quantized", "feedback_shapes", "feedback_sites",
+           "replica_key", "replica_wire_bytes"]

@@ -57,7 +57,7 @@ from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import ReductionQueue
 from .reduce_scatter import PreparedGroup, QuantizedReduceScatter
-from .residual_state import load_residuals, residual_bytes, residual_entries
+from .residual_state import load_residuals, residual_bytes, residual_entries, scaler_scale
 from .session import Session
 
 
@@ -211,6 +211,20 @@ class QCommHandle:
             load_residuals(i.reduction_hooks, i.group, saved[i.label].get("grad_residuals", {}),
                            i.label)
 
+    def attach_grad_scaler(self, scaler: Any) -> None:
+        """Keep the error-feedback residuals in unscaled units under a loss scaler
+        (``torch.amp.GradScaler``, fp16): every gradient reduction then reads the scaler's
+        current scale (its scale tensor: no host sync) and stores residuals divided by it, so a
+        scale change between steps does not leave them in the old scale's units. Call on every
+        rank before the first backward (residuals already kept are read as unscaled), and again
+        after loading a checkpoint into a new handle."""
+        self._check_enabled("attach_grad_scaler")
+        read = scaler_scale(scaler)
+        for i in self._installs:
+            for hook in i.reduction_hooks.values():
+                if hook is not None:
+                    hook.grad_scale = read
+
     def reset(self) -> None:
         """Make the next weight gather of every module send full precision (call on every rank,
         like any FSDP API). Writes are found without it (``fsdp.change_tracker``); this forces a
@@ -302,6 +316,13 @@ def _collect(model: nn.Module) -> list[_Install]:
         if not groups:
             continue  # no parameters of its own: FSDP never gathers for it
         group = groups[0]
+        if fsdp.is_replicate_only(group):
+            raise ValueError(
+                f"module {label!r} is replicated without sharding (replicate(), or a mesh with "
+                "no shard dimension): FSDP all-reduces its gradients and never gathers its "
+                "weights, and fsdp_qcomm has no quantized collective for that. Shard it with "
+                "fully_shard (on a 2-D mesh for HSDP), or leave fsdp_qcomm off for this model"
+            )
         if id(group) in seen:  # fully_shard([a, b]): one group shared by several modules
             continue
         seen.add(id(group))
@@ -349,6 +370,12 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
     installs = _collect(model)
+    if config.grad_levels == "learned" and any(_has_replicas(i.group) for i in installs):
+        raise ValueError(
+            "QCommConfig.grad_levels='learned' is not supported under HSDP: the all-reduce "
+            "across replicas has no learned level table and would run on uniform levels. Use "
+            "grad_levels='uniform' with HSDP, or a 1-D mesh (fully_shard over all ranks)"
+        )
     placement = resolve_placement(config.ranks_per_node)  # collective: host names, once
     run = config.replace(ranks_per_node=placement.ranks_per_node)
     fsdp.verify_torch()
@@ -427,6 +454,12 @@ def _agreement_group(installs: list[_Install]) -> Optional[dist.ProcessGroup]:
         return None
     return dist.new_group(sorted(ranks), use_local_synchronization=True,
                           group_desc="qcomm_agreement")
+
+
+def _has_replicas(group: Any) -> bool:
+    """An HSDP group with more than one replica (FSDP all-reduces across them)."""
+    replicas = hsdp.original_replicate_group(group)
+    return replicas is not None and replicas.size() > 1
 
 
 def _build_reduce_scatter(

@@ -48,6 +48,7 @@ from ..config import QuantSpec
 from ..stats import CommStats
 from . import internals as fsdp
 from .grad_overlap import ReductionQueue, replica_defer_reason
+from .residual_state import ScaleSource, call_feedback
 
 Hook = Callable[[torch.Tensor], None]
 
@@ -160,6 +161,7 @@ class ReplicaAllReduce:
         self.overlap_group = overlap_group
         self.call_count = 0
         self.feedback = FeedbackState() if error_feedback and spec is not None else None
+        self.grad_scale: Optional[ScaleSource] = None  # QCommHandle.attach_grad_scaler
 
     @property
     def replicas(self) -> int:
@@ -171,6 +173,8 @@ class ReplicaAllReduce:
         op = replica_op(fsdp.gradient_divide_factor(self.param_group))
         key = replica_key(self.seed, self.call_count, dist.get_rank(), self.bucket)
         self.call_count += 1
+        fb = call_feedback(self.feedback, self.param_group, reduce_output.numel(), self.stats,
+                           self.grad_scale, "replica all-reduce")
         if self.overlap_group is not None:
             # Always on the private group, deferred or not (``ReductionQueue.submit``).
             why = ("a user all-reduce hook runs after it" if self.user_hook is not None
@@ -178,21 +182,22 @@ class ReplicaAllReduce:
             if why:
                 self.stats.note(f"grad_overlap: a replica all-reduce finished inside its call: "
                                 f"{why}")
-            self.queue.submit(partial(self._reduce, reduce_output, self.overlap_group, op, key),
+            self.queue.submit(partial(self._reduce, reduce_output, self.overlap_group, op, key, fb),
                          defer=not why)
         else:
-            self._reduce(reduce_output, self.replica_group, op, key)
+            self._reduce(reduce_output, self.replica_group, op, key, fb)
         if self.user_hook is not None:
             self.user_hook(reduce_output)
 
-    def _reduce(self, tensor: torch.Tensor, group: ProcessGroup, op: Any, key: Any) -> None:
+    def _reduce(self, tensor: torch.Tensor, group: ProcessGroup, op: Any, key: Any,
+                feedback: Any = None) -> None:
         if self.spec is None:
             all_reduce_plain(tensor, group, op=op, stats=self.stats,
                              remote_peers=self.remote_peers)
             return
         all_reduce_quantized(
             tensor, group, self.spec, key, hadamard=self.hadamard, op=op, chunks=self.chunks,
-            stats=self.stats, remote_peers=self.remote_peers, feedback=self.feedback,
+            stats=self.stats, remote_peers=self.remote_peers, feedback=feedback,
         )
 
     def feedback_shapes(self, m: int) -> dict[str, tuple[int, ...]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -286,6 +287,70 @@ def padded_shard_numel(fp: FSDPParam) -> int:
     return math.prod(fp.padded_sharded_param_size)
 
 
+def reduction_params(group: ParamGroup, numel: int) -> Optional[list[int]]:
+    """Which of the group's parameters (indices into ``fsdp_params(group)``), in buffer order,
+    fill the gradient reduction FSDP is handing a hook right now, ``numel`` values per rank
+    (the reduce-scatter output shard, or HSDP's all-reduce buffer); None when that cannot be
+    known. Call it from inside the hook, on the thread FSDP called it on.
+
+    How FSDP2 builds the buffer (``FSDPParamGroup.post_backward`` -> ``_fsdp_collectives.
+    foreach_reduce``, torch 2.13 to 2.15): it reduces only the parameters that have a gradient
+    (or an accumulated one, or, under ``set_reduce_scatter_unused_params(True)``, a zero one
+    for every parameter that requires grad; 2.15 adds parameters with an HSDP partial sum
+    pending), in ``fsdp_params`` order (2.13) or in the order cached at lazy init, grouped by
+    gradient dtype (2.15, ``_reduce_scatter_param_indices``). Each gradient is padded in dim 0
+    to a multiple of the shard world size (``Shard(d)``, ``d > 0``, re-chunked to dim 0) and
+    ``chunk_cat`` makes row ``j`` of ``input.view(world, m)`` the concatenation of every such
+    parameter's chunk ``j`` (``padded_shard_numel`` values each), sent to rank ``j``. The hooks
+    receive only the flat buffers; after the copy-in no state of the group tells the
+    parameters that had a gradient from those that had none (both have ``.grad`` None).
+
+    So this reads the list itself: ``foreach_reduce`` calls both hooks directly with its
+    ``fsdp_params`` argument (exactly the parameters in the buffer, in buffer order) in its
+    frame, a few frames up. The list is taken only if it is made of this group's parameters
+    and their padded shards add up to ``numel``. Without that frame (the hook called some
+    other way) the layout is still known when ``numel`` is every parameter's shard and FSDP's
+    order is the parameter order (before 2.15, or one gradient dtype in the group). A torch
+    that renamed the argument or stopped calling the hooks from ``foreach_reduce`` makes
+    ``verify_torch`` fail; ``tests/test_error_feedback.py`` pins the behaviour.
+    """
+    fps = list(group.fsdp_params)
+    code = _foreach_reduce_code()
+    frame = sys._getframe(1)
+    for _ in range(_REDUCE_FRAME_DEPTH):
+        if frame is None:
+            break
+        if frame.f_code is code:
+            return _param_indices(fps, frame.f_locals.get("fsdp_params"), numel)
+        frame = frame.f_back
+    if numel != sum(padded_shard_numel(fp) for fp in fps):
+        return None
+    if torch_minor() >= (2, 15) and len({sharded_grad_dtype(fp) for fp in fps}) > 1:
+        return None
+    return list(range(len(fps)))
+
+
+_REDUCE_FRAME_DEPTH = 6  # hook -> (a wrapper or two) -> foreach_reduce
+
+
+def _foreach_reduce_code() -> Any:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return inspect.unwrap(_fsdp_collectives.foreach_reduce).__code__
+
+
+def _param_indices(fps: list[FSDPParam], params: Any, numel: int) -> Optional[list[int]]:
+    if not isinstance(params, (list, tuple)):
+        return None
+    where = {id(fp): i for i, fp in enumerate(fps)}
+    idx = [where.get(id(fp)) for fp in params]
+    if None in idx or len(set(idx)) != len(idx):
+        return None
+    if sum(padded_shard_numel(fps[i]) for i in idx) != numel:
+        return None
+    return idx
+
+
 def has_pre_all_gather_extension(fp: FSDPParam) -> bool:
     """The parameter is a tensor subclass with its own all-gather (``fsdp_pre_all_gather``)."""
     return hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
@@ -358,6 +423,11 @@ def verify_torch() -> None:
                       f"{_DIVIDE_FACTOR_ARGS}")
     if not hasattr(torch._C, "_current_graph_task_id"):
         raise changed("torch._C._current_graph_task_id is gone")
+    reduce_fn = inspect.unwrap(getattr(_fsdp_collectives, "foreach_reduce", None))
+    if reduce_fn is None or next(iter(inspect.signature(reduce_fn).parameters), None) != (
+            "fsdp_params"):
+        raise changed("_fsdp_collectives.foreach_reduce no longer takes fsdp_params first "
+                      "(error feedback reads which parameters a reduction holds from it)")
     group_cls = _param_group_class()
     if not isinstance(getattr(group_cls, "_all_reduce_process_group", None), property):
         raise changed("FSDPParamGroup._all_reduce_process_group is no longer a property read "
@@ -456,6 +526,7 @@ __all__ = [
     "post_divide_factor",
     "reduce_grads",
     "reduce_scatter_group",
+    "reduction_params",
     "replicate_group",
     "reshards_after_forward",
     "sequence_number",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from ..codec import RngKey
-from ..collectives.error_feedback import FeedbackState
+from ..collectives.error_feedback import Feedback, FeedbackState
 from ..collectives.grad_reduce import (
     feedback_shapes,
     reduce_scatter_plain,
@@ -33,6 +33,7 @@ from ..config import QCommConfig
 from ..stats import CommStats
 from .grad_overlap import ReductionQueue, defer_reason
 from .internals import ReduceScatter
+from .residual_state import ScaleSource, call_feedback
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class QuantizedReduceScatter(ReduceScatter):
     ``prepared`` / ``prepared_overlap``: FSDP's reduce-scatter group and ``grad_overlap``'s private
     copy of it, with their topologies (from ``enable``); without them the topology and the
     private group are created on first use.
+
+    ``feedback``: the error-feedback residuals (``grad_error_feedback``), kept in the module's
+    full layout and mapped into each call's (``residual_state``); ``grad_scale``: the loss
+    scaler's scale, set by ``QCommHandle.attach_grad_scaler``.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.replica: Optional[Any] = None
         self.call_count = 0
         self.feedback = FeedbackState() if config.grad_error_feedback != "none" else None
+        self.grad_scale: Optional[ScaleSource] = None
         self.levels = None
         if config.grad_levels == "learned":
             self.levels = LevelSync(config.grad_inter_spec(), config.levels_refresh_every)
@@ -116,6 +122,11 @@ class QuantizedReduceScatter(ReduceScatter):
             levels = self.levels.table(rows, group, self.call_count, self.stats)
         self.call_count += 1
         topology = self._prepared_topology(group)
+        feedback = None
+        if self.config.grad_scheme != "none" and group.size() > 1:
+            feedback = call_feedback(self.feedback, self.param_group,
+                                     input_tensor.numel() // group.size(), self.stats,
+                                     self.grad_scale, "reduce-scatter")
         if self.config.grad_overlap and group.size() > 1:
             # Always on the private group, deferred or not (``ReductionQueue.submit``).
             if self.prepared_overlap is not None:
@@ -128,19 +139,20 @@ class QuantizedReduceScatter(ReduceScatter):
             if why:
                 self.stats.note(f"grad_overlap: a reduce-scatter finished inside its call: {why}")
             self.queue.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
-                                 levels, own_topology), defer=not why)
+                                      levels, own_topology, feedback), defer=not why)
             return None
-        self._reduce(output_tensor, input_tensor, group, op, key, levels, topology)
+        self._reduce(output_tensor, input_tensor, group, op, key, levels, topology, feedback)
         return None
 
     def _reduce(self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, op: Any,
-                key: RngKey, levels: Optional[torch.Tensor], topology: Optional[Topology]) -> None:
+                key: RngKey, levels: Optional[torch.Tensor], topology: Optional[Topology],
+                feedback: Feedback = None) -> None:
         if self.config.grad_scheme == "none":
             reduce_scatter_plain(output, input, group, op=op, stats=self.stats, topology=topology)
             return
         reduce_scatter_quantized(output, input, group, self.config, key, op=op,
                                  stats=self.stats, levels=levels, topology=topology,
-                                 feedback=self.feedback)
+                                 feedback=feedback)
 
     def feedback_shapes(self, m: int) -> dict[str, tuple[int, ...]]:
         """The error-feedback residuals a call with ``m`` output values keeps (checkpoint

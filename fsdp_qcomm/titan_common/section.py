@@ -17,7 +17,7 @@ drift from the library's configuration:
 Values are checked when the section is built (TOML or recipe function) and again after CLI
 overrides: each value must have its field's type (TOML values bypass tyro's parsing, so this is
 checked here), and the resolved ``QCommConfig`` must construct, which runs the library's own
-range checks. Resolution is ``dataclasses.replace(QCommConfig.preset(preset), **overrides)``.
+range checks. Resolution is ``QCommConfig.preset(preset).replace(**overrides)``.
 Errors name the section and field, e.g. ``[qcomm] weight_bits=99: ...``. Unknown keys are
 rejected by torchtitan 0.2.2 (``Invalid field names in ... {'foo'}``) and by tyro
 (``Unrecognized options: --qcomm.foo``).
@@ -125,12 +125,16 @@ def _section_overrides(self) -> dict:
 def _section_resolve(self):
     """The ``QCommConfig`` this section describes: the preset with the overrides applied.
 
-    ``dataclasses.replace`` rather than ``preset(name, **overrides)`` so that a field called
-    ``name`` cannot collide with ``preset``'s parameter; both construct (and validate) anew.
+    ``replace`` rather than ``preset(name, **overrides)`` so that a field called ``name``
+    cannot collide with ``preset``'s parameter; both construct (and validate) anew, and refuse
+    widths set next to a ``bit_budget`` (``QCommConfig.replace``).
     """
     base = self._source.preset(self.preset)
     overrides = self.overrides()
-    return dataclasses.replace(base, **overrides) if overrides else base
+    if not overrides:
+        return base
+    replace = getattr(base, "replace", None)  # QCommConfig's checks the bit budget
+    return replace(**overrides) if callable(replace) else dataclasses.replace(base, **overrides)
 
 
 def make_section_class(source: Optional[type] = None, name: str = "QComm") -> type:

@@ -77,6 +77,9 @@ def test_section_is_generated_from_the_library_config():
         section.QComm(weight_bits=1)
     with pytest.raises(ValueError, match="grad_hadamard=True needs a quantized gradient"):
         section.QComm(grad_hadamard=True)
+    with pytest.raises(ValueError, match=r"grad_inter_bits=4 cannot be set while "
+                                         r"QCommConfig.bit_budget=3.0 is set"):
+        section.QComm(preset="lowbit", bit_budget=3.0, grad_inter_bits=4)
     with pytest.raises(ValueError, match=r"weight_scheme='qqq'.*expected one of 'none'"):
         section.QComm(weight_scheme="qqq")
 

@@ -1,0 +1,122 @@
+"""What ``enable`` refuses or decides before installing anything (issue 22, item 7): a
+``replicate()`` module, learned gradient levels under HSDP, and the reduction op FSDP's own
+all-reduce runs with on the one-rank HSDP group (never AVG off CPU).
+
+Two launches: 2 gloo ranks (``replicate``), 4 (HSDP 2 x 2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fsdp_qcomm
+from fsdp_qcomm import QCommConfig
+from fsdp_qcomm.fsdp import internals
+from fsdp_qcomm.testing import run_ranks
+
+
+def _raises(fn, *args) -> str:
+    try:
+        fn(*args)
+    except (ValueError, RuntimeError, TypeError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _replicated(rank: int, world: int) -> dict:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    out = {}
+    for preset in ("qwd", "sdp4bit", "baseline"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        replicate(model[0])
+        replicate(model)
+        out[preset] = _raises(fsdp_qcomm.enable, model, QCommConfig.preset(preset,
+                                                                           ranks_per_node=1))
+        out[f"{preset}_untouched"] = all(
+            not type(c).__module__.startswith("fsdp_qcomm.")
+            for m in model.modules() if isinstance(m, internals.FSDPModule)
+            for g in internals.param_groups(m) for c in internals.installed_comms(g))
+    return out
+
+
+def _hsdp(shape):
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _learned_and_ops(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+
+    out = {}
+    learned = QCommConfig.preset("W8G4-learned", ranks_per_node=2)
+    out["learned_hsdp"] = _raises(fsdp_qcomm.enable, _hsdp((2, 2)), learned)
+    flat = nn.Linear(6, 3)
+    fully_shard(flat)
+    handle = fsdp_qcomm.enable(flat, learned)  # a 1-D mesh keeps learned gradient levels
+    handle.disable()
+    # grad_overlap: the op FSDP's own all-reduce runs with on the one-rank group fsdp_qcomm
+    # swaps in. On CPU FSDP passes AVG / PREMUL_SUM to the hook (no forced sum); anywhere else
+    # SUM is forced, as NCCL's AVG over a group of one is documented as unreliable. The device
+    # is what enable reads; no CUDA is needed to check the decision.
+    real = internals.group_device
+    for device in ("cpu", "cuda"):
+        model = _hsdp((2, 2))
+        cfg = QCommConfig.preset("sdp4bit", ranks_per_node=2, grad_overlap=True)
+        internals.group_device = lambda g, d=device: torch.device(d)
+        try:
+            handle = fsdp_qcomm.enable(model, cfg)
+        finally:
+            internals.group_device = real
+        ops = []
+        for m in model.modules():
+            if isinstance(m, internals.FSDPModule):
+                for g in internals.param_groups(m):
+                    _, _, rs_op, ar_op = _get_gradient_divide_factors(
+                        internals.reduce_scatter_group(g), internals.replicate_group(g),
+                        torch.float32, device, internals.gradient_divide_factor(g),
+                        internals.force_sum(g))
+                    ops.append((internals.force_sum(g), internals.replicate_group(g).size(),
+                                str(rs_op), str(ar_op)))
+        out[device] = ops
+        handle.disable()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checks() -> list[dict]:
+    return [run_ranks(_replicated, 2, timeout=300), run_ranks(_learned_and_ops, 4, timeout=300)]
+
+
+def test_replicate_is_refused_with_a_clear_error(checks):
+    for r in checks[0]:
+        for preset in ("qwd", "sdp4bit", "baseline"):
+            assert r[preset].startswith("ValueError: module '<root>' is replicated without "
+                                        "sharding (replicate()"), r[preset]
+            assert r[f"{preset}_untouched"]
+
+
+def test_learned_gradient_levels_are_refused_under_hsdp(checks):
+    for r in checks[1]:
+        assert r["learned_hsdp"].startswith(
+            "ValueError: QCommConfig.grad_levels='learned' is not supported under HSDP"), r
+
+
+def test_one_rank_hsdp_group_never_gets_avg_off_cpu(checks):
+    for r in checks[1]:
+        # (forced sum, size of the group FSDP all-reduces over, reduce-scatter op, all-reduce op)
+        assert r["cuda"] and all(f and n == 1 and "SUM" in rs and "SUM" in ar and "AVG" not in ar
+                                 for f, n, rs, ar in r["cuda"]), r["cuda"]
+        # on CPU (gloo) FSDP keeps passing AVG, which the hooks apply themselves
+        assert r["cpu"] and all(not f and n == 1 and "AVG" in ar
+                                for f, n, _, ar in r["cpu"]), r["cpu"]
