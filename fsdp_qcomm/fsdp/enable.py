@@ -442,19 +442,17 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
 
 
 def _agreement_group(installs: list[_Install]) -> Optional[dist.ProcessGroup]:
-    """The ranks that must agree on gather decisions: every rank of the modules' gather and
-    replica groups (None: the whole world, the usual case). Created here, on every member."""
+    """The ranks that must agree on gather decisions: every rank of the device meshes the
+    modules are sharded over (None: the whole world, the usual case). The same set on every
+    rank; created here, on every member."""
     ranks: set[int] = set()
     for i in installs:
-        ranks.update(dist.get_process_group_ranks(fsdp.shard_group(i.group)))
-        replicas = hsdp.original_replicate_group(i.group)
-        if replicas is not None:
-            ranks.update(dist.get_process_group_ranks(replicas))
+        for p in fsdp.sharded_params(i.group):
+            ranks.update(int(r) for r in p.device_mesh.mesh.flatten().tolist())
     if len(ranks) == dist.get_world_size():
         return None
     return dist.new_group(sorted(ranks), use_local_synchronization=True,
                           group_desc="qcomm_agreement")
-
 
 def _has_replicas(group: Any) -> bool:
     """An HSDP group with more than one replica (FSDP all-reduces across them)."""
