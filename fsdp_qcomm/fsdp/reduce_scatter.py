@@ -72,12 +72,6 @@ class QuantizedReduceScatter(ReduceScatter):
         prepared_overlap: Optional[PreparedGroup] = None,
         queue: Optional[ReductionQueue] = None,
     ) -> None:
-        if config.grad_scheme == "none" and not config.grad_overlap:
-            raise ValueError(
-                "QuantizedReduceScatter needs QCommConfig.grad_scheme 'one_level' or "
-                "'two_level' (or grad_overlap=True, which runs FSDP's unquantized reduction on "
-                "the background thread); otherwise keep FSDP's own reduce-scatter"
-            )
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
             raise ValueError(f"bucket must be a non-negative int (module index), got {bucket!r}")
         self.config = config
