@@ -31,6 +31,7 @@ from ..collectives.level_sync import LevelSync
 from ..collectives.topology import Topology, node_topology, private_group
 from ..config import QCommConfig
 from ..stats import CommStats
+from . import internals as fsdp
 from .grad_overlap import ReductionQueue, defer_reason
 from .internals import ReduceScatter
 from .residual_state import ScaleSource, call_feedback
@@ -130,7 +131,9 @@ class QuantizedReduceScatter(ReduceScatter):
                 if self.config.grad_scheme == "two_level":
                     own_topology = node_topology(own, self.config.ranks_per_node)
             why = defer_reason(self.param_group, input_tensor, op)
-            if why:
+            # Under HSDP this hop is never the deferred one (FSDP all-reduces its output at
+            # once); the replica all-reduce's hook notes why it was not deferred, if it was not.
+            if why and not (self.param_group is not None and fsdp.is_hsdp(self.param_group)):
                 self.stats.note(f"grad_overlap: a reduce-scatter finished inside its call: {why}")
             self.queue.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
                                       levels, own_topology, feedback), defer=not why)
