@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -121,3 +122,66 @@ def test_accuracy_rows_resume_and_table(tmp_path):
     assert row.describe() == "sdp4bit grad_pipeline_chunks=2, HSDP"
     with pytest.raises(SystemExit):
         accuracy._args(["--seeds", "0"])
+
+
+# ---- verdicts: what a row's interval settles ---------------------------------------------------
+def _gap(mean: float, sd: float, n: int) -> "_seeds.Spread":
+    t = {2: 12.706, 3: 4.303, 5: 2.776}[n]
+    return _seeds.Spread(n, mean, sd, t * sd / n ** 0.5)
+
+
+@pytest.mark.parametrize("mean, sd, n, want", [
+    (0.07, 0.10, 3, "within +0.5%"),   # the quieter check's sdp4bit: [-0.18, +0.32]
+    (1.27, 0.28, 3, "worse"),          # its lowbit: [+0.57, +1.97]
+    (8.09, 0.76, 3, "worse"),          # qW
+    (0.36, 0.66, 3, "undecided"),      # the committed frontier's lowbit: [-1.28, +2.00]
+    (0.30, 0.05, 3, "within +0.5%"),   # [+0.18, +0.42]: above 0, yet within the tolerance
+    (0.20, 0.10, 2, "undecided"),      # 2 seeds: t = 12.7 makes the interval wide
+    (0.20, 0.00, 1, "undecided"),      # one seed: no interval
+])
+def test_verdict_from_the_interval(mean, sd, n, want):
+    s = _gap(mean, sd, n) if n > 1 else _seeds.spread([mean])
+    assert _seeds.verdict(s) == want
+
+
+def test_verdict_thresholds_are_the_named_constants():
+    assert (_seeds.CLAIM_PCT, _seeds.WORSE_ABOVE_PCT) == (0.5, 0.0)
+    assert _seeds.WITHIN == "within +0.5%"
+    # exactly on a bound: the upper bound may equal +0.5%; a lower bound of exactly 0 is not
+    # "worse"
+    on_claim = _seeds.Spread(3, 0.4, 0.0, 0.1)
+    assert _seeds.verdict(on_claim) == _seeds.WITHIN
+    on_zero = _seeds.Spread(3, 0.6, 0.0, 0.6)
+    assert _seeds.verdict(on_zero) == _seeds.UNDECIDED
+    assert _seeds.verdict(None) == _seeds.UNDECIDED
+    assert _seeds.fmt_interval(_seeds.Spread(3, 0.4, 0.0, 0.1)) == "[+0.30, +0.50]%"
+    assert _seeds.fmt_interval(_seeds.spread([1.0])) == "1 seed"
+
+
+def test_scores_seed_parts_and_provenance(tmp_path):
+    rec = {"val": [[100, 3.0], [200, 2.0]], "val_full": [[100, 2.9], [200, 2.1]]}
+    assert accuracy.score(rec) == 2.1  # the whole held-out split when the run has it
+    assert accuracy.score(rec, tail=2) == pytest.approx(2.5)
+    assert accuracy.score(rec, full=False) == 2.0
+    with pytest.raises(ValueError, match="fewer than --tail 3"):
+        accuracy.score(rec, tail=3)
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    a = accuracy._args(["--data", str(data), "--fix", "init,data", "--seed", "7"])
+    assert accuracy.seeds_of(a, 9) == {"init": 7, "data": 7, "quant": 9}
+    # with init and data held, an unquantized row is one computation for every seed
+    assert accuracy._effective(a, "baseline", 8) == accuracy._effective(a, "baseline", 9)
+    assert accuracy._effective(a, "SDP4Bit", 8) != accuracy._effective(a, "SDP4Bit", 9)
+    # new settings join the setup only when not at their default: older stores stay valid
+    plain = accuracy._setup(accuracy._args(["--data", str(data)]))
+    assert "fix" not in plain and "eval_full" not in plain
+    assert accuracy._setup(a)["fix"] == ["data", "init"]
+    with pytest.raises(SystemExit):
+        accuracy._args(["--fix", "weights"])
+    prov = _seeds.Provenance(tmp_path / "out", ["x.py", "--steps", "3"]).start()
+    prov.end(trained_runs=2)
+    _seeds.Provenance(tmp_path / "out", ["x.py", "--report-only"]).start()
+    inv = json.loads((tmp_path / "out" / "provenance.json").read_text())["invocations"]
+    assert [i["argv"][1] for i in inv] == ["--steps", "--report-only"]
+    assert inv[0]["end"] and len(inv[0]["loadavg_end"]) == 3 and inv[0]["trained_runs"] == 2
+    assert inv[1]["end"] is None and len(inv[1]["commit"]) == 40
