@@ -134,6 +134,19 @@ def verdict(s: Optional[Spread]) -> str:
     return UNDECIDED
 
 
+def ordering(s: Optional[Spread], a: str, b: str) -> str:
+    """For the paired gap of ``a`` against ``b``: "A lower" when its 95% interval lies below 0,
+    "B lower" when above, else "undecided" (also with one seed)."""
+    if s is None or s.n < 2 or not math.isfinite(s.ci95):
+        return UNDECIDED
+    lo, hi = interval(s)
+    if hi < 0:
+        return f"{a} lower"
+    if lo > 0:
+        return f"{b} lower"
+    return UNDECIDED
+
+
 def fmt_interval(s: Optional[Spread], digits: int = 2) -> str:
     """``[lo, hi]%`` of a gap ("-" for none, "1 seed" without a spread)."""
     if s is None:
@@ -229,7 +242,7 @@ class RunStore:
 
 __all__ = ["CLAIM_PCT", "Provenance", "UNDECIDED", "WITHIN", "WORSE", "WORSE_ABOVE_PCT", "RunStore",
            "SetupMismatch", "Spread", "file_digest", "fmt_interval", "fmt_spread", "fmt_verdict",
-           "interval", "paired_gap_pct", "seed_list", "spread", "verdict"]
+           "interval", "ordering", "paired_gap_pct", "seed_list", "spread", "verdict"]
 
 
 # ---- provenance: what produced a results folder --------------------------------------------

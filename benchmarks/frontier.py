@@ -140,13 +140,37 @@ def _copy_reused(a: argparse.Namespace, store: RunStore) -> int:
             try:
                 rec = other.load(label, seed, row)
             except SetupMismatch as e:
-                print(f"frontier: not reusing {label} seed {seed}: {e}", file=sys.stderr)
+                rec = _same_computation(a, other.path(label, seed), label, seed, row)
+                if rec is None:
+                    print(f"frontier: not reusing {label} seed {seed}: {e}", file=sys.stderr)
+                    continue
+                store.save(label, seed, row, rec)
+                copied += 1
                 continue
             if rec is not None:
                 store.dir.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(other.path(label, seed), store.path(label, seed))
                 copied += 1
     return copied
+
+
+def _same_computation(a: argparse.Namespace, path: Path, label: str, seed: int,
+                      row: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A stored run made under another ``--fix`` that computed exactly what this run would:
+    every other setting equal, the same row, and the same seed for each part of the run
+    (``accuracy.seeds_of``; e.g. ``--fix init,data`` at seed 1234 is the plain run of seed
+    1234). Its record, marked with where it came from; None if it is not one."""
+    if not path.is_file():
+        return None
+    got = json.loads(path.read_text())
+    mine = RunStore(Path(a.out), accuracy._setup(a)).setup
+    strip = lambda d: {k: v for k, v in d.items() if k != "fix"}  # noqa: E731
+    if strip(got["setup"]) != strip(mine) or got["row"] != json.loads(json.dumps(row)):
+        return None
+    rec = got["record"]
+    if rec.get("seeds") != accuracy.seeds_of(a, seed):
+        return None
+    return dict(rec, copied_from=f"{path.parent.parent.name}/runs/{path.name}")
 
 
 def _bits(record: dict[str, Any]) -> Optional[tuple[float, float]]:

@@ -39,12 +39,14 @@ from fsdp_qcomm.testing import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _seeds import (  # noqa: E402
+    Provenance,
     RunStore,
     SetupMismatch,
     Spread,
     file_digest,
     fmt_spread,
     fmt_verdict,
+    ordering,
     paired_gap_pct,
     seed_list,
     spread,
@@ -210,6 +212,7 @@ def main() -> None:
     except SetupMismatch as e:
         sys.exit(f"qsdp_grid: {e}")
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    prov = Provenance(out).start()
     for seed in ([] if args.report_only else seed_list(args.seed, args.seeds)):
         for cell, levels in _runs(cells):
             row = {"cell": cell, "levels": levels}
@@ -223,6 +226,7 @@ def main() -> None:
             print(f"{cell:7s} {levels:8s} seed {seed} val_loss={res['val_loss']:.4f} "
                   f"ppl={res['ppl']:.3f} bytes/step={res['total_bytes']:.0f} "
                   f"({res['wall_s']:.0f}s)", flush=True)
+    prov.end()
     stored = store.all()
     if not stored:
         sys.exit(f"no runs stored in {store.dir}: nothing to report")
@@ -274,6 +278,12 @@ def _report(stored: dict, a: dict, out: Path) -> None:
         def gap(g):
             return "-" if g is None else f"{fmt_spread(g, 2, '%')} ({fmt_verdict(g)})"
 
+        def order(g):
+            if g is None:
+                return "-"
+            word = ordering(g, "learned", "uniform")
+            return f"{fmt_spread(g, 2, '%')} ({fmt_verdict(g)}; {word})"
+
         lvu = None if not (u and lrn) else paired_gap_pct(lrn["val_loss"], u["val_loss"])
 
         def val(r, key, fmt):
@@ -282,7 +292,7 @@ def _report(stored: dict, a: dict, out: Path) -> None:
         lines.append(
             f"| {c} | {fmt_spread(u['spread'], 4) if u else ''} | "
             f"{fmt_spread(lrn['spread'], 4) if lrn else ''} | {gap(u and u['gap'])} | "
-            f"{gap(lrn and lrn['gap'])} | {gap(lvu)} | "
+            f"{gap(lrn and lrn['gap'])} | {order(lvu)} | "
             f"{val(u, 'ppl', '{:.3f}')} | {val(lrn, 'ppl', '{:.3f}')} | "
             f"{pu if pu else ''} / {pl if pl else '-'} | "
             f"{val(u, 'total_bytes', '{:,.0f}')} | {val(lrn, 'total_bytes', '{:,.0f}')} |"

@@ -185,3 +185,30 @@ def test_scores_seed_parts_and_provenance(tmp_path):
     assert [i["argv"][1] for i in inv] == ["--steps", "--report-only"]
     assert inv[0]["end"] and len(inv[0]["loadavg_end"]) == 3 and inv[0]["trained_runs"] == 2
     assert inv[1]["end"] is None and len(inv[1]["commit"]) == 40
+
+
+def test_frontier_reuses_a_run_only_when_it_is_the_same_computation(tmp_path):
+    import frontier
+
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    plain = frontier._args(["--data", str(data), "--rows", "baseline,SDP4Bit",
+                            "--out", str(tmp_path / "all")])
+    store = _seeds.RunStore(tmp_path / "all", accuracy._setup(plain))
+    for label in ("baseline", "SDP4Bit"):
+        for seed in (1234, 1235):
+            store.save(label, seed, accuracy._row(label),
+                       {"final_val": 2.0, "seconds": 1.0, "train": [2.0], "val": [[1, 2.0]],
+                        "seeds": accuracy.seeds_of(plain, seed)})
+    fixed = frontier._args(["--data", str(data), "--rows", "baseline,SDP4Bit", "--seeds", "2",
+                            "--fix", "init,data", "--reuse", str(tmp_path / "all"),
+                            "--out", str(tmp_path / "quant_only")])
+    mine = _seeds.RunStore(tmp_path / "quant_only", accuracy._setup(fixed))
+    # seed 1234 with init and data held at 1234 is the plain run of seed 1234; seed 1235 is not
+    assert frontier._copy_reused(fixed, mine) == 2
+    assert sorted(mine.all()["SDP4Bit"]["runs"]) == [1234]
+    rec = mine.load("SDP4Bit", 1234, accuracy._row("SDP4Bit"))
+    assert rec["copied_from"] == "all/runs/SDP4Bit__seed1234.json"
+    # the unquantized row of seed 1235 is the same computation as seed 1234's: not retrained
+    assert accuracy._pending(fixed, mine) == [("SDP4Bit", 1235)]
+    assert mine.load("baseline", 1235, accuracy._row("baseline"))["same_as_seed"] == 1234
