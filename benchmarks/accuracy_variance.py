@@ -143,6 +143,16 @@ def analyse(name: str, store: Path, tail: int, train_n: int, sizes: list[int],
         entry["sd"]["eval SE, 256 windows"] = _eval_se(row, base, 256)
         first = base[seeds[0]]
         entry["windows"] = len(first.get("val_full_windows", []))
+        # what pairing by seed buys: the correlation over seeds of the row's and the
+        # baseline's scores (0: the same seed's runs share nothing that survives training)
+        fn = _tail("val_full", tail) if "val_full" in first else _tail("val", 1)
+        xs, ys = [fn(base[s]) for s in seeds], [fn(row[s]) for s in seeds]
+        entry["score"] = "full, tail" if "val_full" in first else "sampled, final"
+        entry["corr"] = (statistics.correlation(xs, ys)
+                         if len(seeds) > 2 and statistics.pstdev(xs) and statistics.pstdev(ys)
+                         else None)
+        entry["sd_baseline_pct"] = 100 * statistics.stdev(xs) / statistics.mean(xs)
+        entry["sd_row_pct"] = 100 * statistics.stdev(ys) / statistics.mean(ys)
         out.append(entry)
     return out
 
@@ -174,6 +184,17 @@ def main(argv=None) -> int:
     for e in entries:
         lines.append(f"| {e['experiment']} | {e['row']} | {len(e['seeds'])} | "
                      + " | ".join(_fmt(e["sd"][k]) for k in keys) + " |")
+    lines += ["", "What pairing by seed buys (score: the tail mean on the whole split where the "
+              "runs have it, else the final sampled loss): the sd over seeds of each row's and of "
+              "the baseline's own scores, and their correlation over seeds.", "",
+              "| experiment | row | seeds | gaps by seed | sd of baseline | sd of row | corr |",
+              "|---|---|---|---|---|---|---|"]
+    for e in entries:
+        key = f"full, tail {a.tail}" if e["score"] == "full, tail" else "sampled, final"
+        gaps = ", ".join(f"{g:+.2f}" for g in e["gaps"][key])
+        corr = "-" if e["corr"] is None else f"{e['corr']:+.2f}"
+        lines.append(f"| {e['experiment']} | {e['row']} | {len(e['seeds'])} | {gaps} | "
+                     f"{e['sd_baseline_pct']:.2f}% | {e['sd_row_pct']:.2f}% | {corr} |")
     md = ("# Seed-to-seed sd of the paired gap, by how a run is scored\n\n"
           "Each cell: the standard deviation over seeds of 100 x (row - baseline) / baseline, "
           "the baseline run of the same seed. `m windows`: a fixed random subset of m held-out "
@@ -181,6 +202,9 @@ def main(argv=None) -> int:
           f"{entries[0]['windows']} windows.\n\n" + "\n".join(lines) + "\n")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    from _seeds import Provenance
+
+    Provenance(out).start().end()
     (out / "table.md").write_text(md)
     (out / "variance.json").write_text(json.dumps(entries, indent=1))
     print(md)
