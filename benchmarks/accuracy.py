@@ -527,7 +527,10 @@ def report_md(title: str, a: argparse.Namespace, stored: dict, summary: dict, ta
             f"interval is Student's t over the seeds. Verdict: \"within +{CLAIM_PCT}%\" when "
             f"the interval's upper bound is at most +{CLAIM_PCT}%, \"worse\" when its lower "
             f"bound is above {WORSE_ABOVE_PCT:+g}%, else \"undecided\".\n\n"
-            f"This invocation: {trained} run(s) trained in {wall / 60:.1f} min; the table covers "
+            + (f"With --fix {','.join(a.fix)} every run shares those parts: the gaps and "
+               "verdicts here hold for that one realization (a variance experiment), not for "
+               "the scheme.\n\n" if a.fix else "")
+            + f"This invocation: {trained} run(s) trained in {wall / 60:.1f} min; the table covers "
             f"every run stored in {store.dir}.\n")
 
 
