@@ -11,7 +11,8 @@ FSDP2 and ``fsdp_qcomm.enable``. "baseline" is FSDP2 with its own collectives (n
 ``--seeds N`` trains every scheme under seeds ``--seed``, ``--seed + 1``, ... (the seed fixes
 the initial weights, the batches and the quantizers' random bits) and reports the mean and
 standard deviation of the final validation loss per scheme and the gap to the baseline paired
-by seed, with its 95% interval: a gap whose interval contains 0 is seed noise, not a finding.
+by seed, with its 95% interval and a verdict: "within +0.5%" (upper bound at most +0.5%),
+"worse" (lower bound above 0) or "undecided" (``_seeds.verdict``, ``docs/accuracy_method.md``).
 Every (scheme, seed) run is stored as soon as it finishes (``DIR/runs/``, ``_seeds.RunStore``):
 an interrupted sweep resumes where it stopped, and a long sweep can be split by scheme or seed
 over several invocations with the same ``--out`` (``--report-only`` rebuilds the table from

@@ -23,6 +23,13 @@ results.json, frontier.png}``.
         --seeds 1 --out results/frontier --reuse results/accuracy_1000_seeds
     # then the points that decide the goal with more seeds:
     ... --rows "baseline,SDP4Bit,W2-learned G3" --seeds 3
+
+The method behind the verdict column (``docs/accuracy_method.md``): score runs on the whole
+held-out split, mean of the last evaluations, 5 or more seeds for the rows that decide a claim:
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/frontier.py \
+        --rows "baseline,SDP4Bit,W2-learned G3" --steps 300 --eval-every 25 --eval-full \
+        --full-last 3 --tail 3 --seeds 5 --out results/accuracy_300
 """
 
 from __future__ import annotations
