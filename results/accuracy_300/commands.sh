@@ -8,7 +8,9 @@ OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/frontier.py --rows "baseline,S
 OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/frontier.py --rows "baseline,SDP4Bit,W2-learned G3" --steps 300 --eval-every 25 --eval-full --full-last 3 --tail 3 --seeds 3 --out results/accuracy_300
 # 3. two more seeds (1237-1238) for the rows that decide the claims:
 OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/frontier.py --rows "baseline,SDP4Bit,W2-learned G3" --steps 300 --eval-every 25 --eval-full --full-last 3 --tail 3 --seed 1237 --seeds 2 --out results/accuracy_300
-# 4. qW (direct 4-bit weights), seeds 1234-1236:
+# 4. qW (direct 4-bit weights), seeds 1234-1236: stopped (its processes killed) at step ~100 of
+#    its first run, for want of time in the session (load 23 made it 2.5 s per step); no qW
+#    run is stored, and its provenance.json entry has no end:
 OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/frontier.py --rows "qW" --steps 300 --eval-every 25 --eval-full --full-last 3 --tail 3 --seeds 3 --out results/accuracy_300
-# table.md / results.json / frontier.png were written by the last invocation that finished (they cover
+# table.md / results.json / frontier.png were written by invocation 3 (they cover
 # every run in runs/). W2-learned G3 is the lowbit preset (benchmarks/frontier.py LOWBIT_ROW).
