@@ -230,8 +230,9 @@ class QCommConfig:
     }
 
     #: (weight_bits, weight_levels, grad_inter_bits), largest first: the points the frontier
-    #: measured (benchmarks/frontier.py, results/frontier). Error feedback is not on it: it
-    #: raised the loss at every width measured (docs/lowbit.md).
+    #: measured (benchmarks/frontier.py, results/frontier). Error feedback is not on it: on the
+    #: one seed measured per width the loss was higher with it at every width (undecided by
+    #: the verdict rule; docs/lowbit.md).
     BUDGET_LADDER: ClassVar[tuple[tuple[int, str, int], ...]] = (
         (4, "uniform", 4), (3, "uniform", 3), (2, "learned", 3), (2, "learned", 2),
     )
