@@ -55,9 +55,10 @@ class _Pending:
     """A launched all-reduce of one fragment, merged after inner step ``merge_at``."""
 
     def __init__(self, fragment: int, merge_at: int, future: "Future[float]",
-                 buf: torch.Tensor) -> None:
+                 buf: torch.Tensor, weight: float = 1.0) -> None:
         self.fragment = fragment
         self.merge_at = merge_at
+        self.weight = weight
         self.future = future
         self.buf = buf
         self.resolved = False  # the future holds the summed weight, the buffer the mean
@@ -112,6 +113,10 @@ class DiLoCo:
         self.outer_steps = 0
         self.failed_commits = 0
         self._pending: Optional[_Pending] = None
+        #: the latest merge: fragment, inner steps of its launch and merge, this replica's
+        #: contribution weight and the sum over replicas, committed, the all-reduce's error
+        self.last_sync: Optional[dict[str, Any]] = None
+        # the replica set the residuals are laid out for (torchft: None before a quorum)
         self._membership: Any = self.replicas.membership()
         start = getattr(self.replicas, "start", None)
         if start is not None:
@@ -164,7 +169,8 @@ class DiLoCo:
         run = partial(outer_all_reduce, buf, weight, group, self._spec, key,
                       hadamard=self.config.hadamard, feedback=residuals, stats=self._stats,
                       remote_peers=self.replicas.remote_peers, weighted=self._weighted)
-        self._pending = _Pending(f, t + self.config.delay, self._overlap.submit(run, t), buf)
+        self._pending = _Pending(f, t + self.config.delay, self._overlap.submit(run, t), buf,
+                                 weight)
 
     def _merge(self) -> None:
         p = self._pending
@@ -177,7 +183,12 @@ class DiLoCo:
         except Exception as e:  # noqa: BLE001 - the replica group decides (torchft: no commit)
             error = e
         frag = self.fragments[p.fragment]
-        if not self.replicas.commit(error):
+        committed = self.replicas.commit(error)
+        self.last_sync = {"fragment": p.fragment, "launched_after": p.merge_at - self.config.delay,
+                          "merged_after": p.merge_at, "weight": p.weight,
+                          "total_weight": total, "committed": committed,
+                          "error": None if error is None else repr(error)}
+        if not committed:
             # Nothing applied: the parameters keep their local progress, which the fragment's
             # next pseudo-gradient carries (its start-of-round weights did not move).
             self.failed_commits += 1
