@@ -108,6 +108,16 @@ def _identical_run(rank: int, world: int, shape, cfg_kw: dict, steps: int,
     out = _train(model, opt, diloco, mesh, steps)
     diloco.finish()
     diloco.close()
+    # global_weights(): every replica computes with the start-of-round weights inside, its own
+    # weights come back after
+    before = {f"{i}": f.local_flat() for i, f in enumerate(diloco.fragments)}
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(5))  # the same on every rank
+    with diloco.global_weights():
+        inside = {f"{i}": f.local_flat() for i, f in enumerate(diloco.fragments)}
+        inside["out"] = model(x).detach()
+    out["global_weights"] = _same_across_replicas(inside, mesh["replicate"].get_group()) and all(
+        torch.equal(inside[k], diloco.fragments[int(k)].global_) for k in before) and all(
+        torch.equal(before[k], f.local_flat()) for k, f in zip(before, diloco.fragments))
     out["stats"] = diloco.stats()
     out["state"] = diloco.outer_state_breakdown()
     out["numels"] = [f.numel for f in diloco.fragments]
@@ -186,9 +196,10 @@ def test_replicas_identical_streaming_2x2_error_feedback():
 def test_replicas_identical_3x1():
     steps = 8
     cfg = dict(sync_every=4, bits=3, error_feedback=True)
-    res = run_ranks(_identical_run, 3, (3, 1), cfg, steps, timeout=300)
+    res = run_ranks(_identical_run, 3, (3, 1), cfg, steps + 1, timeout=300)
     for r in res:
         assert r["checks"] == 2 and r["same"]
+        assert r["global_weights"]
 
 
 # ---- bytes and memory ----------------------------------------------------------------------------

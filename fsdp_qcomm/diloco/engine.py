@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -103,12 +104,12 @@ class DiLoCo:
                                                        config.outer_nesterov)
         self.fragments = [Fragment(i, f, factory, config.error_feedback and self._spec is not None)
                           for i, f in enumerate(refs)]
-        self._device = self.fragments[0].device
+        self.device = self.fragments[0].device
         self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
                                                   ranks_per_node=ranks_per_node)
         self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
         self._stats = CommStats()
-        self._overlap = Overlap(config.overlaps, self._device)
+        self._overlap = Overlap(config.overlaps, self.device)
         self.inner_steps = 0
         self.outer_steps = 0
         self.failed_commits = 0
@@ -169,6 +170,9 @@ class DiLoCo:
         run = partial(outer_all_reduce, buf, weight, group, self._spec, key,
                       hadamard=self.config.hadamard, feedback=residuals, stats=self._stats,
                       remote_peers=self.replicas.remote_peers, weighted=self._weighted)
+        usable = getattr(self.replicas, "usable", None)
+        if usable is not None and not usable():
+            run = partial(_refuse, "the quorum before this sync failed; not all-reducing")
         self._pending = _Pending(f, t + self.config.delay, self._overlap.submit(run, t), buf,
                                  weight)
 
@@ -204,6 +208,21 @@ class DiLoCo:
         """Wait for an all-reduce still in flight and merge it now (end of training)."""
         if self._pending is not None:
             self._merge()
+
+    @contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """Inside the block the parameters are the start-of-round weights, the same on every
+        replica (evaluate the model DiLoCo trains there); each rank's own weights come back on
+        exit. Both writes are parameter writes: with fsdp-qcomm's qWD hooks the next weight
+        gather after each resends full precision (``docs/assumptions.md``)."""
+        saved = [f.local_flat() for f in self.fragments]
+        for f in self.fragments:
+            f.write()
+        try:
+            yield
+        finally:
+            for f, local in zip(self.fragments, saved):
+                f.write_flat(local)
 
     def close(self) -> None:
         """Stop the background thread (after ``finish`` if a merge is pending)."""
@@ -325,7 +344,7 @@ class DiLoCo:
             state, present = f.optimizer_state()
             frags[str(f.index)] = {"global": f.global_, "outer": state,
                                    "outer_present": torch.tensor(int(present))}
-        pend = torch.zeros(self._pending_capacity(), dtype=torch.float32, device=self._device)
+        pend = torch.zeros(self._pending_capacity(), dtype=torch.float32, device=self.device)
         info = torch.tensor([-1, -1], dtype=torch.int64)
         total = torch.zeros((), dtype=torch.float64)
         if self._pending is not None:
@@ -424,6 +443,10 @@ class DiLoCo:
         self.reset_residuals()
         for f in self.fragments:
             f.write()
+
+
+def _refuse(why: str) -> float:
+    raise RuntimeError(why)
 
 
 def _shard_position(refs: Sequence[ParamRef]) -> tuple[int, int]:

@@ -111,8 +111,8 @@ class FTReplicas:
         weight = self.begin_sync()
         if self._healed and self.manager.current_step() > 0:
             return weight
-        if self.manager.errored() is None and self.size() > 1:
-            dist.all_reduce(torch.zeros(1), group=self.group)
+        if self.usable() and self.size() > 1:
+            dist.all_reduce(torch.zeros(1, device=engine.device), group=self.group)
         self.commit(None)
         return None
 
@@ -122,6 +122,12 @@ class FTReplicas:
         if self._healed or not self.manager.is_participating():
             return 0.0
         return 1.0
+
+    def usable(self) -> bool:
+        """False when the latest quorum (or a heal in it) failed: the process group may not
+        be configured, so no collective is issued (torchft's own all-reduce returns a no-op
+        work then) and the merge does not commit."""
+        return self.manager.errored() is None
 
     def commit(self, error: Optional[BaseException]) -> bool:
         if error is not None:

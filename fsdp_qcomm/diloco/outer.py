@@ -131,9 +131,13 @@ class Fragment:
             off += n
 
     @torch.no_grad()
-    def adopt_params(self) -> None:
-        """Make the current parameters the start-of-round weights."""
-        self.global_.copy_(self.local_flat())
+    def write_flat(self, flat: torch.Tensor) -> None:
+        """Set the parameters' local shards from one flat buffer (``local_flat`` order)."""
+        off = 0
+        for ref, n in zip(self.refs, self.sizes):
+            local = ref.local()
+            local.copy_(flat[off:off + n].view(local.shape))
+            off += n
 
     @torch.no_grad()
     def outer_step(self, avg: torch.Tensor) -> None:
