@@ -108,6 +108,9 @@ def _identical_run(rank: int, world: int, shape, cfg_kw: dict, steps: int,
     out = _train(model, opt, diloco, mesh, steps)
     diloco.finish()
     diloco.close()
+    if handle is not None:
+        out["modes"] = handle.gather_modes()
+        out["modules"] = len(handle.module_names)
     # global_weights(): every replica computes with the start-of-round weights inside, its own
     # weights come back after
     before = {f"{i}": f.local_flat() for i, f in enumerate(diloco.fragments)}
@@ -122,9 +125,6 @@ def _identical_run(rank: int, world: int, shape, cfg_kw: dict, steps: int,
     out["state"] = diloco.outer_state_breakdown()
     out["numels"] = [f.numel for f in diloco.fragments]
     out["outer_steps"] = diloco.outer_steps
-    if handle is not None:
-        out["modes"] = handle.gather_modes()
-        out["modules"] = len(handle.module_names)
     return out
 
 
@@ -175,7 +175,7 @@ def test_replicas_identical_2x2_with_qwd_hooks():
     steps = 12
     res = run_ranks(_identical_run, 4, (2, 2), dict(sync_every=4), steps, True, timeout=300)
     for r in res:
-        assert r["checks"] == steps // 4 and r["same"]
+        assert r["checks"] == steps // 4 and r["same"] and r["global_weights"]
         assert r["modes"].get("qwd_full", 0) == r["modules"]  # the first gather only
         assert r["modes"].get("qwd_diff", 0) > 0
     # both replicas computed different losses (different data) yet ended identical
@@ -189,7 +189,7 @@ def test_replicas_identical_streaming_2x2_error_feedback():
     cfg = dict(sync_every=8, fragments=2, delay=1, bits=2, error_feedback=True)
     res = run_ranks(_identical_run, 4, (2, 2), cfg, steps, timeout=300)
     for r in res:
-        assert r["checks"] == 4 and r["same"]
+        assert r["checks"] == 4 and r["same"] and r["global_weights"]
         assert r["state"]["residuals"] > 0
 
 

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from ..stats import CommStats
 from .config import DiLoCoConfig
@@ -98,6 +99,10 @@ class DiLoCo:
         self.schedule = Schedule(config.sync_every, config.fragments, config.delay)
         self.handle = handle
         self._spec = config.spec()
+        # FSDP modules whose parameters may be left unsharded between steps (the root after a
+        # no_grad forward): resharded before DiLoCo reads or writes the local shards
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._reshard()
         refs = fragment_refs(model, fragments, config.fragments)
         self.group_rank, self.group_size = _shard_position([r for f in refs for r in f])
         factory = outer_optimizer or default_optimizer(config.outer_lr, config.outer_momentum,
@@ -149,7 +154,15 @@ class DiLoCo:
         if self._pending is not None and self._pending.merge_at == t:
             self._merge()
 
+    def _reshard(self) -> None:
+        """Make every FSDP module hold its sharded parameters (``FSDPModule.reshard``): the
+        local shards are what DiLoCo reads and writes, and a module left unsharded would
+        compute its next forward with the unsharded copy it still holds."""
+        for m in self._fsdp_modules:
+            m.reshard()
+
     def _launch(self, f: int, t: int, weight: Optional[float]) -> None:
+        self._reshard()
         if weight is None:
             weight = self.replicas.begin_sync()
             f = self.schedule.launch_at(self.inner_steps)  # a heal may have moved the counter
@@ -187,6 +200,7 @@ class DiLoCo:
         except Exception as e:  # noqa: BLE001 - the replica group decides (torchft: no commit)
             error = e
         frag = self.fragments[p.fragment]
+        self._reshard()
         committed = self.replicas.commit(error)
         self.last_sync = {"fragment": p.fragment, "launched_after": p.merge_at - self.config.delay,
                           "merged_after": p.merge_at, "weight": p.weight,
@@ -213,14 +227,20 @@ class DiLoCo:
     def global_weights(self) -> Iterator[None]:
         """Inside the block the parameters are the start-of-round weights, the same on every
         replica (evaluate the model DiLoCo trains there); each rank's own weights come back on
-        exit. Both writes are parameter writes: with fsdp-qcomm's qWD hooks the next weight
-        gather after each resends full precision (``docs/assumptions.md``)."""
+        exit. With fsdp-qcomm's weight hooks (``handle``) the first gather inside sends full
+        precision (``handle.reset()``: a replica group's qWD reference is its own, so a
+        quantized difference would not compute with exactly the shared weights), and so does
+        the first one after (the restore is a parameter write)."""
+        self._reshard()
         saved = [f.local_flat() for f in self.fragments]
         for f in self.fragments:
             f.write()
+        if self.handle is not None:
+            self.handle.reset()
         try:
             yield
         finally:
+            self._reshard()
             for f, local in zip(self.fragments, saved):
                 f.write_flat(local)
 
@@ -232,6 +252,7 @@ class DiLoCo:
         """Every replica takes replica 0's weights (full precision, once)."""
         import torch.distributed as dist
 
+        self._reshard()
         group = self.replicas.group
         for frag in self.fragments:
             buf = frag.local_flat()
@@ -441,6 +462,7 @@ class DiLoCo:
         self._pending = None
         self._load_shared(state)
         self.reset_residuals()
+        self._reshard()
         for f in self.fragments:
             f.write()
 

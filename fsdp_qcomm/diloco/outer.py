@@ -110,8 +110,19 @@ class Fragment:
             return torch.zeros(0, dtype=torch.float32, device=self.device)
         return torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
 
+    def _locals(self) -> list[torch.Tensor]:
+        out = [r.local() for r in self.refs]
+        for r, t, n in zip(self.refs, out, self.sizes):
+            if t.numel() != n:
+                raise RuntimeError(
+                    f"DiLoCo: parameter {r.name!r} holds {t.numel()} values on this rank, its "
+                    f"shard held {n}: the module is unsharded (call its reshard()) or was "
+                    "re-sharded differently"
+                )
+        return out
+
     def local_flat(self) -> torch.Tensor:
-        return self._flat([r.local() for r in self.refs])
+        return self._flat(self._locals())
 
     def pseudo_gradient(self) -> torch.Tensor:
         """``global_ - local`` in a new fp32 buffer (what the all-reduce averages)."""
@@ -122,8 +133,7 @@ class Fragment:
         """Set the parameters to ``global_`` (``alpha`` > 0: to ``lerp(global_, local,
         alpha)``), through their local shards."""
         off = 0
-        for ref, n in zip(self.refs, self.sizes):
-            local = ref.local()
+        for local, n in zip(self._locals(), self.sizes):
             new = self.global_[off:off + n].view(local.shape)
             if alpha:
                 new = torch.lerp(new, local.to(torch.float32), alpha)
@@ -134,8 +144,7 @@ class Fragment:
     def write_flat(self, flat: torch.Tensor) -> None:
         """Set the parameters' local shards from one flat buffer (``local_flat`` order)."""
         off = 0
-        for ref, n in zip(self.refs, self.sizes):
-            local = ref.local()
+        for local, n in zip(self._locals(), self.sizes):
             local.copy_(flat[off:off + n].view(local.shape))
             off += n
 
