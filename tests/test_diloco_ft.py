@@ -145,6 +145,7 @@ def _kill_and_rejoin(tmp_path: Path, group_size: int) -> None:
         assert r1.procs[0].returncode == 17, _logs(tmp_path)
         time.sleep(1.0)
         old = {g: len(r1.events(g)) for g in range(group_size)}
+        restarted = time.time()
         r1 = _Replica(tmp_path, 1, lh.address(), group_size, "b", **common)
         while True:  # stop 4 commits after the restarted replica's first one
             new = r1.events(0)[old[0]:]
@@ -189,6 +190,17 @@ def _kill_and_rejoin(tmp_path: Path, group_size: int) -> None:
         assert sorted(c0) == list(range(2, max(c0) + 1))
         done0 = r0.events(g, "done")[0]["stats"]
         assert done0["failed_commits"] == 1
+        at = {e["event"]: e["t_wall"] - restarted for e in ev1 if e["event"] != "commit"}
+        solo = [e for e in ev0 if e["event"] == "commit" and e["n"] == 1]
+        print(f"\n[group rank {g}] survivor: failed commit at manager step {fails[0]['step']} "
+              f"(inner step {fails[0]['t']}), first commit alone "
+              f"{solo[0]['t_wall'] - fails[0]['t_wall']:.2f} s later, {len(solo)} commits "
+              f"alone; restarted replica: python started {at['imported_python']:.1f} s after "
+              f"the restart, torch/torchft/fsdp_qcomm imported {at['imported']:.1f} s, Manager "
+              f"ready {at['manager_ready']:.1f} s, healed at manager step {start['step']} "
+              f"(inner step {start['t']}) {at['started']:.1f} s, first commit "
+              f"{join['t_wall'] - restarted:.1f} s (weight {join['weight']}, total "
+              f"{join['total_weight']}); {len(c1)} commits identical to the survivor's")
 
 
 def test_replica_dies_in_allreduce_and_rejoins(tmp_path):

@@ -9,10 +9,11 @@ one, and ``DiLoCo`` keeps the start-of-round weights and the outer optimizer.
 
 What this module adds:
 
-* ``ProcessGroupGloo``: ``torchft.ProcessGroupGloo`` plus the single-tensor all-gather the
-  quantized all-reduce uses (``all_gather_single`` / ``_allgather_base``, forwarded to the
-  current inner group like torchft's other collectives) and a ``rank()`` that is the replica
-  rank (torchft's wrapper reports 0 everywhere). Pass it as ``Manager(pg=...)``.
+* ``ProcessGroupGloo`` (and ``ProcessGroupNCCL``, not run here): torchft's plus the
+  single-tensor all-gather the quantized all-reduce uses (``all_gather_single`` /
+  ``_allgather_base``, forwarded to the current inner group like torchft's other
+  collectives) and a ``rank()`` that is the replica rank (torchft's wrapper reports 0
+  everywhere). Pass it as ``Manager(pg=...)``.
 * ``FTReplicas`` (``diloco.replicas.ReplicaGroup``; ``DiLoCo(replicas=manager)`` builds it):
   ``begin_sync`` is ``manager.start_quorum()`` (synchronous: ``use_async_quorum=False``),
   ``commit`` is ``manager.should_commit()`` after ``report_error`` of a failed all-reduce; a
@@ -35,15 +36,18 @@ from typing import Any, Hashable, Optional
 import torch
 import torch.distributed as dist
 from torchft.process_group import ProcessGroupGloo as _FTGloo
+from torchft.process_group import ProcessGroupNCCL as _FTNCCL
 
 STATE_KEY = "fsdp_qcomm_diloco"
 
 
-class ProcessGroupGloo(_FTGloo):
-    """``torchft.ProcessGroupGloo`` with the collectives ``all_reduce_quantized`` needs."""
+class _QCommCollectives:
+    """What ``all_reduce_quantized`` needs beyond torchft's wrapper: the single-tensor
+    all-gather (forwarded to the current inner group, inside torchft's run context like its
+    other collectives) and the replica rank (the wrapper is built as rank 0 of 1)."""
 
     #: what ``FTReplicas`` checks (set it on a process group of your own that forwards
-    #: ``all_gather_single`` and reports the replica rank, e.g. a ``ProcessGroupNCCL`` twin)
+    #: ``all_gather_single`` and reports the replica rank)
     QCOMM_COLLECTIVES = True
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
@@ -55,9 +59,17 @@ class ProcessGroupGloo(_FTGloo):
             return self._wrap_work(self.parent._allgather_base(output, input, opts), opts)
 
     def rank(self) -> int:
-        """The replica rank in the current quorum (the wrapper itself is built as rank 0 of
-        1, which is what torchft's own ``rank()`` reports)."""
+        """The replica rank in the current quorum."""
         return self.parent.rank()
+
+
+class ProcessGroupGloo(_QCommCollectives, _FTGloo):
+    """``torchft.ProcessGroupGloo`` with the collectives ``all_reduce_quantized`` needs."""
+
+
+class ProcessGroupNCCL(_QCommCollectives, _FTNCCL):
+    """``torchft.ProcessGroupNCCL`` with the same additions (keeps torchft's abort on
+    timeout). Not run here: these machines have no GPU."""
 
 
 def _check_pg(pg: Any) -> None:
@@ -153,4 +165,4 @@ class FTReplicas:
         self._healed = True
 
 
-__all__ = ["FTReplicas", "ProcessGroupGloo", "STATE_KEY"]
+__all__ = ["FTReplicas", "ProcessGroupGloo", "ProcessGroupNCCL", "STATE_KEY"]
