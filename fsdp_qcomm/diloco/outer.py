@@ -102,6 +102,7 @@ class Fragment:
         self.global_ = self._flat(locals_)
         self._factory = factory
         self.optimizer = factory([self.global_])
+        self._template_bytes: Optional[int] = None
         self.feedback = FeedbackState() if error_feedback else None
 
     # ---- the weights --------------------------------------------------------------------
@@ -183,9 +184,17 @@ class Fragment:
         self.optimizer.load_state_dict(own)
 
     def optimizer_bytes(self) -> int:
+        """Bytes of the optimizer's state (before its first step: of the state it will
+        create, measured once on a probe)."""
+        present = bool(self.optimizer.state.get(self.global_))
+        if not present and self._template_bytes is not None:
+            return self._template_bytes
         state, _ = self.optimizer_state()
-        return sum(v.numel() * v.element_size() for v in state.values()
-                   if isinstance(v, torch.Tensor))
+        n = sum(v.numel() * v.element_size() for v in state.values()
+                if isinstance(v, torch.Tensor))
+        if not present:
+            self._template_bytes = n
+        return n
 
     # ---- error feedback --------------------------------------------------------------------
     def residuals(self, replicas: int, spec: Optional[QuantSpec],
