@@ -14,7 +14,10 @@ figures. ``config.build()`` constructs the trainer, which before torchtitan's ow
    pipeline stage) gets ``install_qcomm`` with the resolved section;
 
 and after it, adds the handles' state to the checkpoint (key ``"qcomm"``; a resumed run
-continues bit for bit) and tells the metrics processor the step's microbatches.
+continues bit for bit) and tells the metrics processor the step's microbatches. With
+``--diloco.enable`` (the ``diloco`` section, ``titan_common.diloco``) the ``dp_replicate``
+replica groups train by themselves (FSDP over ``dp_shard`` only) and DiLoCo syncs them after
+the optimizer steps.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from torchtitan.trainer import Trainer
 from fsdp_qcomm.titan03.attention import eager_block_masks, use_dense_attention
 from fsdp_qcomm.titan03.metrics import QCommMetricsProcessor
 from fsdp_qcomm.titan_common import cpu, data
+from fsdp_qcomm.titan_common import diloco as diloco_section
 from fsdp_qcomm.titan_common.checkpoint import add_handles_state
+from fsdp_qcomm.titan_common.diloco import DiLoCoSection
 from fsdp_qcomm.titan_common.install import install_qcomm
 from fsdp_qcomm.titan_common.section import QComm
 
@@ -42,6 +47,10 @@ class QCommTrainer(Trainer):
     class Config(Trainer.Config):
         qcomm: QComm = field(default_factory=QComm)
         """fsdp_qcomm's quantized collectives: a QCommConfig preset and field overrides"""
+
+        diloco: DiLoCoSection = field(default_factory=DiLoCoSection)
+        """DiLoCo across the dp_replicate replica groups (fsdp_qcomm.diloco): enable and
+        DiLoCoConfig overrides (sync_every, fragments, outer_lr, outer_momentum, bits, ...)"""
 
         metrics: QCommMetricsProcessor.Config = field(  # pyrefly: ignore [bad-override]
             default_factory=QCommMetricsProcessor.Config
@@ -90,14 +99,20 @@ class QCommTrainer(Trainer):
         section = config.qcomm
         qcfg = section.resolve()
         parallelize = spec.parallelize_fn
+        dl_config = config.diloco.resolve()
 
         def parallelize_with_qcomm(model, **kwargs):
+            if dl_config is not None:
+                diloco_section.check_layout(kwargs["parallel_dims"])
+                kwargs["parallel_dims"] = diloco_section._NoReplicate(kwargs["parallel_dims"])
             model = parallelize(model, **kwargs)
             install_qcomm([model], qcfg, preset=section.preset, overrides=section.overrides())
             return model
 
         config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize_with_qcomm)
         super().__init__(config)
+        diloco_section.install_diloco(self.model_parts, self.optimizers, self.parallel_dims,
+                                      dl_config)
         states = getattr(self.checkpointer, "states", None)  # none when checkpoints are off
         if states is not None:
             add_handles_state(states, self.model_parts)

@@ -24,7 +24,11 @@ from _titan_run import (  # noqa: E402
 
 require_adapter("fsdp_qcomm.titan03")
 
-from _hsdp_run import HSDP_FLAGS, check_hsdp_sdp4bit_summary  # noqa: E402
+from _hsdp_run import (  # noqa: E402
+    HSDP_FLAGS,
+    check_diloco_summary,
+    check_hsdp_sdp4bit_summary,
+)
 from _qcomm_fields import cli_value, field_variants  # noqa: E402
 
 from fsdp_qcomm.config import QCommConfig  # noqa: E402
@@ -370,3 +374,32 @@ def test_config_dataclass_fields_are_torchtitans_plus_qcomm():
 
     mine = {f.name for f in dataclasses.fields(QCommTrainer.Config)}
     assert mine == {f.name for f in dataclasses.fields(Trainer.Config)} | {"qcomm"}
+
+
+# --------------------------------------------------------------------------- diloco section
+def test_diloco_section_parses_from_cli():
+    """The ``diloco`` field mirrors DiLoCoConfig: off by default, CLI flags, bits 32 = fp32,
+    and a bad combination is refused naming the section."""
+    from fsdp_qcomm.diloco import DiLoCoConfig
+
+    assert parse("debug_sdp4bit").diloco.resolve() is None
+    cfg = parse("debug_sdp4bit", "--diloco.enable", "--diloco.sync_every", "8",
+                "--diloco.fragments", "2", "--diloco.bits", "2", "--diloco.error_feedback",
+                "True", "--diloco.outer_lr", "0.5")
+    assert cfg.diloco.resolve() == DiLoCoConfig(sync_every=8, fragments=2, bits=2,
+                                                error_feedback=True, outer_lr=0.5)
+    fp32 = parse("debug_sdp4bit", "--diloco.enable", "--diloco.bits", "32",
+                 "--diloco.hadamard", "False").diloco.resolve()
+    assert fp32.bits is None
+    with pytest.raises((ValueError, SystemExit)):
+        parse("debug_sdp4bit", "--diloco.sync_every", "6", "--diloco.fragments", "4")
+
+
+def test_diloco_two_replicas_of_two_shards(tmp_path):
+    """The 0.3 debug recipe on 4 CPU ranks as 2 replica groups x 2 shards with
+    ``--diloco.enable``: an outer 4-bit all-reduce every 2 steps, its node-crossing bytes on
+    the qcomm line and in the summary's history, no per-step replica all-reduce."""
+    dump = tmp_path / "out"
+    proc = torchrun("debug_sdp4bit", dump, *short_run(6), *HSDP_FLAGS, "--diloco.enable",
+                    "--diloco.sync_every", "2", nproc=4)
+    check_diloco_summary(read_summary(dump), proc.stdout + proc.stderr, steps=6, outer_steps=3)
