@@ -14,10 +14,9 @@ figures. ``config.build()`` constructs the trainer, which before torchtitan's ow
    pipeline stage) gets ``install_qcomm`` with the resolved section;
 
 and after it, adds the handles' state to the checkpoint (key ``"qcomm"``; a resumed run
-continues bit for bit) and tells the metrics processor the step's microbatches. With
-``--diloco.enable`` (the ``diloco`` section, ``titan_common.diloco``) the ``dp_replicate``
-replica groups train by themselves (FSDP over ``dp_shard`` only) and DiLoCo syncs them after
-the optimizer steps.
+continues bit for bit) and tells the metrics processor the step's microbatches. The
+``diloco`` section (``titan_common.diloco``) parses and validates as on 0.2.2, but
+``--diloco.enable`` is refused on 0.3 (see ``Config.__post_init__``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from torchtitan.trainer import Trainer
 from fsdp_qcomm.titan03.attention import eager_block_masks, use_dense_attention
 from fsdp_qcomm.titan03.metrics import QCommMetricsProcessor
 from fsdp_qcomm.titan_common import cpu, data
-from fsdp_qcomm.titan_common import diloco as diloco_section
 from fsdp_qcomm.titan_common.checkpoint import add_handles_state
 from fsdp_qcomm.titan_common.diloco import DiLoCoSection
 from fsdp_qcomm.titan_common.install import install_qcomm
@@ -80,6 +78,15 @@ class QCommTrainer(Trainer):
                     "reference, learned levels), which CUDA graph replay skips; set "
                     "--training.disable_cuda_graphs"
                 )
+            if self.diloco.enable:
+                raise ValueError(
+                    "diloco.enable is not wired for torchtitan 0.3: hiding dp_replicate from its "
+                    "parallelize function (what the 0.2.2 adapter does) fails in torch 2.15's "
+                    "fully_shard ('Parameter ... has spmd_types annotation on axis default_pg, "
+                    "which is neither a non-FSDP storage-mesh axis nor contained in the FSDP DP "
+                    "mesh'). Use torchtitan 0.2.2 (fsdp_qcomm.titan, [diloco]) or "
+                    "fsdp_qcomm.diloco.DiLoCo directly"
+                )
 
     def __init__(self, config: Config) -> None:
         if cpu.cpu_fallback_needed():
@@ -99,20 +106,14 @@ class QCommTrainer(Trainer):
         section = config.qcomm
         qcfg = section.resolve()
         parallelize = spec.parallelize_fn
-        dl_config = config.diloco.resolve()
 
         def parallelize_with_qcomm(model, **kwargs):
-            if dl_config is not None:
-                diloco_section.check_layout(kwargs["parallel_dims"])
-                kwargs["parallel_dims"] = diloco_section._NoReplicate(kwargs["parallel_dims"])
             model = parallelize(model, **kwargs)
             install_qcomm([model], qcfg, preset=section.preset, overrides=section.overrides())
             return model
 
         config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize_with_qcomm)
         super().__init__(config)
-        diloco_section.install_diloco(self.model_parts, self.optimizers, self.parallel_dims,
-                                      dl_config)
         states = getattr(self.checkpointer, "states", None)  # none when checkpoints are off
         if states is not None:
             add_handles_state(states, self.model_parts)

@@ -1,4 +1,5 @@
-"""DiLoCo in torchtitan: the ``diloco`` config section and the driver both adapters install.
+"""DiLoCo in torchtitan: the ``diloco`` config section (both adapters) and the driver (the
+torchtitan 0.2.2 adapter; the 0.3 one refuses ``enable``, see ``titan03.trainer``).
 
 The section (``[diloco]`` in torchtitan 0.2.2's TOML, ``--diloco.<field>`` on either's CLI, the
 ``diloco`` field of torchtitan 0.3's trainer ``Config``) is *generated* from

@@ -26,7 +26,6 @@ require_adapter("fsdp_qcomm.titan03")
 
 from _hsdp_run import (  # noqa: E402
     HSDP_FLAGS,
-    check_diloco_summary,
     check_hsdp_sdp4bit_summary,
 )
 from _qcomm_fields import cli_value, field_variants  # noqa: E402
@@ -379,27 +378,27 @@ def test_config_dataclass_fields_are_torchtitans_plus_qcomm():
 # --------------------------------------------------------------------------- diloco section
 def test_diloco_section_parses_from_cli():
     """The ``diloco`` field mirrors DiLoCoConfig: off by default, CLI flags, bits 32 = fp32,
-    and a bad combination is refused naming the section."""
+    and a bad combination is refused naming the section (``enable`` itself is refused on 0.3:
+    the next test; the values resolve as 0.2.2 would run them)."""
     from fsdp_qcomm.diloco import DiLoCoConfig
 
     assert parse("debug_sdp4bit").diloco.resolve() is None
-    cfg = parse("debug_sdp4bit", "--diloco.enable", "--diloco.sync_every", "8",
+    cfg = parse("debug_sdp4bit", "--diloco.sync_every", "8",
                 "--diloco.fragments", "2", "--diloco.bits", "2", "--diloco.error_feedback",
                 "True", "--diloco.outer_lr", "0.5")
-    assert cfg.diloco.resolve() == DiLoCoConfig(sync_every=8, fragments=2, bits=2,
+    on = dataclasses.replace(cfg.diloco, enable=True)
+    assert on.resolve() == DiLoCoConfig(sync_every=8, fragments=2, bits=2,
                                                 error_feedback=True, outer_lr=0.5)
-    fp32 = parse("debug_sdp4bit", "--diloco.enable", "--diloco.bits", "32",
-                 "--diloco.hadamard", "False").diloco.resolve()
+    fp32 = dataclasses.replace(parse("debug_sdp4bit", "--diloco.bits", "32", "--diloco.hadamard",
+                                     "False").diloco, enable=True).resolve()
     assert fp32.bits is None
     with pytest.raises((ValueError, SystemExit)):
         parse("debug_sdp4bit", "--diloco.sync_every", "6", "--diloco.fragments", "4")
 
 
-def test_diloco_two_replicas_of_two_shards(tmp_path):
-    """The 0.3 debug recipe on 4 CPU ranks as 2 replica groups x 2 shards with
-    ``--diloco.enable``: an outer 4-bit all-reduce every 2 steps, its node-crossing bytes on
-    the qcomm line and in the summary's history, no per-step replica all-reduce."""
-    dump = tmp_path / "out"
-    proc = torchrun("debug_sdp4bit", dump, *short_run(6), *HSDP_FLAGS, "--diloco.enable",
-                    "--diloco.sync_every", "2", nproc=4)
-    check_diloco_summary(read_summary(dump), proc.stdout + proc.stderr, steps=6, outer_steps=3)
+def test_diloco_enable_is_refused_naming_what_failed(capsys):
+    """``--diloco.enable`` on 0.3 stops at configuration (tyro prints the error and exits),
+    saying why (a 2 x 2 run failed in torch 2.15's fully_shard with dp_replicate hidden)."""
+    with pytest.raises(SystemExit):
+        parse("debug_sdp4bit", "--diloco.enable")
+    assert "not wired for torchtitan 0.3" in capsys.readouterr().err.replace("\n", " ")
