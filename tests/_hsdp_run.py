@@ -55,3 +55,15 @@ def check_hsdp_sdp4bit_summary(s: dict, steps: int) -> None:
         sent = sum(h[f"qcomm/{c}_bytes_per_step"] for c in ("weight", "grad", "replica"))
         base = sum(h[f"qcomm/{c}_baseline_bytes_per_step"] for c in ("weight", "grad", "replica"))
         assert h["qcomm/total_ratio_vs_unquantized"] == pytest.approx(sent / base, rel=1e-12)
+
+
+def check_diloco_summary(s: dict, output: str, steps: int, outer_steps: int) -> None:
+    """A run of 2 replica groups x 2 shards with ``--diloco.enable``: the ``diloco:`` part of
+    the qcomm line, DiLoCo's counters in the summary's last figures, node-crossing bytes of the
+    outer all-reduce only (no per-step replica all-reduce), a falling loss."""
+    assert "diloco: node-crossing" in output
+    last = s["history"][-1]
+    assert last["diloco/inner_steps"] == steps and last["diloco/outer_steps"] == outer_steps
+    assert last["diloco/outer_cross_node_bytes_per_inner_step"] > 0
+    assert not any(k.startswith("qcomm/grad_replica") and v for k, v in last.items())
+    assert s["history"][-1]["loss"] < s["history"][0]["loss"]

@@ -14,7 +14,9 @@ figures. ``config.build()`` constructs the trainer, which before torchtitan's ow
    pipeline stage) gets ``install_qcomm`` with the resolved section;
 
 and after it, adds the handles' state to the checkpoint (key ``"qcomm"``; a resumed run
-continues bit for bit) and tells the metrics processor the step's microbatches.
+continues bit for bit) and tells the metrics processor the step's microbatches. The
+``diloco`` section (``titan_common.diloco``) parses and validates as on 0.2.2, but
+``--diloco.enable`` is refused on 0.3 (see ``Config.__post_init__``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fsdp_qcomm.titan03.attention import eager_block_masks, use_dense_attention
 from fsdp_qcomm.titan03.metrics import QCommMetricsProcessor
 from fsdp_qcomm.titan_common import cpu, data
 from fsdp_qcomm.titan_common.checkpoint import add_handles_state
+from fsdp_qcomm.titan_common.diloco import DiLoCoSection
 from fsdp_qcomm.titan_common.install import install_qcomm
 from fsdp_qcomm.titan_common.section import QComm
 
@@ -42,6 +45,10 @@ class QCommTrainer(Trainer):
     class Config(Trainer.Config):
         qcomm: QComm = field(default_factory=QComm)
         """fsdp_qcomm's quantized collectives: a QCommConfig preset and field overrides"""
+
+        diloco: DiLoCoSection = field(default_factory=DiLoCoSection)
+        """DiLoCo across the dp_replicate replica groups (fsdp_qcomm.diloco): enable and
+        DiLoCoConfig overrides (sync_every, fragments, outer_lr, outer_momentum, bits, ...)"""
 
         metrics: QCommMetricsProcessor.Config = field(  # pyrefly: ignore [bad-override]
             default_factory=QCommMetricsProcessor.Config
@@ -70,6 +77,15 @@ class QCommTrainer(Trainer):
                     "fsdp_qcomm's hooks run Python on every collective (byte counters, the qWD "
                     "reference, learned levels), which CUDA graph replay skips; set "
                     "--training.disable_cuda_graphs"
+                )
+            if self.diloco.enable:
+                raise ValueError(
+                    "diloco.enable is not wired for torchtitan 0.3: hiding dp_replicate from its "
+                    "parallelize function (what the 0.2.2 adapter does) fails in torch 2.15's "
+                    "fully_shard ('Parameter ... has spmd_types annotation on axis default_pg, "
+                    "which is neither a non-FSDP storage-mesh axis nor contained in the FSDP DP "
+                    "mesh'). Use torchtitan 0.2.2 (fsdp_qcomm.titan, [diloco]) or "
+                    "fsdp_qcomm.diloco.DiLoCo directly"
                 )
 
     def __init__(self, config: Config) -> None:

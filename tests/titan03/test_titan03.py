@@ -24,7 +24,10 @@ from _titan_run import (  # noqa: E402
 
 require_adapter("fsdp_qcomm.titan03")
 
-from _hsdp_run import HSDP_FLAGS, check_hsdp_sdp4bit_summary  # noqa: E402
+from _hsdp_run import (  # noqa: E402
+    HSDP_FLAGS,
+    check_hsdp_sdp4bit_summary,
+)
 from _qcomm_fields import cli_value, field_variants  # noqa: E402
 
 from fsdp_qcomm.config import QCommConfig  # noqa: E402
@@ -370,3 +373,32 @@ def test_config_dataclass_fields_are_torchtitans_plus_qcomm():
 
     mine = {f.name for f in dataclasses.fields(QCommTrainer.Config)}
     assert mine == {f.name for f in dataclasses.fields(Trainer.Config)} | {"qcomm"}
+
+
+# --------------------------------------------------------------------------- diloco section
+def test_diloco_section_parses_from_cli():
+    """The ``diloco`` field mirrors DiLoCoConfig: off by default, CLI flags, bits 32 = fp32,
+    and a bad combination is refused naming the section (``enable`` itself is refused on 0.3:
+    the next test; the values resolve as 0.2.2 would run them)."""
+    from fsdp_qcomm.diloco import DiLoCoConfig
+
+    assert parse("debug_sdp4bit").diloco.resolve() is None
+    cfg = parse("debug_sdp4bit", "--diloco.sync_every", "8",
+                "--diloco.fragments", "2", "--diloco.bits", "2", "--diloco.error_feedback",
+                "True", "--diloco.outer_lr", "0.5")
+    on = dataclasses.replace(cfg.diloco, enable=True)
+    assert on.resolve() == DiLoCoConfig(sync_every=8, fragments=2, bits=2,
+                                                error_feedback=True, outer_lr=0.5)
+    fp32 = dataclasses.replace(parse("debug_sdp4bit", "--diloco.bits", "32", "--diloco.hadamard",
+                                     "False").diloco, enable=True).resolve()
+    assert fp32.bits is None
+    with pytest.raises((ValueError, SystemExit)):
+        parse("debug_sdp4bit", "--diloco.sync_every", "6", "--diloco.fragments", "4")
+
+
+def test_diloco_enable_is_refused_naming_what_failed(capsys):
+    """``--diloco.enable`` on 0.3 stops at configuration (tyro prints the error and exits),
+    saying why (a 2 x 2 run failed in torch 2.15's fully_shard with dp_replicate hidden)."""
+    with pytest.raises(SystemExit):
+        parse("debug_sdp4bit", "--diloco.enable")
+    assert "not wired for torchtitan 0.3" in capsys.readouterr().err.replace("\n", " ")
