@@ -10,7 +10,9 @@ then, after the last optimizer step with the gradients still held, adds up per r
 * ``grads``: their sharded gradients (likewise);
 * ``optimizer``: AdamW's states (``exp_avg``, ``exp_avg_sq``, ``step``);
 * ``reference``: the qWD reference, ``handle.reference_bytes()``;
-* ``error_feedback``: the gradient residuals (``stats()["summary"]["error_feedback_bytes"]``);
+* ``error_feedback``: the gradient residuals' live buffers (views of them in
+  ``handle.state_dict()``), checked equal to ``stats()["summary"]["error_feedback_bytes"]``
+  and ``handle.kept_bytes()["error_feedback"]``;
 * ``level_tables``: learned level tables (``handle.kept_bytes()["level_tables"]``);
 
 and, from ``torch.profiler`` (``profile_memory=True``, started before the model is built): the
@@ -269,11 +271,15 @@ def _measure(rank: int, world: int, a, row: Row, nodes: int, gpus: int) -> dict:
                                               if torch.is_tensor(v))
             kept = handle.kept_bytes() if handle is not None else {}
             out["reference"] = handle.reference_bytes() if handle is not None else 0
-            out["error_feedback"] = (handle.stats()["summary"]["error_feedback_bytes"]
-                                     if handle is not None else 0)
+            # the residuals' live buffers (handle.state_dict() holds views of them)
+            out["error_feedback"] = _storage_bytes(
+                v for mod in handle.state_dict()["modules"].values()
+                for v in mod.get("grad_residuals", {}).values()) if handle is not None else 0
             out["level_tables"] = kept.get("level_tables", 0)
             assert kept.get("reference", 0) == out["reference"]
             assert kept.get("error_feedback", 0) == out["error_feedback"]
+            if handle is not None:
+                assert handle.stats()["summary"]["error_feedback_bytes"] == out["error_feedback"]
             if handle is not None:
                 st = handle.stats()
                 out["cross_node_bytes_per_step"] = st["summary"]["cross_node_bytes_per_step"]
