@@ -16,7 +16,11 @@ figures. ``config.build()`` constructs the trainer, which before torchtitan's ow
 and after it, adds the handles' state to the checkpoint (key ``"qcomm"``; a resumed run
 continues bit for bit) and tells the metrics processor the step's microbatches. The
 ``diloco`` section (``titan_common.diloco``) parses and validates as on 0.2.2, but
-``--diloco.enable`` is refused on 0.3 (see ``Config.__post_init__``).
+``--diloco.enable`` is refused on 0.3 (see ``Config.__post_init__``). Under HSDP with
+gradient accumulation, ``train_step`` and ``forward_backward_step`` skip FSDP's all-reduce
+across replicas on all but the last micro-batch of each optimizer step
+(``titan_common/accumulation.py``): one node-crossing all-reduce per step, as with one
+micro-batch.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from torchtitan.trainer import Trainer
 from fsdp_qcomm.titan03.attention import eager_block_masks, use_dense_attention
 from fsdp_qcomm.titan03.metrics import QCommMetricsProcessor
 from fsdp_qcomm.titan_common import cpu, data
+from fsdp_qcomm.titan_common.accumulation import ReplicaSync
 from fsdp_qcomm.titan_common.checkpoint import add_handles_state
+from fsdp_qcomm.titan_common.comm_stats import attachment_of
 from fsdp_qcomm.titan_common.diloco import DiLoCoSection
 from fsdp_qcomm.titan_common.install import install_qcomm
 from fsdp_qcomm.titan_common.section import QComm
@@ -120,6 +126,21 @@ class QCommTrainer(Trainer):
         self.metrics_processor.run_name = (spec.name, spec.flavor)
         self.metrics_processor.set_microbatches(
             self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
+        self.replica_sync = ReplicaSync(self.model_parts, self.gradient_accumulation_steps,
+                                        pipelined=self.parallel_dims.pp_enabled)
+        self.replica_sync.attach_optimizers(self.optimizers)
+        for att in attachment_of(self.model_parts):
+            att.replica_sync = self.replica_sync
+        logger.info(f"qcomm: {self.replica_sync.describe()}")
+
+    def train_step(self, data_iterator):
+        self.replica_sync.start_step()
+        return super().train_step(data_iterator)
+
+    def forward_backward_step(self, **kwargs):
+        # one call per gradient accumulation step (pipeline micro-batches go inside it)
+        self.replica_sync.before_microbatch()
+        return super().forward_backward_step(**kwargs)
 
 
 __all__ = ["QCommTrainer"]

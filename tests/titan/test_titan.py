@@ -9,6 +9,7 @@ fast. The version-free pieces
 
 import dataclasses
 import math
+import re
 import shutil
 import sys
 import textwrap
@@ -385,12 +386,20 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
 
 def test_hsdp_two_replicas_of_two_shards(tmp_path):
     """recipes/debug_sdp4bit.toml as HSDP, 2 replicas x 2 shards on 4 CPU ranks counting as 2
-    nodes x 2: the replica all-reduce is quantized and counted (``grad_replica``), every
-    baseline equals the FSDP reference, only the replica hop crosses nodes, the loss falls."""
+    nodes x 2, with 2 micro-batches per optimizer step (global batch 32 = 2 x 4 sequences x 4
+    ranks): the replica all-reduce is quantized and counted (``grad_replica``) once per module
+    and optimizer step (the train spec skips it on the first micro-batch), every baseline
+    equals the FSDP reference, only the replica hop crosses nodes, the loss falls, and the
+    ``qcomm:`` line shows the node-crossing bytes per step."""
     dump = tmp_path / "out"
-    torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump,
-             *short_run(6), *HSDP_FLAGS, nproc=4, timeout=300)
-    check_hsdp_sdp4bit_summary(read_summary(dump), steps=6)
+    proc = torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump,
+                    *short_run(6), *HSDP_FLAGS, "--training.global_batch_size", "32",
+                    nproc=4, timeout=600)
+    check_hsdp_sdp4bit_summary(read_summary(dump), steps=6, microbatches=2)
+    out = proc.stdout + proc.stderr
+    assert "qcomm: HSDP all-reduce across 2 replicas: once per optimizer step, at the last " \
+        "of 2 micro-batches" in out
+    assert re.search(r"qcomm: \[2 microbatches/step\] .*  X-node [0-9.]+KiB/step  total x", out)
 
 
 # --------------------------------------------------------------------------- [diloco] section
