@@ -633,7 +633,11 @@ class QuantizedAllGather(AllGather):
         if (self._forward_gathers - 1) % self._check_every:
             return self._record
         world = group.size()
-        if segs is None:  # plain fallback (raw bytes or unknown layout): one checksum
+        if segs is None and output.dtype in FLOAT_DTYPES:  # a plain gather: name parameters
+            segs, _ = self._segments()
+            if segs is not None and sum(segs) * world != output.numel():
+                segs = None
+        if segs is None:  # raw bytes or an unknown layout: one checksum
             segs, names = (output.numel() // world,), [f"{self.name} (all parameters)"]
         else:
             names = self._param_names()
