@@ -79,7 +79,8 @@ def test_hsdp_quantizes_only_the_replica_all_reduce():
 
 
 def test_one_rank_groups_run_no_collective():
-    p = _plan("sdp4bit", _layout([0], 1))
+    p = _plan("sdp4bit", _layout([0], 1), weight_reuse_unchanged=True)
+    assert p.weights.weight_scheme == "none" and not p.weights.reuses_unchanged_weights
     assert p.why == (
         "weight all-gather: none, a group of one rank (FSDP2 runs no collective)",
         "gradient reduce-scatter: none, a group of one rank (FSDP2 runs no collective)",

@@ -76,8 +76,10 @@ def plan_module(
     # ---- weights
     weights = run
     node_reference = False
-    if run.weight_scheme != "none" and gather.size == 1:
-        why.append("weight all-gather: none, a group of one rank (FSDP2 runs no collective)")
+    if gather.size == 1:  # nothing to hook: no reference, no tracker, no agreement
+        weights = dataclasses.replace(run, **_PLAIN_WEIGHTS, weight_reuse_unchanged=False)
+        if run.weight_scheme != "none":
+            why.append("weight all-gather: none, a group of one rank (FSDP2 runs no collective)")
     elif run.weight_scheme != "none":
         if gather.num_nodes > 1 or intra_ok:
             text = f"weight all-gather: {run.weight_scheme} {run.weight_bits}-bit"
