@@ -46,7 +46,7 @@ ALLOWED = {
         "level refresh only: fp64 numpy fit on the CPU",
     ("fsdp_qcomm/fsdp/consistency.py", "consistency_error"):
         "opt-in consistency_check_every: compares checksums on the host to raise on every rank",
-    ("fsdp_qcomm/fsdp/change_tracker.py", "Agreement.agree"):
+    ("fsdp_qcomm/fsdp/change_tracker.py", "agree"):
         "one host read per root forward (verify_weight_writes, on by default): the agreed "
         "change codes decide which collectives every rank runs; off: no read",
     ("fsdp_qcomm/fsdp/enable.py", "_agreement_group"):
@@ -230,7 +230,10 @@ def test_no_host_sync_in_training_steps():
             reads = {e.split(" at ")[1] for e in case["per_step"][1]}
             assert len({e.split(":")[0] for e in reads}) <= 1, reads  # one function, one place
         assert r["sdp4bit_unverified"]["per_step"][1] == [], r["sdp4bit_unverified"]
-        assert r["sdp4bit"]["per_step"][1], "the agreement's host read was not seen"
+        # the agreement ran (its .tolist() of a CPU tensor dispatches no op the recorder sees;
+        # the static audit above pins where it reads): with verify_weight_writes only
+        assert "agreement" in r["sdp4bit"]["kinds"], r["sdp4bit"]
+        assert "agreement" not in r["sdp4bit_unverified"]["kinds"], r["sdp4bit_unverified"]
     r = res[0]
     assert r["sdp4bit"]["modes"].get("qwd_diff", 0) >= 1, r["sdp4bit"]
     assert {"weight_allgather", "grad_inter"} <= set(r["sdp4bit"]["kinds"]), r["sdp4bit"]
