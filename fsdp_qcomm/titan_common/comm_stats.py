@@ -16,6 +16,8 @@ kinds:
 * ``replica`` (``R``): HSDP's all-reduce of the reduced shards across replicas
   (``grad_replica``);
 * ``levels`` (``L``): learned-level table refreshes (``levels_sync``; pure overhead, baseline 0);
+* ``agreement`` (``A``): the change codes every rank agrees on before a root forward
+  (``agreement``, ``verify_weight_writes``; a few bytes per module, pure overhead, baseline 0);
 * ``weight_intra`` (``Wn``): the node-sharded qWD reference's second hop, an unquantized
   all-gather inside the node of the rebuilt slices (``weight_allgather_intra``): bytes that
   never leave a node, beyond FSDP2's own gather (which is the ``weight`` collective's
@@ -129,6 +131,7 @@ COLLECTIVES: tuple[Collective, ...] = (
                reference="grad"),
     Collective("replica", "R", ("grad_replica",), reference="replica"),
     Collective("levels", "L", ("levels_sync",)),
+    Collective("agreement", "A", ("agreement",)),
     Collective("weight_intra", "Wn", ("weight_allgather_intra",), counts_baseline=False),
 )
 _BY_KIND = {k: c for c in COLLECTIVES for k in c.kinds}
@@ -150,8 +153,8 @@ def collective_of(kind: str) -> Collective:
         _warned_kinds.add(kind)
         logger.warning(
             f"qcomm: stats kind {kind!r} is not one fsdp_qcomm.titan_common.comm_stats groups "
-            "(weights, gradients, replicas, levels); it is logged as a collective of its own "
-            "and counted in the total"
+            "(weights, gradients, replicas, levels, agreement); it is logged as a collective of "
+            "its own and counted in the total"
         )
     return Collective(kind, kind, (kind,))
 

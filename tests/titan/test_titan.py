@@ -199,8 +199,24 @@ def short_run(steps: int, validate: bool = False) -> tuple:
     )
 
 
-SDP4BIT_RUN = ("--qcomm.ranks_per_node", "1",  # 2 "nodes" of 1 rank: the 4-bit inter hop
+#: 2 "nodes" of 1 rank each, so that the gather and the reduce-scatter cross nodes (one node
+#: would leave them to FSDP2: only what crosses nodes is quantized)
+TWO_NODES = ("--qcomm.ranks_per_node", "1")
+SDP4BIT_RUN = (*TWO_NODES,  # the 4-bit inter hop
                "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.folder", "ckpt")
+#: what the notes say of that run: which hops are quantized and why, nothing else
+SDP4BIT_PLAN = [
+    "gradient reduce-scatter: two-level, inside then across nodes: 2 nodes of 1 rank(s)",
+    "weight all-gather: qwd 4-bit, full reference (one rank per node): 2 nodes of 1 rank(s)",
+]
+
+
+def plan_notes(s: dict) -> list[str]:
+    """The run's notes without their module lists, after checking each names every hooked
+    module."""
+    n = s["hooked_modules"]
+    assert all(f" [{n} module(s): " in line for line in s["notes"]), s["notes"]
+    return sorted(line.split(" [", 1)[0] for line in s["notes"])
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +233,7 @@ def test_torchrun_two_processes_through_recipe(sdp4bit_run):
     logged figures match the library's wire formats, and the loss falls."""
     s = read_summary(sdp4bit_run)
     assert s["world_size"] == 2 and s["last_step"] == 8 and s["preset"] == "sdp4bit"
-    assert s["installed"] and s["notes"] == [] and s["training_steps"] == 8
+    assert s["installed"] and plan_notes(s) == SDP4BIT_PLAN and s["training_steps"] == 8
     n = s["hooked_modules"]
     assert 0 < n <= s["fsdp_modules"]
     loss = s["loss"]
@@ -269,7 +285,7 @@ def test_checkpoint_resume_is_bit_identical(sdp4bit_run, tmp_path):
     n = b["hooked_modules"]
     assert b["steps_logged"] == [5, 6, 7, 8] and b["training_steps"] == 4
     assert b["gather_modes"].get("qwd_restore") == n and not b["gather_modes"].get("qwd_full")
-    assert b["notes"] == []
+    assert plan_notes(b) == SDP4BIT_PLAN
     la = dict(zip(a["steps_logged"], a["loss"]))
     lb = dict(zip(b["steps_logged"], b["loss"]))
     assert all(lb[s] == la[s] for s in (5, 6, 7, 8)), (la, lb)
@@ -336,18 +352,18 @@ def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard
 
 def test_gradient_accumulation_sends_one_weight_exchange_per_step(tmp_path):
     """sdp4bit with 2 microbatches per optimizer step (global batch 16 = 2 x 4 sequences x 2
-    ranks; torchtitan reduce-scatters every microbatch): qWD sends one difference per module
-    and step once the first torch.optim step was seen (the first step's second microbatch
-    sends one too: until then a finished reduction may mean an unseen optimizer), the other
-    gathers reuse the reference, and the qcomm: line says so."""
+    ranks; torchtitan reduce-scatters every microbatch; 2 one-rank "nodes"): the first
+    gathers send full precision, then qWD sends one difference per module and optimizer step
+    (the weights change only in the optimizer step, which every rank agrees on before the
+    next forward), the other gathers reuse the reference, and the qcomm: line says so."""
     dump = tmp_path / "out"
     proc = torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(4),
-                    "--training.global_batch_size", "16")
+                    *TWO_NODES, "--training.global_batch_size", "16")
     s = read_summary(dump)
     n = s["hooked_modules"]
     assert s["microbatches"] == 2 and s["training_steps"] == 4
     modes = s["gather_modes"]
-    assert modes["qwd_full"] == n and modes["qwd_diff"] == (1 + 3) * n, modes
+    assert modes["qwd_full"] == n and modes["qwd_diff"] == 3 * n, modes
     assert modes["qwd_reuse"] >= 4 * n  # the second microbatch's forward, every step
     for h in s["history"][1:]:  # after the full-precision first step
         assert h["qcomm/microbatches"] == 2.0
@@ -363,7 +379,7 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
     overhead in the figures and the total, and the other figures stay exact."""
     dump = tmp_path / "out"
     proc = torchrun(
-        REPO_ROOT / "recipes" / "debug_qsdp.toml", dump, *short_run(3),
+        REPO_ROOT / "recipes" / "debug_qsdp.toml", dump, *short_run(3), *TWO_NODES,
         "--qcomm.weight_levels", "learned", "--qcomm.grad_levels", "learned",
     )
     s = read_summary(dump)
@@ -373,7 +389,9 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
     assert stats["levels_sync"]["sent_bytes"] == s["measured_cumulative"]["levels_sent"] > 0
     first = s["history"][0]
     assert first["qcomm/levels_bytes_per_step"] > 0
-    sent = sum(first[f"qcomm/{c}_bytes_per_step"] for c in ("weight", "grad", "levels"))
+    assert first["qcomm/agreement_bytes_per_step"] > 0  # the change codes, before forwards
+    sent = sum(first[f"qcomm/{c}_bytes_per_step"]
+               for c in ("weight", "grad", "levels", "agreement"))
     base = first["qcomm/weight_baseline_bytes_per_step"] + \
         first["qcomm/grad_baseline_bytes_per_step"]
     assert first["qcomm/total_ratio_vs_unquantized"] == pytest.approx(sent / base, rel=1e-12)

@@ -352,6 +352,7 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
     table refreshes show up as overhead in the figures and the total."""
     dump = tmp_path / "out"
     proc = torchrun("debug_qsdp", dump, *short_run(3), "--validator.no-enable",
+                    "--qcomm.ranks_per_node", "1",  # 2 one-rank "nodes": the hops cross nodes
                     "--qcomm.weight_levels", "learned", "--qcomm.grad_levels", "learned")
     s = read_summary(dump)
     assert s["steps_logged"] == [1, 2, 3] and s["qcomm_config"]["grad_levels"] == "learned"
@@ -359,7 +360,9 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
     assert s["handle_stats"][0]["levels_sync"]["sent_bytes"] == \
         s["measured_cumulative"]["levels_sent"] > 0
     first = s["history"][0]
-    sent = sum(first[f"qcomm/{c}_bytes_per_step"] for c in ("weight", "grad", "levels"))
+    assert first["qcomm/agreement_bytes_per_step"] > 0  # the change codes, before forwards
+    sent = sum(first[f"qcomm/{c}_bytes_per_step"]
+               for c in ("weight", "grad", "levels", "agreement"))
     base = first["qcomm/weight_baseline_bytes_per_step"] + \
         first["qcomm/grad_baseline_bytes_per_step"]
     assert first["qcomm/levels_bytes_per_step"] > 0
