@@ -202,7 +202,9 @@ def _accumulate_step(model, opt, step, rank, k: int = 2) -> list[float]:
 def _resume_accumulating(rank, world, root):
     # Gradient accumulation with forward-only evaluation: one exchange per step, before and
     # after a resume, and the resumed run is the uninterrupted one bit for bit.
-    cfg = QCommConfig.preset("qwd", weight_group_size=32, seed=7)
+    # two "nodes" of one rank: the gathers cross nodes, so qWD runs (one node would keep them
+    # FSDP2's own since hop_plan)
+    cfg = QCommConfig.preset("qwd", weight_group_size=32, ranks_per_node=1, seed=7)
     ckpt = os.path.join(root, "step")
 
     def run(model, opt, steps):
@@ -241,7 +243,7 @@ def test_resume_under_gradient_accumulation_is_bit_identical(tmp_path):
 def _resume_shared_group(rank, world, root):
     # torchtitan-style fully_shard([norm, output]): the group's parameters are inp.weight,
     # inp.bias, out.weight, out.bias; each needs its own checkpoint entry.
-    cfg = QCommConfig.preset("qwd", weight_group_size=32, seed=3)
+    cfg = QCommConfig.preset("qwd", weight_group_size=32, ranks_per_node=1, seed=3)
     ckpt = os.path.join(root, "step")
     model, handle, opt = _build(cfg, group_io=True)
     [_train_step(model, opt, s, rank) for s in range(2)]
