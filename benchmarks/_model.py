@@ -1,4 +1,5 @@
-"""What the benchmarks share: a small GPT, its FSDP2 wrapping, and a character-level dataset.
+"""What the benchmarks share: a small GPT, its FSDP2 wrapping, and two datasets: characters of
+a text file (``CharData``) and the main job's BPE corpus (``BPEData``).
 
 The model is deliberately plain (learned positions, pre-norm blocks, GELU MLP, untied output
 layer) so that a benchmark measures the collectives, not the model code. Every rank builds it
@@ -7,8 +8,10 @@ from the same seed before ``fully_shard``, so all schemes start from identical w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -108,7 +111,37 @@ def hsdp_mesh(ranks_per_node: int):
                             mesh_dim_names=("replicate", "shard"))
 
 
-class CharData:
+class _Windows:
+    """What both datasets share: random training windows and a fixed validation set."""
+
+    train: "torch.Tensor"
+    val: "torch.Tensor"
+
+    def batch(self, split: str, batch: int, seq: int, seed: int, step: int, rank: int):
+        """``batch`` random windows (inputs, next-token targets), a pure function of
+        (seed, split, step, rank): every scheme sees the same data."""
+        data = self.train if split == "train" else self.val
+        g = torch.Generator().manual_seed(
+            (seed * 1_000_003 + step * 101 + rank) * 2 + (split != "train")
+        )
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[s:s + seq] for s in starts.tolist()])
+        y = torch.stack([data[s + 1:s + seq + 1] for s in starts.tolist()])
+        return x, y
+
+    def val_windows(self, seq: int) -> int:
+        """How many non-overlapping windows of ``seq`` tokens (plus the next-token target) the
+        whole validation split holds."""
+        return (len(self.val) - 1) // seq
+
+    def val_window(self, indices: list[int], seq: int):
+        """Inputs and targets of the non-overlapping validation windows ``indices``."""
+        x = torch.stack([self.val[i * seq:(i + 1) * seq] for i in indices])
+        y = torch.stack([self.val[i * seq + 1:(i + 1) * seq + 1] for i in indices])
+        return x, y
+
+
+class CharData(_Windows):
     """Character-level tokens of a text or JSONL file (``text`` field, else the whole record),
     split into train (first 90%) and held-out validation (last 10%)."""
 
@@ -138,14 +171,47 @@ class CharData:
         cut = int(0.9 * len(ids))
         self.train, self.val = ids[:cut], ids[cut:]
 
-    def batch(self, split: str, batch: int, seq: int, seed: int, step: int, rank: int):
-        """``batch`` random windows (inputs, next-token targets), a pure function of
-        (seed, split, step, rank): every scheme sees the same data."""
-        data = self.train if split == "train" else self.val
-        g = torch.Generator().manual_seed(
-            (seed * 1_000_003 + step * 101 + rank) * 2 + (split != "train")
-        )
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        x = torch.stack([data[s:s + seq] for s in starts.tolist()])
-        y = torch.stack([data[s + 1:s + seq + 1] for s in starts.tolist()])
-        return x, y
+    def digest(self) -> str:
+        p = self.path
+        return f"{p.name} sha256:{hashlib.sha256(p.read_bytes()).hexdigest()[:16]}"
+
+
+class BPEData(_Windows):
+    """The main job's offline corpus (``fsdp_qcomm.titan_common.data``: the standard library's
+    docstrings and language-reference topics, ~2 MB, built once and cached) in its byte-level
+    BPE tokenization (vocabulary ``vocab``, trained on the training split), documents joined
+    with the end-of-text token. Train and validation are the corpus's own splits (whole
+    modules held out). Tokens are cached next to the tokenizer."""
+
+    def __init__(self, vocab: int = 8192) -> None:
+        from fsdp_qcomm.titan_common import data as d
+
+        corpus, tok_dir = d.ensure_corpus(), d.ensure_tokenizer(vocab)
+        cache = tok_dir / "benchmark_tokens.pt"
+        if cache.is_file():
+            ids = torch.load(cache)
+        else:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+            eot = tok.token_to_id(d.EOS_TOKEN)
+            ids = {}
+            for split in ("train", "val"):
+                out: list[int] = []
+                with open(corpus / f"{split}.jsonl", encoding="utf-8") as f:
+                    for line in f:
+                        out += tok.encode(json.loads(line)["text"]).ids + [eot]
+                ids[split] = torch.tensor(out, dtype=torch.long)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            torch.save(ids, tmp)
+            tmp.replace(cache)  # ranks building it at once publish the same bytes
+        self.path = tok_dir / "tokenizer.json"
+        self.vocab = vocab
+        self.train, self.val = ids["train"], ids["val"]
+
+    def digest(self) -> str:
+        """What a run's setup records: the token streams' hash, so a rebuilt corpus or
+        tokenizer that differs cannot pass for the stored one."""
+        h = hashlib.sha256(self.train.numpy().tobytes() + self.val.numpy().tobytes())
+        return (f"pystdlib bpe{self.vocab} train {len(self.train)} val {len(self.val)} tokens "
+                f"sha256:{h.hexdigest()[:16]}")

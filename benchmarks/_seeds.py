@@ -6,6 +6,14 @@ validation loss, and the gap to the baseline paired by seed (same seed = same in
 and batches, so the pairing removes most of the shared noise) with its 95% confidence
 interval (Student's t, n - 1 degrees of freedom).
 
+A row's verdict answers the question the tables exist for, "does this scheme cost more than
++0.5% loss?", from that interval alone (``verdict``): "within +0.5%" when its upper bound is
+at most ``CLAIM_PCT``, "worse" when its lower bound is above ``WORSE_ABOVE_PCT`` (0: the
+scheme's loss is measurably higher than the baseline's) and the first does not hold, else
+"undecided" (one seed, or an interval that straddles both thresholds: more seeds or a quieter
+measurement would settle it). ``docs/accuracy_method.md`` says where the spread came from and
+what the measurement does to shrink it.
+
 ``RunStore`` keeps one JSON file per (row, seed) under ``<out>/runs/``. A long sweep can stop
 and resume (finished runs are skipped), or be split by row or seed across invocations sharing
 ``--out``; the report is built from every run in the store. Runs made under other settings
@@ -27,6 +35,15 @@ from typing import Any, Optional, Sequence
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+#: a gap is "within +0.5%" when the upper bound of its 95% interval is at most this (percent)
+CLAIM_PCT = 0.5
+#: a gap is "worse" when the lower bound of its 95% interval is above this (percent)
+WORSE_ABOVE_PCT = 0.0
+WITHIN = f"within +{CLAIM_PCT}%"
+WORSE = "worse"
+UNDECIDED = "undecided"
 
 
 def seed_list(first: int, n: int) -> list[int]:
@@ -97,6 +114,49 @@ def fmt_verdict(s: Optional[Spread], digits: int = 2) -> str:
     return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]%: {word}"
 
 
+def interval(s: Spread) -> tuple[float, float]:
+    """The 95% interval ``mean -+ ci95`` (infinite with one value)."""
+    return s.mean - s.ci95, s.mean + s.ci95
+
+
+def verdict(s: Optional[Spread]) -> str:
+    """``WITHIN`` (upper bound <= ``CLAIM_PCT``), else ``WORSE`` (lower bound >
+    ``WORSE_ABOVE_PCT``), else ``UNDECIDED`` (also for one seed or no gap). An interval inside
+    (0, +0.5%] is "within +0.5%": the claim is about the tolerance; ``interval`` shows it is
+    above 0."""
+    if s is None or s.n < 2 or not math.isfinite(s.ci95):
+        return UNDECIDED
+    lo, hi = interval(s)
+    if hi <= CLAIM_PCT:
+        return WITHIN
+    if lo > WORSE_ABOVE_PCT:
+        return WORSE
+    return UNDECIDED
+
+
+def ordering(s: Optional[Spread], a: str, b: str) -> str:
+    """For the paired gap of ``a`` against ``b``: "A lower" when its 95% interval lies below 0,
+    "B lower" when above, else "undecided" (also with one seed)."""
+    if s is None or s.n < 2 or not math.isfinite(s.ci95):
+        return UNDECIDED
+    lo, hi = interval(s)
+    if hi < 0:
+        return f"{a} lower"
+    if lo > 0:
+        return f"{b} lower"
+    return UNDECIDED
+
+
+def fmt_interval(s: Optional[Spread], digits: int = 2) -> str:
+    """``[lo, hi]%`` of a gap ("-" for none, "1 seed" without a spread)."""
+    if s is None:
+        return "-"
+    if s.n < 2:
+        return "1 seed"
+    lo, hi = interval(s)
+    return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]%"
+
+
 def file_digest(path: str | Path) -> str:
     """Name and content hash of a data file: what a run's setup records, so that checkouts at
     different paths can share stored runs, and a changed file cannot."""
@@ -161,6 +221,12 @@ class RunStore:
                                    "row": row, "record": record}, indent=1))
         tmp.replace(p)  # a killed run leaves no half-written file behind
 
+    def seeds(self, label: str) -> list[int]:
+        """The seeds stored for ``label``."""
+        pre = f"{_slug(label)}__seed"
+        return sorted(int(p.stem[len(pre):]) for p in self.dir.glob(f"{pre}*.json")
+                      if p.stem[len(pre):].lstrip("-").isdigit()) if self.dir.is_dir() else []
+
     def all(self) -> dict[str, dict[str, Any]]:
         """Every stored run: ``{label: {"row": ..., "runs": {seed: record}}}``."""
         out: dict[str, dict[str, Any]] = {}
@@ -174,5 +240,7 @@ class RunStore:
         return out
 
 
-__all__ = ["RunStore", "SetupMismatch", "Spread", "file_digest", "fmt_spread", "fmt_verdict",
-           "paired_gap_pct", "seed_list", "spread"]
+__all__ = ["CLAIM_PCT", "UNDECIDED", "WITHIN", "WORSE", "WORSE_ABOVE_PCT", "RunStore",
+           "SetupMismatch", "Spread", "file_digest", "fmt_interval", "fmt_spread", "fmt_verdict",
+           "interval", "ordering", "paired_gap_pct", "seed_list", "spread", "verdict"]
+

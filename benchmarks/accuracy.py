@@ -11,7 +11,8 @@ FSDP2 and ``fsdp_qcomm.enable``. "baseline" is FSDP2 with its own collectives (n
 ``--seeds N`` trains every scheme under seeds ``--seed``, ``--seed + 1``, ... (the seed fixes
 the initial weights, the batches and the quantizers' random bits) and reports the mean and
 standard deviation of the final validation loss per scheme and the gap to the baseline paired
-by seed, with its 95% interval: a gap whose interval contains 0 is seed noise, not a finding.
+by seed, with its 95% interval and a verdict: "within +0.5%" (upper bound at most +0.5%),
+"worse" (lower bound above 0) or "undecided" (``_seeds.verdict``, ``docs/accuracy_method.md``).
 Every (scheme, seed) run is stored as soon as it finishes (``DIR/runs/``, ``_seeds.RunStore``):
 an interrupted sweep resumes where it stopped, and a long sweep can be split by scheme or seed
 over several invocations with the same ``--out`` (``--report-only`` rebuilds the table from
@@ -45,12 +46,12 @@ import _provenance  # noqa: E402
 from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
-    file_digest,
+    fmt_interval,
     fmt_spread,
-    fmt_verdict,
     paired_gap_pct,
     seed_list,
     spread,
+    verdict,
 )
 
 
@@ -91,6 +92,11 @@ BASELINE = "baseline"
 # arguments that change what a run computes: runs stored under other values are refused
 _SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "warmup", "eval_every",
                "eval_batches", "val_seed", "world", "ranks_per_node")
+# added later: part of the setup only when not at their default, so stores made before they
+# existed stay valid
+_SETUP_ARGS_NEW = {"fix": [], "eval_full": False, "full_last": 0, "lr_final": 0.1, "bpe": 0}
+#: the parts of a run that its seed sets, each of which ``--fix`` can hold at ``--seed``
+SEED_PARTS = ("init", "data", "quant")
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -110,6 +116,27 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=1, help="seeds per scheme: --seed, --seed+1, ...")
     ap.add_argument("--val-seed", type=int, default=1234,
                     help="picks the held-out batches, the same for every scheme and seed")
+    ap.add_argument("--fix", default="",
+                    help="comma-separated parts of a run held at --seed for every seed, the "
+                         "others following the run's seed: " + ", ".join(SEED_PARTS) +
+                         " (initial weights, training batches, the quantizers' random bits); "
+                         "for variance experiments")
+    ap.add_argument("--eval-full", action="store_true",
+                    help="also evaluate on the whole held-out split (non-overlapping windows) "
+                         "at every evaluation (the last --full-last ones); the table then "
+                         "scores runs on it")
+    ap.add_argument("--full-last", type=int, default=0, metavar="N",
+                    help="with --eval-full: only the last N evaluations use the whole split "
+                         "(0: all); it costs about 20 training steps of the default model")
+    ap.add_argument("--tail", type=int, default=1,
+                    help="score of a run: the mean of its last TAIL evaluations (1: the final "
+                         "one); a report setting, not stored with the runs")
+    ap.add_argument("--lr-final", type=float, default=0.1,
+                    help="the cosine schedule ends at this fraction of --lr")
+    ap.add_argument("--bpe", type=int, default=0, metavar="VOCAB",
+                    help="train on the main job's BPE corpus (fsdp_qcomm.titan_common.data, "
+                         "tokenizer of vocabulary VOCAB, e.g. 8192) instead of --data's "
+                         "characters")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--schemes", default=",".join(SCHEMES),
@@ -128,15 +155,35 @@ def _args(argv=None) -> argparse.Namespace:
         ap.error(f"--world {a.world} is not a multiple of --ranks-per-node {a.ranks_per_node}")
     if a.seeds < 1:
         ap.error(f"--seeds {a.seeds} must be >= 1")
+    if a.tail < 1:
+        ap.error(f"--tail {a.tail} must be >= 1")
+    a.fix = sorted({x.strip() for x in a.fix.split(",") if x.strip()})
+    if set(a.fix) - set(SEED_PARTS):
+        ap.error(f"--fix {a.fix}: choose from {', '.join(SEED_PARTS)}")
+    if a.full_last and not a.eval_full:
+        ap.error("--full-last needs --eval-full")
+    if a.bpe and a.data:
+        ap.error("--bpe and --data exclude each other")
     return a
 
 
-def _setup(a: argparse.Namespace) -> dict[str, Any]:
-    from _model import CharData
+def load_data(a: argparse.Namespace):
+    """The run's dataset: the BPE corpus with ``--bpe``, else ``--data``'s characters."""
+    from _model import BPEData, CharData
 
-    data = CharData(a.data)  # fails here, with the message, before spawning ranks
+    return BPEData(a.bpe) if a.bpe else CharData(a.data)
+
+
+def seeds_of(a: argparse.Namespace, seed: int) -> dict[str, int]:
+    """The seeds of a run's parts: the run's seed, or ``--seed`` for the parts in ``--fix``."""
+    return {part: a.seed if part in a.fix else seed for part in SEED_PARTS}
+
+
+def _setup(a: argparse.Namespace) -> dict[str, Any]:
+    data = load_data(a)  # fails here, with the message, before spawning ranks
     out = {k: getattr(a, k) for k in _SETUP_ARGS}
-    out["data"] = file_digest(data.path)
+    out.update({k: getattr(a, k) for k, v in _SETUP_ARGS_NEW.items() if getattr(a, k) != v})
+    out["data"] = data.digest()
     return out
 
 
@@ -144,7 +191,8 @@ def _lr(step: int, a: argparse.Namespace) -> float:
     if step < a.warmup:
         return a.lr * (step + 1) / a.warmup
     frac = (step - a.warmup) / max(1, a.steps - a.warmup)
-    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    lo = a.lr_final
+    return a.lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def _val_loss(model, data, a, rank: int, shape) -> float:
@@ -164,6 +212,35 @@ def _val_loss(model, data, a, rank: int, shape) -> float:
     return total.item() / (a.eval_batches * dist.get_world_size())
 
 
+def _evals_left(step: int, a: argparse.Namespace) -> int:
+    """How many evaluations come after the one at ``step``."""
+    later = range(step + 1, a.steps + 1)
+    return sum(1 for s in later if s % a.eval_every == 0 or s == a.steps)
+
+
+def _full_val_loss(model, data, a, rank: int, world: int, seq: int):
+    """Mean loss over every non-overlapping window of the held-out split (rank r takes windows
+    r, r + world, ...), and the per-window losses (the same tensor on every rank)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    n = data.val_windows(seq)
+    per = torch.zeros(n, dtype=torch.float64)
+    mine = list(range(rank, n, world))
+    step = 64
+    with torch.no_grad():
+        for i in range(0, -(-n // world), step):
+            # every rank runs the same number of forwards (FSDP gathers are collective)
+            idx = mine[i:i + step] or [0]
+            x, y = data.val_window(idx, seq)
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+            if mine[i:i + step]:
+                per[idx] = loss.view(len(idx), seq).mean(1).double()
+    dist.all_reduce(per)
+    return per.mean().item(), per
+
 def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label: str,
                seed: int) -> dict:
     """One scheme under one seed, from the seed's initial weights and batches."""
@@ -175,20 +252,22 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
     import fsdp_qcomm
 
     row = getattr(a, "row_defs", SCHEMES)[label]  # rows added by other scripts travel in a
+    seeds = seeds_of(a, seed)
     t0 = time.perf_counter()
-    model = build_fsdp_gpt(shape, seed, hsdp_mesh(a.ranks_per_node) if row.hsdp else None)
+    model = build_fsdp_gpt(shape, seeds["init"],
+                           hsdp_mesh(a.ranks_per_node) if row.hsdp else None)
     handle = None
     if row.preset is not None:
         cfg = fsdp_qcomm.QCommConfig.preset(
-            row.preset, ranks_per_node=a.ranks_per_node, seed=seed, **row.overrides
+            row.preset, ranks_per_node=a.ranks_per_node, seed=seeds["quant"], **row.overrides
         )
         handle = fsdp_qcomm.enable(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    train_curve, val_curve = [], []
+    train_curve, val_curve, full_curve, windows = [], [], [], None
     for step in range(a.steps):
         for g in opt.param_groups:
             g["lr"] = _lr(step, a)
-        x, y = data.batch("train", a.batch, a.seq, seed, step, rank)
+        x, y = data.batch("train", a.batch, a.seq, seeds["data"], step, rank)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
@@ -198,12 +277,21 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
         train_curve.append(lt.item() / world)
         if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
             val_curve.append((step + 1, _val_loss(model, data, a, rank, shape)))
+            full = ""
+            if a.eval_full and (not a.full_last or _evals_left(step + 1, a) < a.full_last):
+                loss_full, windows = _full_val_loss(model, data, a, rank, world, shape.seq)
+                full_curve.append((step + 1, loss_full))
+                full = f" full {loss_full:.4f}"
             if rank == 0:
                 print(f"  [{label} seed {seed}] step {step + 1}/{a.steps}: train "
-                      f"{train_curve[-1]:.4f} val {val_curve[-1][1]:.4f} "
+                      f"{train_curve[-1]:.4f} val {val_curve[-1][1]:.4f}{full} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
     rec = {"train": train_curve, "val": val_curve, "final_val": val_curve[-1][1],
-           "seconds": time.perf_counter() - t0}
+           "seconds": time.perf_counter() - t0, "seeds": seeds}
+    if a.eval_full:
+        # the final evaluation's loss per held-out window: what the eval-set-size experiment
+        # resamples (results/accuracy_variance)
+        rec.update(val_full=full_curve, val_full_windows=[round(v, 5) for v in windows.tolist()])
     if handle is not None:
         rec["stats"] = {k: v for k, v in handle.stats().items() if k != "notes"}
         rec["gather_modes"] = handle.gather_modes()
@@ -215,17 +303,38 @@ def _train_all(rank: int, world: int, a: argparse.Namespace, store: RunStore,
                todo: list) -> None:
     """Runs on every rank: each pending (scheme, seed) in turn; rank 0 stores each result as
     soon as it is done, so an interrupted sweep loses at most the run in progress."""
-    from _model import CharData, GPTShape
+    from _model import GPTShape
 
-    data = CharData(a.data)
+    data = load_data(a)
     shape = GPTShape(data.vocab, a.dim, a.layers, a.heads, a.seq)
+    done: dict[tuple, dict] = {}
     for label, seed in todo:
-        rec = _train_one(rank, world, a, data, shape, label, seed)
+        key = _effective(a, label, seed)
+        if key in done:  # the same computation as a run already made: not trained again
+            rec = dict(done[key], same_as_seed=done[key].get("same_as_seed", done[key]["_seed"]))
+        else:
+            rec = _train_one(rank, world, a, data, shape, label, seed)
+            rec["_seed"] = seed
+            done[key] = rec
+        rec = {k: v for k, v in rec.items() if k != "_seed"}
         rec["params"], rec["vocab"] = shape.params(), data.vocab
         if rank == 0:
             store.save(label, seed, _row(label, getattr(a, "row_defs", None)), rec)
-            print(f"{label} seed {seed}: final val loss {rec['final_val']:.5f} in "
-                  f"{rec['seconds']:.0f} s", flush=True)
+            left = len(todo) - todo.index((label, seed)) - 1
+            print(f"{label} seed {seed}: final val loss {rec['final_val']:.5f}"
+                  + (f", full {rec['val_full'][-1][1]:.5f}" if "val_full" in rec else "")
+                  + (f" (same computation as seed {rec['same_as_seed']})"
+                     if "same_as_seed" in rec else f" in {rec['seconds']:.0f} s")
+                  + f"; {left} run(s) left, about {left * rec['seconds'] / 60:.0f} min",
+                  flush=True)
+
+
+def _effective(a: argparse.Namespace, label: str, seed: int) -> tuple:
+    """What a (row, seed) run computes: with ``--fix init,data`` an unquantized row's runs are
+    one computation whatever their seed (its quantizer seed does nothing)."""
+    row = getattr(a, "row_defs", SCHEMES)[label]
+    s = seeds_of(a, seed)
+    return (label, s["init"], s["data"], s["quant"] if row.preset is not None else None)
 
 
 def scheme_of(row: dict[str, Any]) -> Scheme:
@@ -249,20 +358,42 @@ def _row(label: str, defs: Optional[dict[str, Scheme]] = None) -> dict[str, Any]
     return row
 
 
-def _summary(stored: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per row: seeds, final losses, their spread, and the gap to the baseline paired by seed."""
+def score(rec: dict[str, Any], tail: int = 1, full: Optional[bool] = None) -> float:
+    """A run's score: the mean of its last ``tail`` evaluations, on the whole held-out split
+    when the run has it (``full=None``) or when ``full`` asks for it, else on the sampled
+    validation batches. ``tail=1`` on sampled batches is ``final_val``."""
+    use_full = ("val_full" in rec) if full is None else full
+    curve = rec["val_full"] if use_full else rec["val"]
+    if len(curve) < tail:
+        raise ValueError(f"a run has {len(curve)} evaluations, fewer than --tail {tail}")
+    return sum(v for _, v in curve[-tail:]) / tail
+
+
+def score_name(tail: int, full: bool) -> str:
+    where = "the whole held-out split" if full else "the sampled validation batches"
+    what = "final validation loss" if tail == 1 else f"mean of the last {tail} evaluations"
+    return f"{what} on {where}"
+
+
+def _summary(stored: dict[str, dict[str, Any]], tail: int = 1) -> dict[str, Any]:
+    """Per row: seeds, scores (``score``), their spread, and the gap to the baseline paired by
+    seed with its 95% interval and verdict. Scored on the whole held-out split if every run has
+    it, else on the sampled batches."""
+    full = all("val_full" in r for e in stored.values() for r in e["runs"].values())
     base = stored.get(BASELINE, {}).get("runs", {})
-    base_final = {s: r["final_val"] for s, r in base.items()}
+    base_final = {s: score(r, tail, full) for s, r in base.items()}
     order = [k for k in SCHEMES if k in stored] + sorted(k for k in stored if k not in SCHEMES)
     out = {}
     for label in order:
         runs = stored[label]["runs"]
-        final = {s: r["final_val"] for s, r in sorted(runs.items())}
+        final = {s: score(r, tail, full) for s, r in sorted(runs.items())}
         gap = None if label == BASELINE else paired_gap_pct(final, base_final)
         out[label] = {
             "row": stored[label]["row"], "seeds": sorted(final), "final_val": final,
+            "score": score_name(tail, full),
             "final_val_spread": spread(list(final.values())).as_dict(),
             "gap_pct_vs_baseline": None if gap is None else gap.as_dict(),
+            "verdict": None if label == BASELINE else verdict(gap),
             "seconds_mean": sum(r["seconds"] for r in runs.values()) / len(runs),
         }
     return out
@@ -271,9 +402,9 @@ def _summary(stored: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def _table(summary: dict[str, Any]) -> str:
     from _seeds import Spread
 
-    lines = ["| scheme | preset | seeds | final val loss (mean ± sd) | vs baseline, paired "
-             "(mean ± sd) | 95% interval of the gap | wall s (shared CPU) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| scheme | preset | seeds | val loss (mean ± sd) | vs baseline, paired "
+             "(mean ± sd) | 95% interval of the gap | verdict | wall s (shared CPU) |",
+             "|---|---|---|---|---|---|---|---|"]
     for label, r in summary.items():
         row = scheme_of(r["row"])
         fv = Spread(**{k: v for k, v in r["final_val_spread"].items() if k != "beyond_noise"})
@@ -281,7 +412,8 @@ def _table(summary: dict[str, Any]) -> str:
         gap = None if g is None else Spread(**{k: v for k, v in g.items() if k != "beyond_noise"})
         lines.append(f"| {label} | {row.describe()} | {len(r['seeds'])} | {fmt_spread(fv)} | "
                      f"{'-' if label == BASELINE else fmt_spread(gap, 2, '%')} | "
-                     f"{'-' if label == BASELINE else fmt_verdict(gap)} | "
+                     f"{'-' if label == BASELINE else fmt_interval(gap)} | "
+                     f"{'-' if label == BASELINE else r['verdict']} | "
                      f"{r['seconds_mean']:.0f} |")
     return "\n".join(lines)
 
@@ -337,9 +469,70 @@ def _pending(a: argparse.Namespace, store: RunStore) -> list[tuple[str, int]]:
     todo = []
     for seed in seed_list(a.seed, a.seeds):
         for label in a.schemes:
-            if a.fresh or store.load(label, seed, _row(label)) is None:
+            row = _row(label, getattr(a, "row_defs", None))
+            if a.fresh or store.load(label, seed, row) is not None:
+                if a.fresh:
+                    todo.append((label, seed))
+                continue
+            # the same computation stored under another seed (``_effective``): copy it
+            twin = next((s for s in store.seeds(label) if s != seed
+                         and _effective(a, label, s) == _effective(a, label, seed)), None)
+            rec = None if twin is None else store.load(label, twin, row)
+            if rec is not None:
+                store.save(label, seed, row, dict(rec, same_as_seed=rec.get("same_as_seed",
+                                                                             twin)))
+            else:
                 todo.append((label, seed))
     return todo
+
+
+def cpu_estimate(store: RunStore, todo: list, steps: int) -> str:
+    """The time the pending runs should take, from the seconds per step of the runs already
+    in the store (the machine's load changes it)."""
+    done = [r for e in store.all().values() for r in e["runs"].values()
+            if "same_as_seed" not in r]
+    if not done:
+        return f"{len(todo)} run(s) x {steps} steps; no stored run to time them by yet"
+    per_step = sum(r["seconds"] for r in done) / (len(done) * steps)
+    return (f"{len(todo)} run(s) x {steps} steps at {per_step:.3f} s/step (mean of {len(done)} "
+            f"stored run(s)): about {len(todo) * steps * per_step / 60:.0f} min wall")
+
+
+def describe_setup(a: argparse.Namespace, first: dict[str, Any]) -> str:
+    """One paragraph: model, data, schedule, mesh and evaluation of a table's runs."""
+    data = (f"the main job's BPE corpus (pystdlib, vocab {a.bpe})" if a.bpe
+            else f"characters of {a.data or 'tinyshakespeare'}")
+    evals = (f"{a.eval_batches * a.world} sampled held-out batches of {a.batch}"
+             + ((" and the whole held-out split" + (f" (last {a.full_last} evaluations)"
+                                                    if a.full_last else ""))
+                if a.eval_full else "")
+             + f", every {a.eval_every} steps, the same for every run")
+    fixed = (f"; {', '.join(a.fix)} held at seed {a.seed} for every run" if a.fix else "")
+    return (f"model: {first['params'] / 1e6:.2f}M params (dim {a.dim}, {a.layers} layers, "
+            f"{a.heads} heads, vocab {first['vocab']}), {data}, seq {a.seq}, batch "
+            f"{a.batch}/rank, AdamW lr {a.lr} cosine to {a.lr_final:g}x, {a.steps} steps, "
+            f"{a.world} ranks as {a.world // a.ranks_per_node} nodes x {a.ranks_per_node}; "
+            f"evaluation: {evals}{fixed}")
+
+
+def report_md(title: str, a: argparse.Namespace, stored: dict, summary: dict, table: str,
+              trained: int, wall: float, store: RunStore) -> str:
+    first = next(iter(next(iter(stored.values()))["runs"].values()))
+    how = next(iter(summary.values()))["score"]
+    from _seeds import CLAIM_PCT, WORSE_ABOVE_PCT
+
+    return (f"# {title}\n\n{describe_setup(a, first)}\n\nScore of a run: {how}.\n\n"
+            f"{table}\n\n"
+            "A seed sets the initial weights, the training batches and the quantizers' random "
+            "bits (unless --fix holds some); the gap to the baseline is paired by seed, its 95% "
+            f"interval is Student's t over the seeds. Verdict: \"within +{CLAIM_PCT}%\" when "
+            f"the interval's upper bound is at most +{CLAIM_PCT}%, \"worse\" when its lower "
+            f"bound is above {WORSE_ABOVE_PCT:+g}%, else \"undecided\".\n\n"
+            + (f"With --fix {','.join(a.fix)} every run shares those parts: the gaps and "
+               "verdicts here hold for that one realization (a variance experiment), not for "
+               "the scheme.\n\n" if a.fix else "")
+            + f"This invocation: {trained} run(s) trained in {wall / 60:.1f} min; the table covers "
+            f"every run stored in {store.dir}.\n")
 
 
 def main(argv=None) -> int:
@@ -349,7 +542,7 @@ def main(argv=None) -> int:
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _provenance.record(out_dir, argv=None if argv is None else [__file__, *argv])
+    prov = _provenance.record(out_dir, argv=None if argv is None else [__file__, *argv])
     store = RunStore(out_dir, _setup(a))
     try:
         todo = [] if a.report_only else _pending(a, store)
@@ -359,35 +552,28 @@ def main(argv=None) -> int:
         return 2
     print(f"accuracy: {len(a.schemes)} schemes x {a.seeds} seed(s) x {a.steps} steps, "
           f"{a.world} ranks ({a.ranks_per_node} per node), gloo, CPU: {len(todo)} run(s) to "
-          f"train, the rest stored in {store.dir}", flush=True)
+          f"train, the rest stored in {store.dir}; estimate: "
+          f"{cpu_estimate(store, todo, a.steps)}", flush=True)
     t0 = time.perf_counter()
     if todo:
         run_ranks(_train_all, a.world, a, store, todo, timeout=12 * 3600)
     wall = time.perf_counter() - t0
+    prov.note(trained_runs=len(todo), train_wall_s=round(wall, 1))
     stored = store.all()
     if not stored:
         print(f"no runs stored in {store.dir}: nothing to report", file=sys.stderr)
         return 1
-    summary = _summary(stored)
-    first = next(iter(next(iter(stored.values()))["runs"].values()))
-    shape = (f"model: {first['params'] / 1e6:.2f}M params (dim {a.dim}, {a.layers} layers, "
-             f"{a.heads} heads, vocab {first['vocab']}), seq {a.seq}, batch {a.batch}/rank, "
-             f"AdamW lr {a.lr} cosine, {a.steps} steps, {a.world} ranks as "
-             f"{a.world // a.ranks_per_node} nodes x {a.ranks_per_node}; validation: "
-             f"{a.eval_batches * a.world} held-out batches (the same for every run)")
-    md = (f"# SDP4Bit Table 1, small-scale reproduction\n\n{shape}\n\n{_table(summary)}\n\n"
-          "Seeds fix the initial weights, the batches and the quantizers' random bits; the gap "
-          "to the baseline is paired by seed, and its 95% interval (Student's t) says whether "
-          "it is beyond the seed-to-seed spread.\n\n"
-          f"This invocation: {len(todo)} run(s) trained in {wall / 60:.1f} min; the table "
-          f"covers every run stored in {store.dir}.\n")
+    summary = _summary(stored, a.tail)
+    md = report_md("SDP4Bit Table 1, small-scale reproduction", a, stored, summary,
+                   _table(summary), len(todo), wall, store)
     (out_dir / "table.md").write_text(md)
     res = {"setup": store.setup, "schemes": summary, "runs": stored,
            "args": {k: v for k, v in vars(a).items()}}
     (out_dir / "results.json").write_text(json.dumps(res, indent=1))
+    first = next(iter(next(iter(stored.values()))["runs"].values()))
     plotted = _plot(summary, stored, out_dir / "loss_curves.png",
-                    f"{first['params'] / 1e6:.2f}M-param char GPT, {a.world} ranks, {a.steps} "
-                    "steps")
+                    f"{first['params'] / 1e6:.2f}M-param {'BPE' if a.bpe else 'char'} GPT, "
+                    f"{a.world} ranks, {a.steps} steps")
     print("\n" + md)
     print(f"written: {out_dir}/table.md, results.json" + (", loss_curves.png" if plotted else ""))
     return 0

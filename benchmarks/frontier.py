@@ -27,6 +27,13 @@ results.json, frontier.png}``.
 
 Without ``--rows`` every row of ``ROWS`` is trained; the committed ``results/frontier`` holds 15
 of them, and ``docs/lowbit.md`` lists the exact ``--rows`` of both commands.
+
+The method behind the verdict column (``docs/accuracy_method.md``): score runs on the whole
+held-out split, mean of the last evaluations, 5 or more seeds for the rows that decide a claim:
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/frontier.py \\
+        --rows "baseline,SDP4Bit,W2-learned G3" --steps 300 --eval-every 25 --eval-full \\
+        --full-last 3 --tail 3 --seeds 5 --out results/accuracy_300
 """
 
 from __future__ import annotations
@@ -46,7 +53,13 @@ sys.path.insert(0, str(HERE))
 
 import _provenance  # noqa: E402
 import accuracy  # noqa: E402
-from _seeds import RunStore, SetupMismatch, fmt_spread, fmt_verdict, seed_list  # noqa: E402
+from _seeds import (  # noqa: E402
+    RunStore,
+    SetupMismatch,
+    fmt_interval,
+    fmt_spread,
+    seed_list,
+)
 
 Scheme = accuracy.Scheme
 _EF = {"grad_error_feedback": "inter"}
@@ -88,6 +101,16 @@ ROWS: dict[str, Scheme] = {
                                            grad_inter_bits=2)),
     "W2-learned G2": Scheme("sdp4bit", dict(weight_bits=2, weight_levels="learned",
                                            grad_inter_bits=2)),
+    # what lowbit's cost comes from: its weights with sdp4bit's gradients, and the reverse
+    "W2-learned G4": Scheme("sdp4bit", dict(weight_bits=2, weight_levels="learned")),
+    "W4 G3": Scheme("sdp4bit", dict(grad_inter_bits=3)),
+    "W3-learned G3": Scheme("sdp4bit", dict(weight_bits=3, weight_levels="learned",
+                                           grad_inter_bits=3)),
+    # finer groups at 2-bit weights / 3-bit gradients (more scales, still under 3.0 bits)
+    "W2-learned/256 G3": Scheme("sdp4bit", dict(weight_bits=2, weight_levels="learned",
+                                               weight_group_size=256, grad_inter_bits=3)),
+    "W2-learned G3/64": Scheme("sdp4bit", dict(weight_bits=2, weight_levels="learned",
+                                              grad_inter_bits=3, grad_group_size=64)),
 }
 DEFAULT_ROWS = ",".join(ROWS)
 #: the row the ``lowbit`` preset ships (tests/test_lowbit.py checks they are the same config)
@@ -128,13 +151,37 @@ def _copy_reused(a: argparse.Namespace, store: RunStore) -> int:
             try:
                 rec = other.load(label, seed, row)
             except SetupMismatch as e:
-                print(f"frontier: not reusing {label} seed {seed}: {e}", file=sys.stderr)
+                rec = _same_computation(a, other.path(label, seed), label, seed, row)
+                if rec is None:
+                    print(f"frontier: not reusing {label} seed {seed}: {e}", file=sys.stderr)
+                    continue
+                store.save(label, seed, row, rec)
+                copied += 1
                 continue
             if rec is not None:
                 store.dir.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(other.path(label, seed), store.path(label, seed))
                 copied += 1
     return copied
+
+
+def _same_computation(a: argparse.Namespace, path: Path, label: str, seed: int,
+                      row: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A stored run made under another ``--fix`` that computed exactly what this run would:
+    every other setting equal, the same row, and the same seed for each part of the run
+    (``accuracy.seeds_of``; e.g. ``--fix init,data`` at seed 1234 is the plain run of seed
+    1234). Its record, marked with where it came from; None if it is not one."""
+    if not path.is_file():
+        return None
+    got = json.loads(path.read_text())
+    mine = RunStore(Path(a.out), accuracy._setup(a)).setup
+    strip = lambda d: {k: v for k, v in d.items() if k != "fix"}  # noqa: E731
+    if strip(got["setup"]) != strip(mine) or got["row"] != json.loads(json.dumps(row)):
+        return None
+    rec = got["record"]
+    if rec.get("seeds") != accuracy.seeds_of(a, seed):
+        return None
+    return dict(rec, copied_from=f"{path.parent.parent.name}/runs/{path.name}")
 
 
 def _bits(record: dict[str, Any]) -> Optional[tuple[float, float]]:
@@ -163,9 +210,9 @@ def _frontier(summary: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any]
 def _table(front: dict[str, Any]) -> str:
     from _seeds import Spread
 
-    lines = ["| row | settings | seeds | final val loss (mean ± sd) | vs baseline, paired | "
-             "95% interval | weight bits | inter-node grad bits | mean bits |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | settings | seeds | val loss (mean ± sd) | vs baseline, paired | "
+             "95% interval | verdict | weight bits | inter-node grad bits | mean bits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in sorted(front.items(), key=lambda kv: -kv[1]["mean_bits"]):
         fv = Spread(**{k: v for k, v in r["final_val_spread"].items() if k != "beyond_noise"})
         g = r["gap_pct_vs_baseline"]
@@ -173,7 +220,8 @@ def _table(front: dict[str, Any]) -> str:
         lines.append(
             f"| {label} | {accuracy.scheme_of(r['row']).describe()} | {len(r['seeds'])} | "
             f"{fmt_spread(fv)} | {'-' if gap is None else fmt_spread(gap, 2, '%')} | "
-            f"{'-' if gap is None else fmt_verdict(gap)} | {r['weight_bits']:.3f} | "
+            f"{'-' if gap is None else fmt_interval(gap)} | {r['verdict'] or '-'} | "
+            f"{r['weight_bits']:.3f} | "
             f"{r['grad_inter_bits']:.3f} | {r['mean_bits']:.3f} |")
     return "\n".join(lines)
 
@@ -218,7 +266,7 @@ def main(argv=None) -> int:
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _provenance.record(out_dir, argv=None if argv is None else [__file__, *argv])
+    prov = _provenance.record(out_dir, argv=None if argv is None else [__file__, *argv])
     store = RunStore(out_dir, accuracy._setup(a))
     try:
         copied = _copy_reused(a, store)
@@ -228,29 +276,30 @@ def main(argv=None) -> int:
         print(f"frontier: {e}", file=sys.stderr)
         return 2
     print(f"frontier: {len(a.rows)} rows x {a.seeds} seed(s) x {a.steps} steps: {copied} run(s) "
-          f"reused, {len(todo)} to train", flush=True)
+          f"reused, {len(todo)} to train; estimate: "
+          f"{accuracy.cpu_estimate(store, todo, a.steps)}", flush=True)
     t0 = time.perf_counter()
     if todo:
         run_ranks(accuracy._train_all, a.world, a, store, todo, timeout=24 * 3600)
+    wall = time.perf_counter() - t0
+    prov.note(trained_runs=len(todo), train_wall_s=round(wall, 1))
     stored = store.all()
     if not stored:
         print(f"no runs stored in {store.dir}", file=sys.stderr)
         return 1
-    front = _frontier(accuracy._summary(stored), stored)
-    md = (f"# Loss vs node-crossing bits\n\nThe accuracy benchmark's setup ({a.steps} steps, "
-          f"{a.world} ranks as {a.world // a.ranks_per_node} nodes x {a.ranks_per_node}, model "
-          f"dim {a.dim}, {a.layers} layers). Bits: per element on the node-crossing exchanges "
-          "that send (weight gathers; inter-node gradient hop), from the handles' counters; "
-          "mean bits = their mean (sdp4bit: 4.13 by the wire formula; the table's bits are "
-          "measured). Goal: mean bits <= 3.0 with the loss within "
-          "+0.5% of the baseline.\n\n" + _table(front) + "\n\n"
-          f"This invocation trained {len(todo)} run(s) in "
-          f"{(time.perf_counter() - t0) / 60:.1f} min.\n")
+    front = _frontier(accuracy._summary(stored, a.tail), stored)
+    md = accuracy.report_md(
+        "Loss vs node-crossing bits", a, stored, front, _table(front), len(todo), wall, store)
+    md += ("\nBits: per element on the node-crossing exchanges that send (weight gathers; "
+           "inter-node gradient hop), measured from the handles' counters (scales and level "
+           "tables included); mean bits = their mean (sdp4bit: 4.13 by the wire formula; the "
+           "table's bits are measured). Goal: mean bits <= 3.0 with the gap's upper bound "
+           "within +0.5%.\n")
     (out_dir / "table.md").write_text(md)
     (out_dir / "results.json").write_text(json.dumps(
         {"setup": store.setup, "rows": front, "args": vars(a)}, indent=1, default=str))
     plotted = _plot(front, out_dir / "frontier.png",
-                    f"char GPT, {a.steps} steps, 2 nodes x 2 ranks")
+                    f"{'BPE' if a.bpe else 'char'} GPT, {a.steps} steps, 2 nodes x 2 ranks")
     print("\n" + md)
     print(f"written: {out_dir}/table.md, results.json" + (", frontier.png" if plotted else ""))
     return 0

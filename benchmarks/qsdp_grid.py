@@ -46,6 +46,7 @@ from _seeds import (  # noqa: E402
     file_digest,
     fmt_spread,
     fmt_verdict,
+    ordering,
     paired_gap_pct,
     seed_list,
     spread,
@@ -276,6 +277,12 @@ def _report(stored: dict, a: dict, out: Path) -> None:
         def gap(g):
             return "-" if g is None else f"{fmt_spread(g, 2, '%')} ({fmt_verdict(g)})"
 
+        def order(g):
+            if g is None:
+                return "-"
+            word = ordering(g, "learned", "uniform")
+            return f"{fmt_spread(g, 2, '%')} ({fmt_verdict(g)}; {word})"
+
         lvu = None if not (u and lrn) else paired_gap_pct(lrn["val_loss"], u["val_loss"])
 
         def val(r, key, fmt):
@@ -284,7 +291,7 @@ def _report(stored: dict, a: dict, out: Path) -> None:
         lines.append(
             f"| {c} | {fmt_spread(u['spread'], 4) if u else ''} | "
             f"{fmt_spread(lrn['spread'], 4) if lrn else ''} | {gap(u and u['gap'])} | "
-            f"{gap(lrn and lrn['gap'])} | {gap(lvu)} | "
+            f"{gap(lrn and lrn['gap'])} | {order(lvu)} | "
             f"{val(u, 'ppl', '{:.3f}')} | {val(lrn, 'ppl', '{:.3f}')} | "
             f"{pu if pu else ''} / {pl if pl else '-'} | "
             f"{val(u, 'total_bytes', '{:,.0f}')} | {val(lrn, 'total_bytes', '{:,.0f}')} |"

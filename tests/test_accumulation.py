@@ -23,14 +23,17 @@ from fsdp_qcomm import QCommConfig, wire_bytes
 from fsdp_qcomm.testing import run_ranks
 from fsdp_qcomm.testing import same_on_all_ranks as _same_on_all_ranks
 
+# Two ranks on one host: one node, whose gathers fsdp_qcomm would leave unquantized by default;
+# quantize_intra_node=True puts them through the quantized paths under test.
+_ONE_NODE = dict(quantize_intra_node=True)
 _SCHEMES = {
     "fsdp": None,  # FSDP's own collectives, no hooks
-    "none_kept": QCommConfig(weight_reuse_unchanged=True),
-    "direct": QCommConfig(weight_scheme="direct", weight_group_size=16),
+    "none_kept": QCommConfig(weight_reuse_unchanged=True, **_ONE_NODE),
+    "direct": QCommConfig(weight_scheme="direct", weight_group_size=16, **_ONE_NODE),
     "direct_kept": QCommConfig(
-        weight_scheme="direct", weight_group_size=16, weight_reuse_unchanged=True
+        weight_scheme="direct", weight_group_size=16, weight_reuse_unchanged=True, **_ONE_NODE
     ),
-    "qwd": QCommConfig(weight_scheme="qwd", weight_group_size=16),
+    "qwd": QCommConfig(weight_scheme="qwd", weight_group_size=16, **_ONE_NODE),
 }
 
 

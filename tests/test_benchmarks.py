@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -152,8 +153,6 @@ def _invoke(tmp_path, body: str, *args: str):
 
 
 def test_provenance_appends_every_invocation_in_order(tmp_path):
-    import json
-
     out = tmp_path / "results" / "demo"
     ok = _invoke(tmp_path, f"_provenance.record({str(out)!r})\nprint('done')\n", "--steps", "3")
     assert ok.returncode == 0, ok.stderr
@@ -194,3 +193,96 @@ def test_every_benchmark_that_writes_results_records_its_provenance():
     assert writers, BENCH
     missing = [p.name for p in writers if "_provenance.record(" not in p.read_text()]
     assert not missing, f"benchmarks that write results without _provenance.record: {missing}"
+
+
+# ---- verdicts: what a row's interval settles ---------------------------------------------------
+def _gap(mean: float, sd: float, n: int) -> "_seeds.Spread":
+    t = {2: 12.706, 3: 4.303, 5: 2.776}[n]
+    return _seeds.Spread(n, mean, sd, t * sd / n ** 0.5)
+
+
+@pytest.mark.parametrize("mean, sd, n, want", [
+    (0.07, 0.10, 3, "within +0.5%"),   # the quieter check's sdp4bit: [-0.18, +0.32]
+    (1.27, 0.28, 3, "worse"),          # its lowbit: [+0.57, +1.97]
+    (8.09, 0.76, 3, "worse"),          # qW
+    (0.36, 0.66, 3, "undecided"),      # the committed frontier's lowbit: [-1.28, +2.00]
+    (0.30, 0.05, 3, "within +0.5%"),   # [+0.18, +0.42]: above 0, yet within the tolerance
+    (0.20, 0.10, 2, "undecided"),      # 2 seeds: t = 12.7 makes the interval wide
+    (0.20, 0.00, 1, "undecided"),      # one seed: no interval
+])
+def test_verdict_from_the_interval(mean, sd, n, want):
+    s = _gap(mean, sd, n) if n > 1 else _seeds.spread([mean])
+    assert _seeds.verdict(s) == want
+
+
+def test_verdict_thresholds_are_the_named_constants():
+    assert (_seeds.CLAIM_PCT, _seeds.WORSE_ABOVE_PCT) == (0.5, 0.0)
+    assert _seeds.WITHIN == "within +0.5%"
+    # exactly on a bound: the upper bound may equal +0.5%; a lower bound of exactly 0 is not
+    # "worse"
+    on_claim = _seeds.Spread(3, 0.4, 0.0, 0.1)
+    assert _seeds.verdict(on_claim) == _seeds.WITHIN
+    on_zero = _seeds.Spread(3, 0.6, 0.0, 0.6)
+    assert _seeds.verdict(on_zero) == _seeds.UNDECIDED
+    assert _seeds.verdict(None) == _seeds.UNDECIDED
+    assert _seeds.fmt_interval(_seeds.Spread(3, 0.4, 0.0, 0.1)) == "[+0.30, +0.50]%"
+    assert _seeds.fmt_interval(_seeds.spread([1.0])) == "1 seed"
+
+
+def test_scores_seed_parts_and_provenance(tmp_path):
+    rec = {"val": [[100, 3.0], [200, 2.0]], "val_full": [[100, 2.9], [200, 2.1]]}
+    assert accuracy.score(rec) == 2.1  # the whole held-out split when the run has it
+    assert accuracy.score(rec, tail=2) == pytest.approx(2.5)
+    assert accuracy.score(rec, full=False) == 2.0
+    with pytest.raises(ValueError, match="fewer than --tail 3"):
+        accuracy.score(rec, tail=3)
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    a = accuracy._args(["--data", str(data), "--fix", "init,data", "--seed", "7"])
+    assert accuracy.seeds_of(a, 9) == {"init": 7, "data": 7, "quant": 9}
+    # with init and data held, an unquantized row is one computation for every seed
+    assert accuracy._effective(a, "baseline", 8) == accuracy._effective(a, "baseline", 9)
+    assert accuracy._effective(a, "SDP4Bit", 8) != accuracy._effective(a, "SDP4Bit", 9)
+    # new settings join the setup only when not at their default: older stores stay valid
+    plain = accuracy._setup(accuracy._args(["--data", str(data)]))
+    assert "fix" not in plain and "eval_full" not in plain
+    assert accuracy._setup(a)["fix"] == ["data", "init"]
+    with pytest.raises(SystemExit):
+        accuracy._args(["--fix", "weights"])
+    # a sweep notes what it trained in its _provenance entry (no second provenance format)
+    assert not hasattr(_seeds, "Provenance")
+    out = tmp_path / "results" / "out"
+    ok = _invoke(tmp_path, f"rec = _provenance.record({str(out)!r})\n"
+                           "rec.note(trained_runs=2, train_wall_s=1.5)\n", "--steps", "3")
+    assert ok.returncode == 0, ok.stderr
+    (inv,) = json.loads((out / "provenance.json").read_text())["invocations"]
+    assert inv["trained_runs"] == 2 and inv["train_wall_s"] == 1.5
+    assert inv["status"] == "ended without an exception" and inv["end"]
+    assert "trained_runs: 2; train_wall_s: 1.5" in (out / "COMMANDS.md").read_text()
+
+
+def test_frontier_reuses_a_run_only_when_it_is_the_same_computation(tmp_path):
+    import frontier
+
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    plain = frontier._args(["--data", str(data), "--rows", "baseline,SDP4Bit",
+                            "--out", str(tmp_path / "all")])
+    store = _seeds.RunStore(tmp_path / "all", accuracy._setup(plain))
+    for label in ("baseline", "SDP4Bit"):
+        for seed in (1234, 1235):
+            store.save(label, seed, accuracy._row(label),
+                       {"final_val": 2.0, "seconds": 1.0, "train": [2.0], "val": [[1, 2.0]],
+                        "seeds": accuracy.seeds_of(plain, seed)})
+    fixed = frontier._args(["--data", str(data), "--rows", "baseline,SDP4Bit", "--seeds", "2",
+                            "--fix", "init,data", "--reuse", str(tmp_path / "all"),
+                            "--out", str(tmp_path / "quant_only")])
+    mine = _seeds.RunStore(tmp_path / "quant_only", accuracy._setup(fixed))
+    # seed 1234 with init and data held at 1234 is the plain run of seed 1234; seed 1235 is not
+    assert frontier._copy_reused(fixed, mine) == 2
+    assert sorted(mine.all()["SDP4Bit"]["runs"]) == [1234]
+    rec = mine.load("SDP4Bit", 1234, accuracy._row("SDP4Bit"))
+    assert rec["copied_from"] == "all/runs/SDP4Bit__seed1234.json"
+    # the unquantized row of seed 1235 is the same computation as seed 1234's: not retrained
+    assert accuracy._pending(fixed, mine) == [("SDP4Bit", 1235)]
+    assert mine.load("baseline", 1235, accuracy._row("baseline"))["same_as_seed"] == 1234

@@ -553,8 +553,8 @@ def test_reduce_op_finisher():
 
 
 def test_hook_rejects_bad_construction():
-    with pytest.raises(ValueError, match="grad_scheme"):
-        QuantizedReduceScatter(QCommConfig(), CommStats(), 0)
+    # grad_scheme="none" is the plain reduce-scatter (gloo's PREMUL_SUM, grad_overlap)
+    assert QuantizedReduceScatter(QCommConfig(), CommStats(), 0).config.grad_scheme == "none"
     with pytest.raises(ValueError, match="bucket"):
         QuantizedReduceScatter(_cfg("tlq"), CommStats(), -1)
     hook = QuantizedReduceScatter(_cfg("tlq"), CommStats(), 0)

@@ -492,10 +492,14 @@ def test_replica_hop_is_its_own_stats_kind_with_wire_bytes(two_by_two):
     assert rep["cross_node_bytes"] == steps * want * 2 // 3  # all but the a2a row to oneself
     lo = 4 + 32 / 32  # 4-bit codes and one fp32 scale per group of 32; padding on top
     assert lo <= rep["bits_per_element"] < lo + 0.3
-    # nothing else crosses nodes: weights and the reduce-scatter stay inside the node
+    # nothing else crosses nodes: the weight all-gather and the reduce-scatter stay inside the
+    # node, unquantized (fp32 here: 32 bits; only what crosses nodes is quantized by default)
     assert st["weight_allgather"]["cross_node_bytes"] == 0
+    assert st["weight_allgather"]["bits_per_element"] == 32.0
     assert st["grad_intra"]["cross_node_bytes"] == 0 and "grad_inter" not in st
-    assert 9.0 <= st["grad_intra"]["bits_per_element"] < 9.3
+    assert st["grad_intra"]["bits_per_element"] == 32.0
+    assert any(n.startswith("HSDP all-reduce across replicas: quantized") for n in st["notes"])
+    assert any(n.startswith("weight all-gather: unquantized") for n in st["notes"])
     summary = st["summary"]
     assert summary["cross_node_bytes"] == rep["cross_node_bytes"]
 
@@ -668,8 +672,8 @@ def test_other_meshes(shape):
 
 
 def test_lowbit_preset_under_hsdp():
-    """lowbit's 3-bit replica hop and 2-bit weight differences on learned levels (a table
-    exchanged inside the shard group) keep the replicas bit-identical and send the wire format."""
+    """lowbit's 3-bit replica hop keeps the replicas bit-identical and sends the wire format
+    (its 2-bit weight differences would gather inside the node: left unquantized)."""
     res = run_ranks(_mesh_run, 4, (2, 2), "lowbit", timeout=400)
     spec = QCommConfig.preset("lowbit", **SDP4).grad_inter_spec()
     assert spec.bits == 3
@@ -700,8 +704,7 @@ def _placement(rank: int, world: int) -> dict:
     out["derived"] = (h.placement.ranks_per_node, h.placement.source, h.placement.emulated)
     _loss(model, 0, rank).backward()
     st = h.stats()
-    rep = st["grad_replica"]
-    out["one_node"] = (rep["cross_node_bytes"], rep["bits_per_element"])
+    out["one_node"] = (sorted(k for k in st if k.startswith("grad")), st["notes"])
     h.disable()
     # four replicas on two emulated nodes: one hop over all, with a note
     model, _, _ = _build((4, 1))
@@ -719,8 +722,12 @@ def test_node_placement_is_checked_at_enable():
         assert "LOCAL_WORLD_SIZE says nodes of 2 rank(s)" in r["lws"]
         assert "set QCommConfig.ranks_per_node=2 explicitly" in r["lws"]
         assert r["derived"] == (4, "host names", False)
-        cross, bits = r["one_node"]
-        assert cross == 0 and bits > 8  # replicas share the node: the 8-bit intra quantizer
+        # replicas share the node: nothing crosses nodes, so nothing is quantized (FSDP2's own
+        # all-reduce; the reduce-scatter through the plain hook gloo needs), and a note says so
+        kinds, notes = r["one_node"]
+        assert kinds == ["grad_intra"], kinds
+        assert any("HSDP all-reduce across replicas: FSDP2's own, unquantized, its 2 rank(s) "
+                   "share one node" in n for n in notes), notes
         cross, sent, notes = r["partly"]
         # 2 of the 3 other replicas are remote: of every 5 rows sent (4 a2a + 1 gathered),
         # the two a2a rows to them and the gathered row to each of them cross

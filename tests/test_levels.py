@@ -190,7 +190,9 @@ def _fsdp_learned(rank: int, world: int) -> dict:
         if isinstance(m, nn.Linear):
             fully_shard(m)
     fully_shard(model)
-    cfg = QCommConfig.from_qsdp_string("W3G3-learned", levels_refresh_every=2)
+    # three ranks of one host: one node, quantized on purpose
+    cfg = QCommConfig.from_qsdp_string("W3G3-learned", levels_refresh_every=2,
+                                       quantize_intra_node=True)
     handle = fsdp_qcomm.enable(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)

@@ -119,6 +119,11 @@ def _load(path: str, model, opt, handle=None) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+# Runs of 2 ranks share one host, one node: quantize_intra_node=True quantizes their gathers
+# (by default fsdp_qcomm leaves collectives inside a node alone).
+_ONE_NODE = dict(quantize_intra_node=True)
+
+
 # ---- checkpoint and resume (4 ranks, 2 "nodes": qWD + TLq-HS) -------------------------------
 _SDP4 = QCommConfig.preset(
     "sdp4bit", ranks_per_node=2, weight_group_size=32, grad_group_size=32, seed=5
@@ -202,9 +207,7 @@ def _accumulate_step(model, opt, step, rank, k: int = 2) -> list[float]:
 def _resume_accumulating(rank, world, root):
     # Gradient accumulation with forward-only evaluation: one exchange per step, before and
     # after a resume, and the resumed run is the uninterrupted one bit for bit.
-    # two "nodes" of one rank: the gathers cross nodes, so qWD runs (one node would keep them
-    # FSDP2's own since hop_plan)
-    cfg = QCommConfig.preset("qwd", weight_group_size=32, ranks_per_node=1, seed=7)
+    cfg = QCommConfig.preset("qwd", weight_group_size=32, **_ONE_NODE, seed=7)
     ckpt = os.path.join(root, "step")
 
     def run(model, opt, steps):
@@ -243,7 +246,7 @@ def test_resume_under_gradient_accumulation_is_bit_identical(tmp_path):
 def _resume_shared_group(rank, world, root):
     # torchtitan-style fully_shard([norm, output]): the group's parameters are inp.weight,
     # inp.bias, out.weight, out.bias; each needs its own checkpoint entry.
-    cfg = QCommConfig.preset("qwd", weight_group_size=32, ranks_per_node=1, seed=3)
+    cfg = QCommConfig.preset("qwd", weight_group_size=32, **_ONE_NODE, seed=3)
     ckpt = os.path.join(root, "step")
     model, handle, opt = _build(cfg, group_io=True)
     [_train_step(model, opt, s, rank) for s in range(2)]
@@ -277,13 +280,15 @@ def _guard(rank, world):
     ag_mod.check_consistent = counting
     try:
         # off by default: no check
-        model, handle, opt = _build(QCommConfig.preset("qwd", weight_group_size=32))
+        model, handle, opt = _build(
+            QCommConfig.preset("qwd", weight_group_size=32, **_ONE_NODE))
         for s in range(2):
             _train_step(model, opt, s, rank)
         assert calls == []
         handle.disable()
         # every 3rd forward gather: steps 0 and 3 of 5, per module, nothing fires
-        cfg = QCommConfig.preset("qwd", weight_group_size=32, consistency_check_every=3)
+        cfg = QCommConfig.preset("qwd", weight_group_size=32, **_ONE_NODE,
+                                 consistency_check_every=3)
         model, handle, opt = _build(cfg)
         units = len(_units(model))
         for s in range(5):

@@ -42,12 +42,22 @@ def _exact(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]:
     return out
 
 
+# Every rank of these runs shares one host, i.e. one node: quantize_intra_node=True makes the
+# gathers under test quantized (by default fsdp_qcomm leaves collectives inside a node alone).
+_ONE_NODE = dict(quantize_intra_node=True)
+
+
+def _preset(name: str, **overrides) -> QCommConfig:
+    return QCommConfig.preset(name, **_ONE_NODE, **overrides)
+
+
 # ---- FSDP: identical weights, error bounds, bytes --------------------------------------------
 _SCHEMES = {
-    "none": QCommConfig(),
-    "direct4": QCommConfig(weight_scheme="direct", weight_group_size=16),
-    "direct8": QCommConfig(weight_scheme="direct", weight_bits=8, weight_group_size=16),
-    "qwd": QCommConfig(weight_scheme="qwd", weight_group_size=16),
+    "none": QCommConfig(**_ONE_NODE),
+    "direct4": QCommConfig(weight_scheme="direct", weight_group_size=16, **_ONE_NODE),
+    "direct8": QCommConfig(weight_scheme="direct", weight_bits=8, weight_group_size=16,
+                           **_ONE_NODE),
+    "qwd": QCommConfig(weight_scheme="qwd", weight_group_size=16, **_ONE_NODE),
 }
 
 
@@ -150,8 +160,8 @@ def test_fsdp_bf16_mixed_precision():
 # ---- qWD drift over 200 optimizer steps ---------------------------------------------------------
 def _drift(rank, world, steps):
     out = {}
-    runs = (("qwd", QCommConfig.preset("qwd"), steps), ("qw4", QCommConfig.preset("qw4"), steps),
-            ("qwd_again", QCommConfig.preset("qwd"), 20))
+    runs = (("qwd", _preset("qwd"), steps), ("qw4", _preset("qw4"), steps),
+            ("qwd_again", _preset("qwd"), 20))
     for name, cfg, steps in runs:
         torch.manual_seed(0)
         model = nn.Sequential(
@@ -215,9 +225,9 @@ def _train(rank, world, steps):
     losses = {}
     configs = {
         "none": QCommConfig(),
-        "qsdp": QCommConfig.preset("qsdp", grad_scheme="none"),  # its 8-bit weights only
-        "qwd": QCommConfig.preset("qwd"),
-        "qw4": QCommConfig.preset("qw4"),
+        "qsdp": _preset("qsdp", grad_scheme="none"),  # its 8-bit weights only
+        "qwd": _preset("qwd"),
+        "qw4": _preset("qw4"),
     }
     for name in ("baseline", *configs):
         torch.manual_seed(0)
@@ -270,7 +280,7 @@ class _Mixed(nn.Module):
 def _misuse_and_lifecycle(rank, world):
     # enable before fully_shard
     with pytest.raises(ValueError, match="no FSDP module found.*fully_shard"):
-        fsdp_qcomm.enable(TinyLM(), QCommConfig.preset("qwd"))
+        fsdp_qcomm.enable(TinyLM(), _preset("qwd"))
     with pytest.raises(TypeError, match="QCommConfig"):
         fsdp_qcomm.enable(TinyLM(), {"weight_scheme": "qwd"})
     # several parameter groups in one module (per-parameter meshes): refused by name
@@ -283,18 +293,18 @@ def _misuse_and_lifecycle(rank, world):
     fully_shard(two, shard_placement_fn=biases_elsewhere)
     assert len(two._get_fsdp_state()._fsdp_param_groups) == 2
     with pytest.raises(ValueError, match="'<root>' has 2 parameter groups"):
-        fsdp_qcomm.enable(two, QCommConfig.preset("qwd"))
+        fsdp_qcomm.enable(two, _preset("qwd"))
 
     torch.manual_seed(0)
     model = TinyLM()
     _shard(model, True)
     groups = _units(model)
     default_comms = [g._all_gather_comm for g in groups]
-    handle = fsdp_qcomm.enable(model, QCommConfig.preset("qwd", weight_group_size=16))
+    handle = fsdp_qcomm.enable(model, _preset("qwd", weight_group_size=16))
     with pytest.raises(RuntimeError, match="already enabled"):
-        fsdp_qcomm.enable(model, QCommConfig.preset("qwd"))
+        fsdp_qcomm.enable(model, _preset("qwd"))
     with pytest.raises(RuntimeError, match="already enabled"):
-        fsdp_qcomm.enable(model.blocks[0], QCommConfig.preset("qw4"))
+        fsdp_qcomm.enable(model.blocks[0], _preset("qw4"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     units = len(groups)
 
@@ -362,9 +372,9 @@ def _misuse_and_lifecycle(rank, world):
     cap.remove()
     # enable again after disable works; without keeping the handle, optimizer steps are
     # still recognised (no full-precision resend after the first gather)
-    handle2 = fsdp_qcomm.enable(model, QCommConfig.preset("qw4"))
+    handle2 = fsdp_qcomm.enable(model, _preset("qw4"))
     handle2.disable()
-    fsdp_qcomm.enable(model, QCommConfig.preset("qwd"))
+    fsdp_qcomm.enable(model, _preset("qwd"))
     gc.collect()
     for i in range(7, 10):
         step(i)
@@ -376,7 +386,7 @@ def _misuse_and_lifecycle(rank, world):
     torch.manual_seed(0)
     mixed = _Mixed()
     fully_shard(mixed, reshard_after_forward=True)
-    h = fsdp_qcomm.enable(mixed, QCommConfig.preset("qwd"))
+    h = fsdp_qcomm.enable(mixed, _preset("qwd"))
     exact = _exact(mixed)
     cap = _Capture(mixed)
     mixed(torch.randn(2, 5)).sum().backward()
@@ -392,7 +402,7 @@ def _misuse_and_lifecycle(rank, world):
     lin = nn.Linear(4, 3)
     fully_shard(lin)
     lin.set_gradient_divide_factor(1.0)  # sum the gradients (torchtitan does this)
-    h = fsdp_qcomm.enable(lin, QCommConfig.preset("qwd"))
+    h = fsdp_qcomm.enable(lin, _preset("qwd"))
     assert lin._get_fsdp_state()._fsdp_param_groups[0].force_sum_reduction_for_comms
     assert any("PREMUL_SUM" in n for n in h.stats()["notes"])
     x = torch.full((2, 4), float(rank + 1))
@@ -416,7 +426,7 @@ def _four_ranks(rank, world):
     fully_shard(model.blocks[0], reshard_after_forward=2)
     fully_shard(model)
     with pytest.raises(ValueError, match="reshard_after_forward=<int>"):
-        fsdp_qcomm.enable(model, QCommConfig.preset("qwd"))
+        fsdp_qcomm.enable(model, _preset("qwd"))
     return True
 
 
@@ -485,7 +495,7 @@ def test_flat_buffer_gathers_without_fsdp():
 def _world_one(rank, world):
     model = TinyLM()
     _shard(model, True)
-    handle = fsdp_qcomm.enable(model, QCommConfig.preset("qwd"))
+    handle = fsdp_qcomm.enable(model, _preset("qwd"))
     exact = _exact(model)
     cap = _Capture(model)
     _lm_loss(model, _batch(0, rank)).backward()

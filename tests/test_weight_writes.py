@@ -22,18 +22,22 @@ import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.testing import run_ranks
 
+# Two ranks on one host are one node: quantize_intra_node=True makes the gathers under test
+# quantized (by default fsdp_qcomm leaves collectives inside a node unquantized).
+_ONE_NODE = dict(quantize_intra_node=True)
 SCHEMES = {
     "fsdp": None,  # FSDP's own collectives: the reference behaviour
-    "none": QCommConfig(),
-    "none_kept": QCommConfig(weight_reuse_unchanged=True),
-    "direct": QCommConfig(weight_scheme="direct", weight_bits=8, weight_group_size=16),
+    "none": QCommConfig(**_ONE_NODE),
+    "none_kept": QCommConfig(weight_reuse_unchanged=True, **_ONE_NODE),
+    "direct": QCommConfig(weight_scheme="direct", weight_bits=8, weight_group_size=16,
+                          **_ONE_NODE),
     "direct_kept": QCommConfig(weight_scheme="direct", weight_bits=8, weight_group_size=16,
-                               weight_reuse_unchanged=True),
-    "qwd": QCommConfig(weight_scheme="qwd", weight_group_size=16),
+                               weight_reuse_unchanged=True, **_ONE_NODE),
+    "qwd": QCommConfig(weight_scheme="qwd", weight_group_size=16, **_ONE_NODE),
     "qwd_learned": QCommConfig(weight_scheme="qwd", weight_bits=2, weight_group_size=16,
-                               weight_levels="learned"),
+                               weight_levels="learned", **_ONE_NODE),
     "qwd_no_reuse": QCommConfig(weight_scheme="qwd", weight_group_size=16,
-                                weight_reuse_unchanged=False),
+                                weight_reuse_unchanged=False, **_ONE_NODE),
 }
 WRITES = ("copy_", "data_copy_", "data_assign", "load_state_dict", "set_model_state_dict",
           "swap_and_back", "custom_optimizer", "mark_changed")

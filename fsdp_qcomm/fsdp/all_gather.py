@@ -135,6 +135,8 @@ class QuantizedAllGather(AllGather):
         self.tracker: Optional[ChangeTracker] = None
         if self._scheme != "none" or self._keep:
             self.tracker = ChangeTracker(param_group, self.name)
+        # take part in the agreement before each root forward (``verify_weight_writes``)
+        self.agrees = self.tracker is not None and config.verify_weight_writes
         self.session: Optional[Any] = None
         self.levels: Optional[LevelSync] = None
         if config.weight_levels == "learned":
@@ -339,6 +341,8 @@ class QuantizedAllGather(AllGather):
         assert t is not None
         if backward:
             return t.local_flags(backward=True)
+        if not self._config.verify_weight_writes:  # this rank's own facts, no collective
+            return t.local_flags(backward=False)
         if t.pending is not None:
             return t.pending
         if self.session is not None and self.session.in_root_forward:

@@ -257,21 +257,21 @@ class Agreement:
         mine = local.to(device) | (content.to(torch.int64) * int(Change.CONTENT))
         world = dist.get_world_size(self.group)
         if world == 1:
-            return [int(c) for c in mine.cpu()]
+            return mine.cpu().tolist()
         every = torch.empty(world * len(trackers), dtype=torch.int64, device=device)
         dist.all_gather_single(every, mine, group=self.group)
         if self.stats is not None:
             self.stats.record(KIND, sent_bytes=mine.nbytes, recv_bytes=every.nbytes, elements=0,
                               baseline_bytes=0)
-        rows = every.view(world, len(trackers)).cpu()  # the one host read
+        rows = every.view(world, len(trackers)).cpu().tolist()  # the one host read
         out = []
         for k, t in enumerate(trackers):
-            col = rows[:, k]
-            spmd = col & int(SPMD)
-            if not torch.equal(spmd, spmd[:1].expand_as(spmd)):
-                raise RuntimeError(_disagreement(t.name, spmd.tolist(), where, self.group))
-            content_any = bool((col & int(Change.CONTENT)).any())
-            out.append(int(spmd[0]) | (int(Change.CONTENT) if content_any else 0))
+            col = [row[k] for row in rows]
+            spmd = [c & int(SPMD) for c in col]
+            if any(c != spmd[0] for c in spmd):
+                raise RuntimeError(_disagreement(t.name, spmd, where, self.group))
+            content_any = any(c & int(Change.CONTENT) for c in col)
+            out.append(spmd[0] | (int(Change.CONTENT) if content_any else 0))
         return out
 
 

@@ -280,6 +280,7 @@ def _plan(i: _Install, run: QCommConfig) -> hop_plan.ModulePlan:
         run, group_layout(fsdp.shard_group(i.group), rpn),
         group_layout(fsdp.reduce_scatter_group(i.group), rpn),
         group_layout(replicas, rpn) if replicas is not None and replicas.size() > 1 else None,
+        gloo=dist.get_backend(fsdp.reduce_scatter_group(i.group)) == "gloo",
     )
 
 

@@ -63,10 +63,14 @@ def _where(layout: NodeLayout) -> str:
 
 def plan_module(
     run: QCommConfig, gather: NodeLayout, reduce_scatter: NodeLayout,
-    replicas: Optional[NodeLayout],
+    replicas: Optional[NodeLayout], gloo: bool = False,
 ) -> ModulePlan:
     """Decide one module's collectives (see the module docstring). ``replicas``: the HSDP
-    replica group's layout (None without HSDP or with a single replica)."""
+    replica group's layout (None without HSDP or with a single replica). ``gloo``: the
+    reduce-scatter runs on gloo, which rejects the PREMUL_SUM op FSDP passes once a gradient
+    divide factor is set (possibly after ``enable``): an unquantized reduce-scatter then still
+    goes through the hook (a plain one, which applies the factor itself) when gradients are
+    otherwise handled by fsdp-qcomm."""
     why = []
     intra_ok = run.quantize_intra_node
     # ---- weights
@@ -99,7 +103,7 @@ def plan_module(
                 else "one hop")
         why.append(f"gradient reduce-scatter: {hops}: {_where(reduce_scatter)}")
     else:
-        if run.grad_overlap:
+        if run.grad_overlap or (gloo and run.grad_scheme != "none"):
             rs = dataclasses.replace(run, **_PLAIN_GRADS)
         if run.grad_scheme != "none":
             why.append(f"gradient reduce-scatter: unquantized, {_where(reduce_scatter)} "

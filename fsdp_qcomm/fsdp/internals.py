@@ -14,7 +14,8 @@ signature of ``_get_gradient_divide_factors``); a torch release that renamed or 
 instead of training on. Behaviours that can only be seen while training are proven at run
 time where they are used (``fsdp.hsdp``: FSDP's own all-reduce ran on the one-rank group;
 ``fsdp.grad_overlap``: every non-deferred reduction has a reason). ``tests/test_fsdp_canaries.py``
-pins each behaviour with one test, so a torch upgrade fails there first.
+pins each behaviour with one test, so a torch upgrade fails there first;
+``tests/test_internals_guard.py`` breaks each read on purpose and expects these errors.
 
 Checked against torch 2.13.0, 2.14.1 and 2.15.0. What 2.15 changed that matters here:
 ``FSDPParamGroup.mp_policy`` and ``FSDPParamGroup._orig_dtype`` are gone (the policy is resolved
@@ -32,18 +33,26 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import (
-    DDPMeshInfo,
-    FSDPMeshInfo,
-    TrainingState,
-)
+
+TESTED_TORCH = ("2.13", "2.14", "2.15")
+
+try:  # the classes fsdp_qcomm subclasses or tests against: a release without them fails here
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        DDPMeshInfo,
+        FSDPMeshInfo,
+        TrainingState,
+    )
+except ImportError as e:
+    raise ImportError(
+        f"fsdp_qcomm: FSDP2 in torch {torch.__version__} does not have what fsdp_qcomm extends "
+        f"({e}); fsdp_qcomm is tested with torch {', '.join(TESTED_TORCH)}. Use one of those torch "
+        "versions, or run without fsdp_qcomm until it supports this release."
+    ) from e
 
 ParamGroup = Any  # torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup
 FSDPParam = Any  # torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam
-
-TESTED_TORCH = ("2.13", "2.14", "2.15")
 
 
 class FSDPInternalsChanged(RuntimeError):
@@ -73,13 +82,24 @@ def torch_minor() -> tuple[int, int]:
 # ---- modules and their parameter groups -------------------------------------------------------
 def param_groups(module: nn.Module) -> list[ParamGroup]:
     """The FSDP parameter groups of one ``fully_shard``-ed module (several with per-parameter
-    meshes from ``shard_placement_fn``; none for a module without parameters of its own)."""
+    meshes from ``shard_placement_fn``; none for a module without parameters of its own).
+
+    The way in to FSDP's private state, so each group is checked here (``verify_group``) before
+    anyone reads it: a renamed or removed attribute raises ``FSDPInternalsChanged`` naming it,
+    not an ``AttributeError`` from whichever read comes first (``enable`` reads the installed
+    comms and the reduction settings before anything else)."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{type(module).__name__} is not an FSDP module")
-    state = module._get_fsdp_state()
-    if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.13: a list (empty without params)
-        return list(state._fsdp_param_groups)
-    raise changed("FSDPState has no _fsdp_param_groups")
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        raise changed("FSDPModule has no _get_fsdp_state()")
+    state = get_state()
+    if not hasattr(state, "_fsdp_param_groups"):  # torch >= 2.13: a list (empty without params)
+        raise changed("FSDPState has no _fsdp_param_groups")
+    groups = list(state._fsdp_param_groups)
+    for group in groups:
+        verify_group(group)
+    return groups
 
 
 def fsdp_params(group: ParamGroup) -> list[FSDPParam]:

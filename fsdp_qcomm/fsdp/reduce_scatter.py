@@ -31,6 +31,7 @@ from ..collectives.level_sync import LevelSync
 from ..collectives.topology import Topology, node_topology, private_group
 from ..config import QCommConfig
 from ..stats import CommStats
+from . import internals as fsdp
 from .grad_overlap import ReductionQueue, defer_reason
 from .internals import ReduceScatter
 from .residual_state import ScaleSource, call_feedback
@@ -72,12 +73,6 @@ class QuantizedReduceScatter(ReduceScatter):
         prepared_overlap: Optional[PreparedGroup] = None,
         queue: Optional[ReductionQueue] = None,
     ) -> None:
-        if config.grad_scheme == "none" and not config.grad_overlap:
-            raise ValueError(
-                "QuantizedReduceScatter needs QCommConfig.grad_scheme 'one_level' or "
-                "'two_level' (or grad_overlap=True, which runs FSDP's unquantized reduction on "
-                "the background thread); otherwise keep FSDP's own reduce-scatter"
-            )
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
             raise ValueError(f"bucket must be a non-negative int (module index), got {bucket!r}")
         self.config = config
@@ -136,7 +131,9 @@ class QuantizedReduceScatter(ReduceScatter):
                 if self.config.grad_scheme == "two_level":
                     own_topology = node_topology(own, self.config.ranks_per_node)
             why = defer_reason(self.param_group, input_tensor, op)
-            if why:
+            # Under HSDP this hop is never the deferred one (FSDP all-reduces its output at
+            # once); the replica all-reduce's hook notes why it was not deferred, if it was not.
+            if why and not (self.param_group is not None and fsdp.is_hsdp(self.param_group)):
                 self.stats.note(f"grad_overlap: a reduce-scatter finished inside its call: {why}")
             self.queue.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
                                       levels, own_topology, feedback), defer=not why)

@@ -71,12 +71,18 @@ class Session:
         return [i.all_gather.tracker for i in self.installs
                 if i.all_gather is not None and i.all_gather.tracker is not None]
 
+    @property
+    def agreeing(self) -> list[ChangeTracker]:
+        """The trackers of the gathers that agree before each root forward."""
+        return [i.all_gather.tracker for i in self.installs
+                if i.all_gather is not None and i.all_gather.agrees]
+
     # ---- the root forward ------------------------------------------------------------------
     def _before_root_forward(self, module: nn.Module, args: Any) -> None:
         if not self.enabled or fsdp.autograd_running():
             return  # an activation-checkpoint recomputation inside backward: no new forward
         self.check_installed()
-        trackers = self.trackers
+        trackers = self.agreeing
         codes = self.agreement.agree(trackers, "before the root module's forward")
         for t, c in zip(trackers, codes):
             t.pending = c
