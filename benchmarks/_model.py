@@ -1,8 +1,9 @@
 """What the benchmarks share: a small GPT, its FSDP2 wrapping, and two datasets: characters of
 a text file (``CharData``) and the main job's BPE corpus (``BPEData``).
 
-The model is deliberately plain (learned positions, pre-norm blocks, GELU MLP, untied output
-layer) so that a benchmark measures the collectives, not the model code. Every rank builds it
+The model is deliberately plain (learned positions, pre-norm blocks, GELU MLP, an output
+layer untied unless ``GPTShape.tied``) so that a benchmark measures the collectives, not the
+model code. Every rank builds it
 from the same seed before ``fully_shard``, so all schemes start from identical weights.
 """
 
@@ -32,11 +33,13 @@ class GPTShape:
     layers: int
     heads: int
     seq: int
+    tied: bool = False  # the output layer's weight is the token embedding
 
     def params(self) -> int:
         d = self.dim
         block = 12 * d * d + 13 * d  # qkv + proj + 4d MLP (weights and biases) + 2 LayerNorms
-        return self.vocab * d * 2 + self.seq * d + self.layers * block + 2 * d + self.vocab
+        embeddings = self.vocab * d * (1 if self.tied else 2)
+        return embeddings + self.seq * d + self.layers * block + 2 * d + self.vocab
 
 
 class _Block(nn.Module):
@@ -71,6 +74,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(_Block(shape.dim, shape.heads) for _ in range(shape.layers))
         self.ln_f = nn.LayerNorm(shape.dim)
         self.head = nn.Linear(shape.dim, shape.vocab)
+        if shape.tied:
+            self.head.weight = self.tok.weight
         std = 0.02
         for name, p in self.named_parameters():
             if p.dim() == 2:

@@ -63,7 +63,8 @@ NOT_RECORDED = "not recorded at the time"
 SAMPLE_S = 15.0
 #: environment variables that change what a benchmark does or how fast it runs
 ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "FSDP_QCOMM_NATIVE",
-            "FSDP_QCOMM_DEVICE", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+            "FSDP_QCOMM_DEVICE", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES",
+            "FSDP_QCOMM_FT_FSDP")
 
 
 def _now() -> str:

@@ -13,10 +13,21 @@ gradient schemes take both hops) under each scheme and reports, per rank and ste
   package's counters for the same run.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/wire_bytes.py [--steps 2] [--dim 256]
-        [--microbatches K] [--cluster-json results/cluster_speed/results.json]
+        [--microbatches K] [--hsdp [--all-reduce-every-microbatch]]
+        [--cluster-json results/cluster_speed/results.json]
 
 ``--microbatches K`` accumulates gradients over K micro-batches per optimizer step
 (``set_requires_gradient_sync(False)`` on all but the last): bytes are then per optimizer step.
+
+``--hsdp``: the 4 ranks as HSDP, 2 replicas (one per node) x 2 shards (inside a node); with
+``--microbatches K`` the loop calls ``model.set_requires_all_reduce(micro == K - 1)`` (the
+reduce-scatter inside the node runs every micro-batch, the all-reduce across nodes once per
+step), or nothing with ``--all-reduce-every-microbatch`` (FSDP2's default, what torchtitan did
+before fsdp_qcomm's adapters skipped it). Adds a table of node-crossing bytes per optimizer
+step: the package's ``cross_node_bytes`` for the hooked schemes; for FSDP2's own HSDP, the ring
+all-reduce volume ``2 (R - 1) / R`` times the bytes handed to ``all_reduce`` on the R-rank
+replica group (all of it to the other node for R = 2), which is also what the package's
+unquantized replica hop would count.
 
 Writes ``results/wire_bytes/{table.md, results.json, bits.png}``.
 """
@@ -40,7 +51,7 @@ SCHEMES = ["baseline", "qw4", "qwd", "tlq", "tlq_hs", "sdp4bit", "qsdp", "zeropp
 _PER_STEP = ("calls", "sent_bytes", "recv_bytes", "elements", "baseline_bytes",
              "cross_node_bytes", "sending_calls", "sending_elements")
 _PG_FUNCS = ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
-             "all_gather_into_tensor", "reduce_scatter_tensor")
+             "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -54,6 +65,11 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=1,
                     help="micro-batches per optimizer step (gradient accumulation)")
+    ap.add_argument("--hsdp", action="store_true",
+                    help="HSDP: 2 replicas (one per node) x 2 shards inside a node")
+    ap.add_argument("--all-reduce-every-microbatch", action="store_true",
+                    help="--hsdp with --microbatches: do not skip the all-reduce across "
+                         "replicas on the first micro-batches (FSDP2's default)")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--cluster-json", default=None,
                     help="results.json of cluster_speed.py: add the veth link cross-check")
@@ -65,6 +81,8 @@ def _args(argv=None) -> argparse.Namespace:
         ap.error(f"unknown scheme(s) {bad}; choose from {SCHEMES}")
     if a.microbatches < 1:
         ap.error(f"--microbatches {a.microbatches} must be >= 1")
+    if a.all_reduce_every_microbatch and not a.hsdp:
+        ap.error("--all-reduce-every-microbatch needs --hsdp")
     if a.cluster_json and not Path(a.cluster_json).is_file():
         ap.error(f"--cluster-json {a.cluster_json}: no such file; run "
                  "benchmarks/cluster_speed.py first (as root)")
@@ -90,11 +108,19 @@ class _PgCounter:
             setattr(dist, name, self._wrap(name, fn))
 
     def _wrap(self, name, fn):
+        import torch.distributed as dist
+
         def counted(*args, **kwargs):
             if self.on:
-                t = kwargs.get("input", kwargs.get("input_tensor"))
-                if t is None:
-                    t = args[1]
+                if name == "all_reduce":  # (tensor, op, group): one-rank groups move nothing
+                    t = kwargs.get("tensor", args[0] if args else None)
+                    group = kwargs.get("group", args[2] if len(args) > 2 else None)
+                    if dist.get_world_size(group) < 2:
+                        return fn(*args, **kwargs)
+                else:
+                    t = kwargs.get("input", kwargs.get("input_tensor"))
+                    if t is None:
+                        t = args[1]
                 self.bytes[name] = self.bytes.get(name, 0) + t.numel() * t.element_size()
             return fn(*args, **kwargs)
 
@@ -104,7 +130,7 @@ class _PgCounter:
 def _rank_fn(rank: int, world: int, a: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
-    from _model import GPTShape, build_fsdp_gpt
+    from _model import GPTShape, build_fsdp_gpt, hsdp_mesh
 
     import fsdp_qcomm
 
@@ -112,7 +138,7 @@ def _rank_fn(rank: int, world: int, a: argparse.Namespace) -> dict:
     shape = GPTShape(a.vocab, a.dim, a.layers, a.heads, a.seq)
     out: dict = {"params": shape.params(), "schemes": {}}
     for label in a.schemes:
-        model = build_fsdp_gpt(shape, 0)
+        model = build_fsdp_gpt(shape, 0, hsdp_mesh(2) if a.hsdp else None)
         handle = None
         if label != "baseline":
             handle = fsdp_qcomm.enable(
@@ -126,7 +152,11 @@ def _rank_fn(rank: int, world: int, a: argparse.Namespace) -> dict:
                 if handle is not None:
                     handle.reset_stats()
             for m in range(a.microbatches):
-                model.set_requires_gradient_sync(m == a.microbatches - 1)
+                last = m == a.microbatches - 1
+                if not a.hsdp:
+                    model.set_requires_gradient_sync(last)
+                elif not a.all_reduce_every_microbatch:
+                    model.set_requires_all_reduce(last)  # one all-reduce across nodes per step
                 x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
                 F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
             opt.step()
@@ -139,6 +169,7 @@ def _rank_fn(rank: int, world: int, a: argparse.Namespace) -> dict:
                        for k, v in handle.stats().items() if k not in ("notes", "summary")}
                       if handle is not None else {}),
             "modes": handle.gather_modes() if handle is not None else {},
+            "summary": handle.stats()["summary"] if handle is not None else {},
         }
         if handle is not None:
             handle.disable()
@@ -147,10 +178,38 @@ def _rank_fn(rank: int, world: int, a: argparse.Namespace) -> dict:
 
 
 def _reference(base: dict) -> dict:
-    """FSDP2's own bytes per rank and step, from the baseline run's process-group counts."""
+    """FSDP2's own bytes per rank and step, from the baseline run's process-group counts
+    (``ar_fp32``: HSDP's all-reduce across replicas, 0 without HSDP)."""
     ag = base["pg"].get("all_gather_single", 0) + base["pg"].get("all_gather_into_tensor", 0)
     rs = base["pg"].get("reduce_scatter_single", 0) + base["pg"].get("reduce_scatter_tensor", 0)
-    return {"ag_fp32": ag, "rs_fp32": rs, "bf16_fp32": ag / 2 + rs, "fp32_fp32": ag + rs}
+    ar = base["pg"].get("all_reduce", 0)
+    return {"ag_fp32": ag, "rs_fp32": rs, "ar_fp32": ar, "bf16_fp32": ag / 2 + rs + ar,
+            "fp32_fp32": ag + rs + ar}
+
+
+REPLICAS = 2  # --hsdp: one replica per node
+
+
+def _cross_node_table(sch: dict, ref: dict) -> tuple[str, dict]:
+    """--hsdp: bytes this rank sends to the other node per optimizer step."""
+    ring = 2 * (REPLICAS - 1) / REPLICAS
+    fsdp = ring * ref["ar_fp32"]
+    rows = ["| scheme | node-crossing bytes/step | vs FSDP2's HSDP | all-reduces across "
+            "replicas per step (calls of all modules) | how counted |", "|---|---|---|---|---|"]
+    out = {}
+    for label, r in sch.items():
+        if label == "baseline":
+            cross, calls, how = fsdp, "-", (f"ring volume {ring:g} x the {ref['ar_fp32']:,.0f} "
+                                            "bytes handed to all_reduce")
+        else:
+            cross = r["summary"]["cross_node_bytes"] / max(1, r["summary"]["steps"])
+            rep = r["stats"].get("grad_replica", {})
+            calls, how = f"{rep.get('calls', 0):.0f}", "stats()['summary'] cross_node_bytes"
+        out[label] = cross
+        rows.append(f"| {label} | {cross:,.0f} | {cross / fsdp:.3f} (1/{fsdp / cross:.1f}) | "
+                    f"{calls} | {how} |" if cross and fsdp else
+                    f"| {label} | {cross:,.0f} | - | {calls} | {how} |")
+    return "\n".join(rows), out
 
 
 def _tables(res: dict, a: argparse.Namespace) -> tuple[str, dict]:
@@ -176,9 +235,14 @@ def _tables(res: dict, a: argparse.Namespace) -> tuple[str, dict]:
         gkinds = [k for k in ("grad_intra", "grad_inter") if k in st]
         g = sum(st[k]["sent_bytes"] for k in gkinds) if gkinds else \
             r["pg"].get("reduce_scatter_single", 0) + r["pg"].get("reduce_scatter_tensor", 0)
+        # HSDP: the all-reduce across replicas (the package's hop, else FSDP's own)
+        g += st["grad_replica"]["sent_bytes"] if "grad_replica" in st else \
+            r["pg"].get("all_reduce", 0)
         for kind, s in st.items():
-            if kind == "weight_allgather":
+            if kind.startswith("weight_allgather"):
                 fb16, f32 = s["elements"] * 2, s["elements"] * 4
+            elif kind == "grad_replica":  # against FSDP's fp32 all-reduce across replicas
+                fb16 = f32 = ref["ar_fp32"] or 1
             else:  # against FSDP's fp32 reduce-scatter of the same gradients
                 fb16 = f32 = rs_el * 4
             rows.append(f"| {label} | {kind} | {s['calls']:.0f} | {s['sending_calls']:.0f} | "
@@ -190,9 +254,13 @@ def _tables(res: dict, a: argparse.Namespace) -> tuple[str, dict]:
                         f"{ag_el:,.0f} | 32.000 | 32.000 | 2.000 | 1.000 |")
             rows.append(f"| baseline | FSDP reduce-scatter (fp32) | - | - | "
                         f"{ref['rs_fp32']:,.0f} | {rs_el:,.0f} | 32.000 | 32.000 | 1.000 | 1.000 |")
+            if ref["ar_fp32"]:
+                rows.append(f"| baseline | FSDP all-reduce across replicas (fp32) | - | - | "
+                            f"{ref['ar_fp32']:,.0f} | {ref['ar_fp32'] / 4:,.0f} | 32.000 | "
+                            "32.000 | 1.000 | 1.000 |")
         counted = sum(s["sent_bytes"] for s in st.values())
-        hooked = {"all_gather_single": "weight_allgather" in st,
-                  "all_to_all_single": bool(gkinds)}
+        hooked = {"all_gather_single": "weight_allgather" in st or "grad_replica" in st,
+                  "all_to_all_single": bool(gkinds) or "grad_replica" in st}
         pg_hooked = sum(v for k, v in r["pg"].items() if hooked.get(k))
         check = "n/a (no hooks)" if not st else (
             "yes" if abs(pg_hooked - counted) <= 0 else f"NO: {pg_hooked:,.0f} vs {counted:,.0f}")
@@ -203,16 +271,32 @@ def _tables(res: dict, a: argparse.Namespace) -> tuple[str, dict]:
                       f"{total / ref['bf16_fp32']:.3f} (/{ref['bf16_fp32'] / total:.2f}) | "
                       f"{total / ref['fp32_fp32']:.3f} (/{ref['fp32_fp32'] / total:.2f}) | "
                       f"{check} |")
+    layout = ("HSDP: 2 replicas (one per node) x 2 shards inside a node" if a.hsdp
+              else "flat FSDP")
+    accumulate = ""
+    if a.microbatches > 1:
+        accumulate = (" Micro-batches: " + (
+            "set_requires_gradient_sync(False) on all but the last." if not a.hsdp else
+            "FSDP2's default, an all-reduce across replicas every micro-batch."
+            if a.all_reduce_every_microbatch else
+            "set_requires_all_reduce(micro == last): one all-reduce across replicas per "
+            "step."))
     md = (f"Per rank and optimizer step ({a.microbatches} micro-batch(es) each), {a.steps} "
           f"steps after 1 warm-up; {res['params'] / 1e6:.2f}M-param GPT, 4 ranks = 2 nodes "
-          "x 2.\n\n"
+          f"x 2, {layout}.{accumulate}\n\n"
           "### Totals\n\n" + "\n".join(totals) +
           "\n\n### Per collective\n\n" + "\n".join(rows) + "\n\n"
           "bits/elem = 8 x bytes sent / logical elements (the package's definition); the "
           "weight all-gather's elements include the gathers of unchanged weights (backward "
           "re-gathers, later micro-batches), which send nothing under qWD; 'when sending' "
           "counts only the gathers that sent. "
-          "Gradient hops are compared with FSDP's whole fp32 reduce-scatter input.\n")
+          "Gradient hops are compared with FSDP's whole fp32 reduce-scatter input (the "
+          "replica hop with FSDP's all-reduce input).\n")
+    if a.hsdp:
+        table, cross = _cross_node_table(sch, ref)
+        md += "\n### Node-crossing bytes per optimizer step (HSDP)\n\n" + table + "\n"
+        for label, v in cross.items():
+            summary[label]["cross_node"] = v
     return md, summary
 
 

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==${FSDP_QCOMM_TORCH:-2.13.0}"
 "$PY" -m pip install --quiet --disable-pip-version-check triton
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[test,titan,bench]"
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".[test,titan,bench,ft]"

@@ -225,17 +225,14 @@ def _battery(rank: int, world: int) -> dict:
 
     # 5. grad_overlap when FSDP divides after every reduction (deferral impossible): nothing is
     #    deferred, the notes say why; unpatched, the 1-D run defers
-    from fsdp_qcomm.fsdp.grad_overlap import QUEUE
-
     def overlap(shape, factors) -> dict:
         m = _build(shape)
         _fsdp_collectives._get_gradient_divide_factors = factors
         try:
             h = enable(m, _config(grad_overlap=True))
-            before = QUEUE.deferred
             _step(m, rank)
-            QUEUE.drain()
-            out = {"deferred": QUEUE.deferred - before, "notes": h.stats()["notes"],
+            h._session.queue.drain()  # the optimizer step would wait for them
+            out = {"deferred": h.deferred_reductions, "notes": h.stats()["notes"],
                    "grads": all(p.grad is not None and bool(p.grad.to_local().isfinite().all())
                                 for p in m.parameters())}
             h.disable()

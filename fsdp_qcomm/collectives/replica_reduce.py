@@ -57,6 +57,13 @@ def replica_key(seed: int, call: int, rank: int, bucket: int) -> RngKey:
     return RngKey(seed, call, rank, bucket).fold(_REPLICA_SALT)
 
 
+def group_rank(group: Optional[ProcessGroup]) -> int:
+    """This rank's index in ``group`` (None: the default group). ``ProcessGroup.rank()`` also
+    answers for process groups ``torch.distributed`` has not registered (torchft's, whose
+    members change with each quorum), where ``dist.get_rank(group)`` raises."""
+    return dist.get_rank() if group is None else group.rank()
+
+
 def replica_wire_bytes(m: int, replicas: int, spec: QuantSpec, hadamard: bool) -> int:
     """Bytes of one wire row (all-to-all and all-gather rows are equal) for ``m`` values in a
     single span: each replica sends ``R + 1`` such rows per call."""
@@ -110,7 +117,7 @@ def all_reduce_quantized(
     x[:m].copy_(flat)
     x = x.view(replicas, c)
     spans = _spans(c, replicas, spec, hadamard, chunks)
-    index = dist.get_rank(group)
+    index = group_rank(group)
     res, done = open_residuals(
         feedback, lambda n: feedback_sites(n, replicas, spec, hadamard, chunks, index), m,
         tensor.device)
@@ -256,4 +263,4 @@ def all_reduce_plain(
 
 
 __all__ = ["KIND", "all_reduce_plain", "all_reduce_quantized", "feedback_shapes", "feedback_sites",
-           "replica_key", "replica_wire_bytes"]
+           "group_rank", "replica_key", "replica_wire_bytes"]

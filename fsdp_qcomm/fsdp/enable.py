@@ -139,12 +139,15 @@ class QCommHandle:
         """Bytes, calls, elements and bits per element per collective kind, a ``summary``
         (steps, bytes and node-crossing bytes per step, error-feedback memory) and notes."""
         snap = self._stats.snapshot()
-        ef = sum(residual_bytes(h, i.group) for i in self._installs
-                 for h in i.reduction_hooks.values())
+        ef = self._error_feedback_bytes()
         params = sum(p.numel() for i in self._installs for p in fsdp.sharded_params(i.group))
         snap["summary"]["error_feedback_bytes"] = ef
         snap["summary"]["error_feedback_bytes_per_parameter"] = ef / params if params else 0.0
         return snap
+
+    def _error_feedback_bytes(self) -> int:
+        return sum(residual_bytes(h, i.group) for i in self._installs
+                   for h in i.reduction_hooks.values())
 
     def reset_stats(self) -> None:
         self._stats.reset()
@@ -162,9 +165,30 @@ class QCommHandle:
 
     def reference_bytes(self) -> int:
         """Memory this rank holds for qWD references and kept weights
-        (``weight_reuse_unchanged``): one unsharded copy of each such module's parameters in
-        the all-gather dtype, plus one shard."""
+        (``weight_reuse_unchanged``), in the all-gather dtype: per qWD module, the node-sharded
+        reference (the shards of the ranks with this rank's local index, one per node:
+        ``1/ranks_per_node`` of the module's padded parameters) or, with
+        ``weight_reference="full"`` (or one rank per node), one unsharded copy plus one shard
+        (``1 + 1/world`` of them); kept weights are one unsharded copy plus one shard. 0 for
+        modules whose gather stays FSDP2's own (inside a node, as under HSDP)."""
         return sum(i.all_gather.reference_bytes for i in self._installs if i.all_gather is not None)
+
+    def kept_bytes(self) -> dict[str, int]:
+        """Memory this rank keeps for fsdp_qcomm between steps, by category: ``reference``
+        (:meth:`reference_bytes`), ``error_feedback`` (the gradient residuals,
+        ``stats()["summary"]["error_feedback_bytes"]``), ``level_tables`` (learned level tables
+        of the weight gathers and gradient reductions) and ``total``. FSDP2's own sharded
+        parameters, gradients and the optimizer's states are not included."""
+        ef = self._error_feedback_bytes()
+        tables = 0
+        for i in self._installs:
+            for hook in (i.all_gather, *i.reduction_hooks.values()):
+                sync = getattr(hook, "levels", None)
+                if sync is not None and sync.levels is not None:
+                    tables += sync.levels.nbytes
+        ref = self.reference_bytes()
+        return {"reference": ref, "error_feedback": ef, "level_tables": tables,
+                "total": ref + ef + tables}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's checkpointable state, under the key ``"rank<r>_of_<W>"``: who wrote it

@@ -76,7 +76,9 @@ def plan_module(
     # ---- weights
     weights = run
     node_reference = False
-    if run.weight_scheme != "none":
+    if run.weight_scheme != "none" and gather.size == 1:
+        why.append("weight all-gather: none, a group of one rank (FSDP2 runs no collective)")
+    elif run.weight_scheme != "none":
         if gather.num_nodes > 1 or intra_ok:
             text = f"weight all-gather: {run.weight_scheme} {run.weight_bits}-bit"
             if run.weight_scheme == "qwd":
@@ -97,7 +99,10 @@ def plan_module(
                        "(quantize_intra_node=False)")
     # ---- gradients
     rs = None
-    if run.grad_scheme != "none" and (reduce_scatter.num_nodes > 1 or intra_ok):
+    if run.grad_scheme != "none" and reduce_scatter.size == 1:
+        why.append("gradient reduce-scatter: none, a group of one rank (FSDP2 runs no "
+                   "collective)")
+    elif run.grad_scheme != "none" and (reduce_scatter.num_nodes > 1 or intra_ok):
         rs = run
         hops = ("two-level, inside then across nodes" if run.grad_scheme == "two_level"
                 else "one hop")

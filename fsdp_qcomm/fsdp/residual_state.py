@@ -102,10 +102,16 @@ def residual_bytes(hook: Any, group: Any) -> int:
     return 4 * sum(torch.Size(s).numel() for s in shapes.values())
 
 
-def residual_entries(hooks: dict[str, Any], group: Any) -> dict[str, torch.Tensor]:
-    """``{"<hook>.<site>": flat copy}`` of this rank's residuals."""
-    return {f"{name}.{site}": buf.detach().reshape(-1).clone()
+def residual_buffers(hooks: dict[str, Any], group: Any) -> dict[str, torch.Tensor]:
+    """``{"<hook>.<site>": live buffer}`` of this rank's residuals (for measuring memory)."""
+    return {f"{name}.{site}": buf
             for name, hook in hooks.items() for site, buf in _buffers(hook, group).items()}
+
+
+def residual_entries(hooks: dict[str, Any], group: Any) -> dict[str, torch.Tensor]:
+    """``{"<hook>.<site>": flat copy}`` of this rank's residuals (for checkpoints)."""
+    return {k: buf.detach().reshape(-1).clone()
+            for k, buf in residual_buffers(hooks, group).items()}
 
 
 def check_residuals(hooks: dict[str, Any], group: Any, entries: dict[str, Any],
@@ -141,5 +147,6 @@ def load_residuals(hooks: dict[str, Any], group: Any, entries: dict[str, Any], l
             buf.view(-1).copy_(local.reshape(-1))
 
 
-__all__ = ["ScaleSource", "call_feedback", "check_residuals", "load_residuals", "residual_bytes",
-           "residual_entries", "scaler_scale", "shard_numel", "value_layout"]
+__all__ = ["ScaleSource", "call_feedback", "check_residuals", "load_residuals",
+           "residual_buffers", "residual_bytes", "residual_entries", "scaler_scale",
+           "shard_numel", "value_layout"]

@@ -12,6 +12,7 @@ checks and its errors are shared with the torchtitan 0.3 adapter
 
 from dataclasses import dataclass, field
 
+from fsdp_qcomm.titan_common.diloco import DiLoCoSection
 from fsdp_qcomm.titan_common.section import (
     SECTION,
     QComm,
@@ -25,12 +26,14 @@ from fsdp_qcomm.titan_common.section import (
 
 @dataclass
 class JobConfig:
-    """torchtitan ``custom_config_module`` entry point: adds the ``[qcomm]`` section."""
+    """torchtitan ``custom_config_module`` entry point: adds the ``[qcomm]`` and ``[diloco]``
+    sections (``fsdp_qcomm.titan_common.diloco``)."""
 
     qcomm: QComm = field(default_factory=QComm)
+    diloco: DiLoCoSection = field(default_factory=DiLoCoSection)
 
 
 __all__ = [
-    "JobConfig", "QComm", "SECTION", "make_section_class", "preset_names", "qcomm_config_class",
-    "resolve", "section_of",
+    "DiLoCoSection", "JobConfig", "QComm", "SECTION", "make_section_class", "preset_names",
+    "qcomm_config_class", "resolve", "section_of",
 ]

@@ -8,22 +8,24 @@ from torchtitan.components.metrics import MetricsProcessor
 from fsdp_qcomm.titan_common.metrics import QCommMetricsMixin
 
 
+def accumulation_steps(job_config, parallel_dims) -> int:
+    """Forward/backward passes per optimizer step, as torchtitan 0.2.2's Trainer computes its
+    ``gradient_accumulation_steps``: the global batch over the local batch times the
+    data-parallel degree (the "batch" mesh)."""
+    gbs = job_config.training.global_batch_size
+    lbs = job_config.training.local_batch_size
+    if gbs <= 0:
+        return 1
+    degree = parallel_dims.get_mesh("batch").size() if parallel_dims.dp_enabled else 1
+    return max(1, gbs // (lbs * degree))
+
+
 class QCommMetricsProcessor(QCommMetricsMixin, MetricsProcessor):
     """torchtitan's MetricsProcessor plus ``qcomm/*`` figures and a JSON summary."""
 
     def __init__(self, job_config, parallel_dims, tag: str | None = None) -> None:
         super().__init__(job_config, parallel_dims, tag)
-        self.init_qcomm(self._microbatches(job_config, parallel_dims))
-
-    @staticmethod
-    def _microbatches(job_config, parallel_dims) -> int:
-        gbs = job_config.training.global_batch_size
-        lbs = job_config.training.local_batch_size
-        if gbs <= 0:
-            return 1
-        # as in torchtitan's Trainer: the "batch" mesh spans the data-parallel ranks
-        degree = parallel_dims.get_mesh("batch").size() if parallel_dims.dp_enabled else 1
-        return max(1, gbs // (lbs * degree))
+        self.init_qcomm(accumulation_steps(job_config, parallel_dims))
 
     def qcomm_run_info(self) -> tuple[str, str, str]:
         m = self.job_config.model
@@ -34,4 +36,4 @@ def build_qcomm_metrics_processor(job_config, parallel_dims, model_args=None, ta
     return QCommMetricsProcessor(job_config, parallel_dims, tag)
 
 
-__all__ = ["QCommMetricsProcessor", "build_qcomm_metrics_processor"]
+__all__ = ["QCommMetricsProcessor", "accumulation_steps", "build_qcomm_metrics_processor"]

@@ -14,7 +14,13 @@ figures. ``config.build()`` constructs the trainer, which before torchtitan's ow
    pipeline stage) gets ``install_qcomm`` with the resolved section;
 
 and after it, adds the handles' state to the checkpoint (key ``"qcomm"``; a resumed run
-continues bit for bit) and tells the metrics processor the step's microbatches.
+continues bit for bit) and tells the metrics processor the step's microbatches. The
+``diloco`` section (``titan_common.diloco``) parses and validates as on 0.2.2, but
+``--diloco.enable`` is refused on 0.3 (see ``Config.__post_init__``). Under HSDP with
+gradient accumulation, ``train_step`` and ``forward_backward_step`` skip FSDP's all-reduce
+across replicas on all but the last micro-batch of each optimizer step
+(``titan_common/accumulation.py``): one node-crossing all-reduce per step, as with one
+micro-batch.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ from torchtitan.trainer import Trainer
 from fsdp_qcomm.titan03.attention import eager_block_masks, use_dense_attention
 from fsdp_qcomm.titan03.metrics import QCommMetricsProcessor
 from fsdp_qcomm.titan_common import cpu, data
+from fsdp_qcomm.titan_common.accumulation import ReplicaSync
 from fsdp_qcomm.titan_common.checkpoint import add_handles_state
+from fsdp_qcomm.titan_common.comm_stats import attachment_of
+from fsdp_qcomm.titan_common.diloco import DiLoCoSection
 from fsdp_qcomm.titan_common.install import install_qcomm
 from fsdp_qcomm.titan_common.section import QComm
 
@@ -42,6 +51,10 @@ class QCommTrainer(Trainer):
     class Config(Trainer.Config):
         qcomm: QComm = field(default_factory=QComm)
         """fsdp_qcomm's quantized collectives: a QCommConfig preset and field overrides"""
+
+        diloco: DiLoCoSection = field(default_factory=DiLoCoSection)
+        """DiLoCo across the dp_replicate replica groups (fsdp_qcomm.diloco): enable and
+        DiLoCoConfig overrides (sync_every, fragments, outer_lr, outer_momentum, bits, ...)"""
 
         metrics: QCommMetricsProcessor.Config = field(  # pyrefly: ignore [bad-override]
             default_factory=QCommMetricsProcessor.Config
@@ -70,6 +83,15 @@ class QCommTrainer(Trainer):
                     "fsdp_qcomm's hooks run Python on every collective (byte counters, the qWD "
                     "reference, learned levels), which CUDA graph replay skips; set "
                     "--training.disable_cuda_graphs"
+                )
+            if self.diloco.enable:
+                raise ValueError(
+                    "diloco.enable is not wired for torchtitan 0.3: hiding dp_replicate from its "
+                    "parallelize function (what the 0.2.2 adapter does) fails in torch 2.15's "
+                    "fully_shard ('Parameter ... has spmd_types annotation on axis default_pg, "
+                    "which is neither a non-FSDP storage-mesh axis nor contained in the FSDP DP "
+                    "mesh'). Use torchtitan 0.2.2 (fsdp_qcomm.titan, [diloco]) or "
+                    "fsdp_qcomm.diloco.DiLoCo directly"
                 )
 
     def __init__(self, config: Config) -> None:
@@ -104,6 +126,21 @@ class QCommTrainer(Trainer):
         self.metrics_processor.run_name = (spec.name, spec.flavor)
         self.metrics_processor.set_microbatches(
             self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
+        self.replica_sync = ReplicaSync(self.model_parts, self.gradient_accumulation_steps,
+                                        pipelined=self.parallel_dims.pp_enabled)
+        self.replica_sync.attach_optimizers(self.optimizers)
+        for att in attachment_of(self.model_parts):
+            att.replica_sync = self.replica_sync
+        logger.info(f"qcomm: {self.replica_sync.describe()}")
+
+    def train_step(self, data_iterator):
+        self.replica_sync.start_step()
+        return super().train_step(data_iterator)
+
+    def forward_backward_step(self, **kwargs):
+        # one call per gradient accumulation step (pipeline micro-batches go inside it)
+        self.replica_sync.before_microbatch()
+        return super().forward_backward_step(**kwargs)
 
 
 __all__ = ["QCommTrainer"]

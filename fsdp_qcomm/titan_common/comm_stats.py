@@ -15,7 +15,11 @@ kinds:
   ``grad_inter``; the hops of one call record the same baseline, so it is counted once);
 * ``replica`` (``R``): HSDP's all-reduce of the reduced shards across replicas
   (``grad_replica``);
-* ``levels`` (``L``): learned-level table refreshes (``levels_sync``; pure overhead, baseline 0).
+* ``levels`` (``L``): learned-level table refreshes (``levels_sync``; pure overhead, baseline 0);
+* ``weight_intra`` (``Wn``): the node-sharded qWD reference's second hop, an unquantized
+  all-gather inside the node of the rebuilt slices (``weight_allgather_intra``): bytes that
+  never leave a node, beyond FSDP2's own gather (which is the ``weight`` collective's
+  baseline), so its baseline does not count in the total.
 
 Per collective ``c`` that the handles measured:
 
@@ -34,6 +38,11 @@ Per collective ``c`` that the handles measured:
 
 plus ``qcomm/<kind>_bits_per_elem`` for every kind that carries values (the code width of each
 gradient hop on the wire), and ``qcomm/total_ratio_vs_unquantized``.
+
+Node-crossing bytes: ``qcomm/total_cross_node_bytes_per_step`` sums the measured collectives'
+``cross_node_bytes``; ``qcomm/ref_<c>_crosses_nodes`` (1.0 or 0.0) says whether FSDP's group for
+``c`` spans nodes (from the handles' node placement), so the console line's ``X-node`` figure can
+say when a collective left to FSDP also crosses nodes, unmeasured.
 
 A collective the handles do not replace (the gradients under a ``grad_scheme="none"`` preset,
 HSDP's all-reduce until it is quantized) runs FSDP's own code: it is not measured, has no
@@ -84,6 +93,8 @@ class QCommAttachment:
     handle: Any = None  # what fsdp_qcomm.enable returned, None if not installed
     fsdp_modules: int = 0
     note: str = ""
+    #: the adapter's ``accumulation.ReplicaSync`` (HSDP all-reduce once per optimizer step)
+    replica_sync: Any = None
 
 
 def attachment_of(model_parts: Iterable[torch.nn.Module] | None) -> list[QCommAttachment]:
@@ -107,6 +118,9 @@ class Collective:
     shared_baseline: bool = False
     #: the Reference field pair that says what FSDP's own collective hands over per step
     reference: Optional[str] = None
+    #: False: a hop FSDP2 does not have (its recorded baseline is its own bytes), so its
+    #: baseline neither counts in the total nor gives a ratio
+    counts_baseline: bool = True
 
 
 COLLECTIVES: tuple[Collective, ...] = (
@@ -115,6 +129,7 @@ COLLECTIVES: tuple[Collective, ...] = (
                reference="grad"),
     Collective("replica", "R", ("grad_replica",), reference="replica"),
     Collective("levels", "L", ("levels_sync",)),
+    Collective("weight_intra", "Wn", ("weight_allgather_intra",), counts_baseline=False),
 )
 _BY_KIND = {k: c for c in COLLECTIVES for k in c.kinds}
 _BASE_FIELDS = {
@@ -234,6 +249,9 @@ class Reference:
     groups: int = 0
     world_size: int = 1  # of the shard group
     replicas: int = 1
+    #: collectives ("weight", "grad", "replica") whose FSDP group spans nodes (empty when the
+    #: node placement is unknown)
+    crossing: frozenset = frozenset()
 
     def add(self, other: "Reference") -> "Reference":
         summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
@@ -242,6 +260,7 @@ class Reference:
             **summed, groups=self.groups + other.groups,
             world_size=max(self.world_size, other.world_size),
             replicas=max(self.replicas, other.replicas),
+            crossing=self.crossing | other.crossing,
         )
 
     def bytes_of(self, collective: Collective) -> float:
@@ -267,12 +286,18 @@ def fsdp_reference(model_parts: Iterable[torch.nn.Module], microbatches: int = 1
     times in backward if the group reshards after forward; the reduce-scatter is handed
     ``W * s`` elements in ``reduce_dtype``, ``m`` times; under HSDP the replica all-reduce is
     handed the ``s`` reduced elements, ``m`` times (FSDP all-reduces every microbatch unless
-    ``set_requires_all_reduce(False)``, in which case it does so once per step). Reads FSDP2
-    internals; dtypes are final only after FSDP's lazy init (the first forward), so call it
-    after the first step.
+    ``set_requires_all_reduce(False)``, in which case it does so once per step; once per step
+    too when an adapter's active ``accumulation.ReplicaSync`` is attached to the parts). Reads
+    FSDP2 internals; dtypes are final only after FSDP's lazy init (the first forward), so call
+    it after the first step.
     """
     from torch.distributed.fsdp import FSDPModule
 
+    model_parts = list(model_parts)
+    atts = attachment_of(model_parts)
+    once = any(getattr(a.replica_sync, "active", False) for a in atts)
+    rpn = next((h.placement.ranks_per_node for h in (a.handle for a in atts)
+                if h is not None and getattr(h, "placement", None) is not None), None)
     ref = Reference()
     seen: set[int] = set()
     for part in model_parts:
@@ -284,19 +309,30 @@ def fsdp_reference(model_parts: Iterable[torch.nn.Module], microbatches: int = 1
                 if group is None or not fsdp.fsdp_params(group) or id(group) in seen:
                     continue
                 seen.add(id(group))
-                ref = ref.add(_group_reference(group, microbatches))
+                ref = ref.add(_group_reference(group, microbatches, once, rpn))
     return ref
 
 
-def _group_reference(group, microbatches: int) -> Reference:
+def _spans_nodes(pg, rpn: Optional[int]) -> bool:
+    if pg is None or rpn is None:
+        return False
+    return len({r // rpn for r in torch.distributed.get_process_group_ranks(pg)}) > 1
+
+
+def _group_reference(group, microbatches: int, once: bool = False,
+                     rpn: Optional[int] = None) -> Reference:
     # the replica group FSDP would all-reduce over (fsdp_qcomm swaps in a group of one rank)
     replica = original_replicate_group(group)
+    crossing = {name for name, pg in (("weight", fsdp.shard_group(group)),
+                                      ("grad", fsdp.reduce_scatter_group(group)),
+                                      ("replica", replica)) if _spans_nodes(pg, rpn)}
     ref = Reference(groups=1, world_size=fsdp.shard_group(group).size(),
-                    replicas=replica.size() if replica is not None else 1)
+                    replicas=replica.size() if replica is not None else 1,
+                    crossing=frozenset(crossing))
     world = ref.world_size
     # the group re-gathers in backward iff it reshards after forward
     gathers = microbatches * (2 if fsdp.reshards_after_forward(group) else 1)
-    all_reduces = microbatches if fsdp.all_reduce_grads(group) else 1
+    all_reduces = 1 if once or not fsdp.all_reduce_grads(group) else microbatches
     for fp in fsdp.fsdp_params(group):
         numel = fsdp.padded_shard_numel(fp)
         _, pdt, rdt = fsdp.param_dtypes(fp)
@@ -357,6 +393,9 @@ class CommTracker:
         }
         if ref.replicas > 1:
             out["qcomm/ref_replica_bytes_per_step"] = ref.replica_bytes
+        for c in COLLECTIVES:
+            if c.reference and ref.bytes_of(c) > 0:
+                out[f"qcomm/ref_{c.name}_crosses_nodes"] = float(c.reference in ref.crossing)
         counters = self.read_counters(attachments)
         if counters is None:
             return out
@@ -373,6 +412,8 @@ class CommTracker:
         for c in _ordered(measured):
             d = delta[c.name]
             sent, base = d.get("sent", 0.0), d.get("baseline", 0.0)
+            if not c.counts_baseline:
+                base = 0.0
             sent_total += sent
             base_total += base
             out[f"qcomm/{c.name}_bytes_per_step"] = sent
@@ -439,6 +480,10 @@ def format_figures(fig: Mapping[str, float]) -> str:
         p = f"qcomm/{c.name}"
         base = fig.get(f"{p}_baseline_bytes_per_step", 0.0)
         s = f"{c.tag} {_fmt_bytes(fig[f'{p}_bytes_per_step'])}/step"
+        if not c.counts_baseline:
+            s += " (inside nodes)"
+            parts.append(s)
+            continue
         s += f" of {_fmt_bytes(base)}" if base > 0 else " (overhead)"
         if f"{p}_bits_per_elem" in fig:
             s += f" {fig[f'{p}_bits_per_elem']:.2f}b/el"
@@ -454,6 +499,14 @@ def format_figures(fig: Mapping[str, float]) -> str:
             s += " (" + ", ".join(hops) + ")"
         if f"{p}_ratio_vs_unquantized" in fig:
             s += f" x{fig[f'{p}_ratio_vs_unquantized']:.3f}"
+        parts.append(s)
+    cross = fig.get("qcomm/total_cross_node_bytes_per_step")
+    if cross is not None:  # bytes this rank sent to other nodes, per optimizer step
+        s = f"X-node {_fmt_bytes(cross)}/step"
+        unmeasured = [c.tag for c in COLLECTIVES
+                      if fig.get(f"qcomm/ref_{c.name}_crosses_nodes") and c.name not in names]
+        if unmeasured:
+            s += f" + FSDP's own {'/'.join(unmeasured)}"
         parts.append(s)
     tot = fig.get("qcomm/total_ratio_vs_unquantized")
     mb = int(fig.get("qcomm/microbatches", 1))

@@ -55,7 +55,8 @@ def _mean(values: list) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-_PLURAL = {"weight": "weights", "grad": "grads", "replica": "replicas", "levels": "levels"}
+_PLURAL = {"weight": "weights", "grad": "grads", "replica": "replicas", "levels": "levels",
+           "weight_intra": "w-intra"}
 
 
 def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
@@ -90,6 +91,7 @@ def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
     measured = {k[len("qcomm/"):-len("_baseline_bytes_per_step")] for h in hist for k in h
                 if k.endswith("_baseline_bytes_per_step")}
     own = {c.name for c in COLLECTIVES if c.name not in measured and ref.get(_PLURAL[c.name])}
+    no_baseline = {c.name for c in COLLECTIVES if not c.counts_baseline}
     known = [c.name for c in COLLECTIVES]
     for name in [n for n in known if n in measured | own] + sorted(measured - set(known)):
         label = _PLURAL.get(name, name)
@@ -104,6 +106,9 @@ def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
             f"{k.split('_', 1)[-1]} hop {b:.2f}" for k in c.kinds
             if len(c.kinds) > 1 and (b := _mean([h.get(f"qcomm/{k}_bits_per_elem") for h in hist]))
         ]
+        if name in no_baseline:
+            p(f"  {label:8s} {_fmt_bytes(sent or 0.0):>11s} inside nodes (no FSDP2 counterpart)")
+            continue
         p(f"  {label:8s} {_fmt_bytes(sent or 0.0):>11s} vs {_fmt_bytes(base or 0.0):>11s}"
           + (f"  ratio {sent / base:.4f} ({base / sent:.2f}x less)" if base and sent else "")
           + (f"  {bits:.3f} bits/element" if bits is not None else "")
@@ -111,10 +116,14 @@ def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
     tot = _mean([h.get("qcomm/total_ratio_vs_unquantized") for h in hist])
     if tot is not None:
         p(f"  total ratio vs unquantized: {tot:.4f}")
+    cross = _mean([h.get("qcomm/total_cross_node_bytes_per_step") for h in hist])
+    if cross is not None:
+        p(f"  sent to other nodes: {_fmt_bytes(cross)} per step")
     cum = summary.get("measured_cumulative") or {}
     n = summary.get("training_steps") or 0
     sent = sum(v for k, v in cum.items() if k.endswith("_sent") and k[:-5] in measured)
-    base = sum(v for k, v in cum.items() if k.endswith("_baseline") and k[:-9] in measured)
+    base = sum(v for k, v in cum.items() if k.endswith("_baseline") and k[:-9] in measured
+               and k[:-9] not in no_baseline)
     if n and base:
         p(f"whole run ({n} steps, first full-precision gathers and held-out passes included): "
           f"sent {_fmt_bytes(sent)} vs {_fmt_bytes(base)} (ratio {sent / base:.4f})")

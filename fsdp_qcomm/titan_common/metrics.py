@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import diloco
 from .comm_stats import QCommRun
 
 logger = logging.getLogger(__name__)
@@ -40,15 +41,22 @@ class QCommMetricsMixin:
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         fig = self.qcomm.figures(step, self.model_parts)
+        driver = diloco.driver_of(self.model_parts)
+        if driver is not None:  # DiLoCo's outer all-reduce (``[diloco] enable``)
+            fig.update(driver.figures())
         super().log(step, global_avg_loss, global_max_loss, grad_norm,  # type: ignore[misc]
                     extra_metrics={**(extra_metrics or {}), **fig})
-        logger.info(self.qcomm.record(step, global_avg_loss, grad_norm, fig))
+        logger.info(self.qcomm.record(step, global_avg_loss, grad_norm, fig)
+                    + diloco.format_figures(fig))
 
     def log_validation(self, loss, step, extra_metrics: Any = None):
         super().log_validation(loss, step, extra_metrics=extra_metrics)  # type: ignore[misc]
         self.qcomm.record_validation(step, loss, self.model_parts)
 
     def close(self) -> None:
+        driver = diloco.driver_of(self.model_parts)
+        if driver is not None:
+            driver.close()
         try:
             path = self.qcomm.close(*self._summary_args())
             if path:

@@ -9,6 +9,7 @@ fast. The version-free pieces
 
 import dataclasses
 import math
+import re
 import shutil
 import sys
 import textwrap
@@ -28,7 +29,11 @@ from _titan_run import (  # noqa: E402
 
 require_adapter("fsdp_qcomm.titan")
 
-from _hsdp_run import HSDP_FLAGS, check_hsdp_sdp4bit_summary  # noqa: E402
+from _hsdp_run import (  # noqa: E402
+    HSDP_FLAGS,
+    check_diloco_summary,
+    check_hsdp_sdp4bit_summary,
+)
 from _qcomm_fields import cli_value, field_variants, toml_literal  # noqa: E402
 
 from fsdp_qcomm.config import QCommConfig  # noqa: E402
@@ -381,9 +386,57 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
 
 def test_hsdp_two_replicas_of_two_shards(tmp_path):
     """recipes/debug_sdp4bit.toml as HSDP, 2 replicas x 2 shards on 4 CPU ranks counting as 2
-    nodes x 2: the replica all-reduce is quantized and counted (``grad_replica``), every
-    baseline equals the FSDP reference, only the replica hop crosses nodes, the loss falls."""
+    nodes x 2, with 2 micro-batches per optimizer step (global batch 32 = 2 x 4 sequences x 4
+    ranks): the replica all-reduce is quantized and counted (``grad_replica``) once per module
+    and optimizer step (the train spec skips it on the first micro-batch), every baseline
+    equals the FSDP reference, only the replica hop crosses nodes, the loss falls, and the
+    ``qcomm:`` line shows the node-crossing bytes per step."""
     dump = tmp_path / "out"
-    torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump,
-             *short_run(6), *HSDP_FLAGS, nproc=4, timeout=300)
-    check_hsdp_sdp4bit_summary(read_summary(dump), steps=6)
+    proc = torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump,
+                    *short_run(6), *HSDP_FLAGS, "--training.global_batch_size", "32",
+                    nproc=4, timeout=600)
+    check_hsdp_sdp4bit_summary(read_summary(dump), steps=6, microbatches=2)
+    out = proc.stdout + proc.stderr
+    assert "qcomm: HSDP all-reduce across 2 replicas: once per optimizer step, at the last " \
+        "of 2 micro-batches" in out
+    assert re.search(r"qcomm: \[2 microbatches/step\] .*  X-node [0-9.]+KiB/step  total x", out)
+
+
+# --------------------------------------------------------------------------- [diloco] section
+def test_diloco_section_parses_from_toml_and_cli(tmp_path):
+    """[diloco] mirrors DiLoCoConfig: TOML values, CLI flags win, bits = 32 is fp32, off by
+    default, and a bad combination is refused naming the section."""
+    from fsdp_qcomm.diloco import DiLoCoConfig
+
+    assert parse(tmp_path, f"[job]\n{CUSTOM}\n").diloco.resolve() is None
+    cfg = parse(tmp_path, f"""
+        [job]
+        {CUSTOM}
+        [diloco]
+        enable = true
+        sync_every = 8
+        fragments = 2
+        bits = 2
+        error_feedback = true
+        """, "--diloco.outer_lr", "0.5")
+    assert cfg.diloco.resolve() == DiLoCoConfig(sync_every=8, fragments=2, bits=2,
+                                                error_feedback=True, outer_lr=0.5)
+    fp32 = parse(tmp_path, f"[job]\n{CUSTOM}\n[diloco]\nenable = true\nbits = 32\n"
+                 "hadamard = false\n").diloco.resolve()
+    assert fp32.bits is None
+    with pytest.raises(ValueError, match=r"\[diloco\].*multiple of.*fragments"):
+        parse(tmp_path, f"[job]\n{CUSTOM}\n[diloco]\nsync_every = 6\nfragments = 4\n")
+    with pytest.raises(ValueError, match=r"\[diloco\] bits='4' has type str"):
+        parse(tmp_path, f"[job]\n{CUSTOM}\n[diloco]\nbits = '4'\n")
+
+
+def test_diloco_two_replicas_of_two_shards(tmp_path):
+    """recipes/debug_sdp4bit.toml on 4 CPU ranks as 2 replica groups x 2 shards with
+    ``--diloco.enable``: FSDP inside each group only (no per-step replica all-reduce), an
+    outer 4-bit all-reduce every 2 steps, its node-crossing bytes on the qcomm line and in
+    the summary's history."""
+    dump = tmp_path / "out"
+    proc = torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(6),
+                    *HSDP_FLAGS, "--diloco.enable", "--diloco.sync_every", "2", nproc=4,
+                    timeout=300)
+    check_diloco_summary(read_summary(dump), proc.stdout + proc.stderr, steps=6, outer_steps=3)

@@ -97,7 +97,8 @@ def test_collectives_name_the_kinds_the_library_records():
     from fsdp_qcomm.fsdp import all_gather
 
     kinds = {k for c in comm_stats.COLLECTIVES for k in c.kinds}
-    assert {all_gather.KIND, level_sync.KIND, "grad_intra", "grad_inter", "grad_replica"} == kinds
+    assert {all_gather.KIND, all_gather.KIND_INTRA, level_sync.KIND, "grad_intra", "grad_inter",
+            "grad_replica"} == kinds
 
 
 def test_split_stats_counts_the_grad_baseline_once():
@@ -217,6 +218,35 @@ def test_every_kind_the_library_records_and_unknown_ones_make_figures():
     fig = f.figures(2, 2, [part], 1)
     assert "qcomm/replica_bytes_per_step" not in fig and "R FSDP's own" in \
         comm_stats.format_figures(fig)
+
+
+def test_node_crossing_bytes_and_the_intra_node_weight_hop_in_the_line():
+    """The line ends with the bytes this rank sent to other nodes per step, says when a
+    collective left to FSDP also crosses nodes (unmeasured), and shows the node-sharded
+    reference's hop inside the node without counting its baseline in the total."""
+    h = _Handle()
+    part = _part(h)
+    t = comm_stats.CommTracker()
+    t.reference = comm_stats.Reference(weight_bytes=800, weight_elements=200, grad_bytes=1600,
+                                       grad_elements=400, crossing=frozenset({"weight", "grad"}))
+    h.s = {"notes": []}
+    t.figures(0, 0, [part], 1)
+    h.s = {"weight_allgather": _kind(4, 200, 400, 400, 1600, cross_node_bytes=120),
+           "weight_allgather_intra": _kind(4, 600, 1200, 600, 600), "notes": []}
+    f = t.figures(2, 2, [part], 1)
+    assert f["qcomm/weight_intra_bytes_per_step"] == 300
+    assert f["qcomm/weight_intra_baseline_bytes_per_step"] == 0  # not FSDP's: no baseline
+    assert "qcomm/weight_intra_ratio_vs_unquantized" not in f
+    assert f["qcomm/total_ratio_vs_unquantized"] == (100 + 300 + 1600) / (800 + 1600)
+    assert f["qcomm/ref_weight_crosses_nodes"] == f["qcomm/ref_grad_crosses_nodes"] == 1.0
+    line = comm_stats.format_figures(f)
+    assert "  Wn 300B/step (inside nodes)" in line
+    assert "X-node 60B/step + FSDP's own G" in line  # FSDP's reduce-scatter crosses, unmeasured
+    # the reduce-scatter inside a node (HSDP): FSDP's own, but nothing of it crosses
+    t.reference = dataclasses.replace(t.reference, crossing=frozenset({"weight"}))
+    h.s = {"weight_allgather": _kind(6, 300, 600, 600, 2400, cross_node_bytes=180), "notes": []}
+    line = comm_stats.format_figures(t.figures(4, 4, [part], 1))
+    assert line.endswith("G FSDP's own  X-node 30B/step  total x0.825"), line
 
 
 def test_run_summary_is_json_and_divides_by_the_handles_steps(tmp_path):

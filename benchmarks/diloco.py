@@ -1,0 +1,315 @@
+"""DiLoCo against per-step HSDP: validation loss at equal steps and node-crossing bytes.
+
+The accuracy benchmark's model and data (``benchmarks/accuracy.py``: char GPT, tinyshakespeare,
+AdamW with warm-up and cosine decay) on 4 gloo ranks as 2 nodes x 2. Per-step rows are HSDP
+(shard inside a node, replicate across nodes) with the replica all-reduce in fp32
+(``baseline`` with ``grad_overlap``: FSDP2's own math, bytes counted), ``sdp4bit`` or
+``lowbit``. DiLoCo rows shard each node by itself (a replica group per node) and sync the
+replicas every ``H`` inner steps through ``fsdp_qcomm.diloco`` (outer SGD-Nesterov lr 0.7,
+momentum 0.9; 2 or 4-bit outer gradients, Hadamard, with or without error feedback).
+Validation loss is computed with the weights the replicas share (DiLoCo: the start-of-round
+weights, ``DiLoCo.global_weights()``), on the same held-out batches for every row and seed.
+
+Per row: final validation loss (mean ± sd over ``--seeds``), the gap to the HSDP row paired by
+seed with its 95% interval, node-crossing bytes per (inner) step per rank from the package's
+counters (``handle.stats()`` / ``DiLoCo.stats()``), how many times fewer than HSDP + sdp4bit,
+and the loss at equal node-crossing bytes (``--budget-row``'s total: each row's last
+evaluation whose cumulative bytes stay within it). Every (row, seed) run is stored in
+``OUT/runs/`` as it finishes (resumable, splittable with ``--rows`` / ``--seed``).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/diloco.py --steps 300 --eval-every 25 \\
+        [--seeds N] [--rows A,B] [--out results/diloco] [--report-only]
+
+Uses the accuracy method of ``main`` (final loss, paired gap, Student's t interval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import _provenance  # noqa: E402
+from _seeds import (  # noqa: E402
+    RunStore,
+    SetupMismatch,
+    file_digest,
+    fmt_spread,
+    fmt_verdict,
+    paired_gap_pct,
+    seed_list,
+    spread,
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """Per-step HSDP under a ``QCommConfig`` preset (with ``overrides``), or DiLoCo with the
+    ``DiLoCoConfig`` fields in ``diloco`` (no per-step hooks)."""
+
+    preset: Optional[str] = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    diloco: Optional[dict[str, Any]] = None
+
+    def describe(self) -> str:
+        if self.diloco is not None:
+            d = self.diloco
+            text = f"DiLoCo H={d['sync_every']}, {d.get('bits', 4)}-bit outer"
+            if d.get("fragments", 1) > 1:
+                text += f", {d['fragments']} fragments, delay {d.get('delay', 0)}"
+            return text + (", EF" if d.get("error_feedback") else "")
+        text = f"HSDP, {self.preset}"
+        if self.overrides:
+            text += " " + ", ".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
+        return text
+
+
+def _dl(h: int, bits: int, ef: bool, **kw: Any) -> Row:
+    return Row(diloco=dict(sync_every=h, bits=bits, error_feedback=ef, **kw))
+
+
+ROWS: dict[str, Row] = {
+    "HSDP": Row("baseline", {"grad_overlap": True}),
+    "HSDP sdp4bit": Row("sdp4bit"),
+    "HSDP lowbit": Row("lowbit"),
+    **{f"DiLoCo H{h} {b}b{' EF' if ef else ''}": _dl(h, b, ef)
+       for h in (8, 32) for b in (4, 2) for ef in (False, True)},
+    "Streaming H32 F2 d1 4b": _dl(32, 4, False, fragments=2, delay=1),
+}
+BASELINE = "HSDP"
+REFERENCE = "HSDP sdp4bit"  # the per-step row whose bytes the DiLoCo rows are compared with
+
+_SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "warmup", "eval_every",
+               "eval_batches", "val_seed", "world", "ranks_per_node")
+
+
+def _args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--val-seed", type=int, default=1234)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--budget-row", default="DiLoCo H32 4b",
+                    help="equal-bytes column: the node-crossing bytes this row sends in the run")
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "diloco"))
+    ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--report-only", action="store_true")
+    a = ap.parse_args(argv)
+    a.rows = [s.strip() for s in a.rows.split(",") if s.strip()]
+    bad = [s for s in a.rows if s not in ROWS]
+    if bad:
+        ap.error(f"unknown row(s) {bad}; choose from {list(ROWS)}")
+    return a
+
+
+def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from _model import build_fsdp_gpt, hsdp_mesh
+    from accuracy import _lr, _val_loss
+
+    import fsdp_qcomm
+    from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
+
+    row = ROWS[label]
+    t0 = time.perf_counter()
+    mesh = hsdp_mesh(a.ranks_per_node)
+    handle = diloco = None
+    if row.diloco is None:
+        model = build_fsdp_gpt(shape, seed, mesh)
+        cfg = fsdp_qcomm.QCommConfig.preset(row.preset, ranks_per_node=a.ranks_per_node,
+                                            seed=seed, **row.overrides)
+        handle = fsdp_qcomm.enable(model, cfg)
+    else:
+        model = build_fsdp_gpt(shape, seed, mesh["shard"])
+        diloco = DiLoCo(model, DiLoCoConfig(seed=seed, **row.diloco), replicas=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    train, val = [], []
+    for step in range(a.steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, a)
+        x, y = data.batch("train", a.batch, a.seq, seed, step, rank)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if diloco is not None:
+            diloco.step()
+        lt = loss.detach().clone()
+        dist.all_reduce(lt)
+        train.append(lt.item() / world)
+        if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
+            if diloco is not None:
+                with diloco.global_weights():
+                    val.append((step + 1, _val_loss(model, data, a, rank, shape)))
+            else:
+                val.append((step + 1, _val_loss(model, data, a, rank, shape)))
+            if rank == 0:
+                print(f"  [{label} seed {seed}] step {step + 1}/{a.steps}: train "
+                      f"{train[-1]:.4f} val {val[-1][1]:.4f} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    if diloco is not None:
+        diloco.finish()
+        st = diloco.stats()
+        s = st["summary"]
+        per_step = s["outer_cross_node_bytes_per_inner_step"]
+        extra = {"outer_allreduce": st.get("outer_allreduce"),
+                 "outer_state_bytes": diloco.outer_state_breakdown(),
+                 "outer_steps": s["outer_steps"]}
+        diloco.close()
+    else:
+        st = handle.stats()
+        per_step = st["summary"]["cross_node_bytes_per_step"]
+        extra = {"kinds": {k: v for k, v in st.items() if k not in ("notes", "summary")},
+                 "steps_counted": st["summary"]["steps"]}
+        handle.disable()
+    # every rank sends alike; keep rank 0's figure and check the others agree
+    b = torch.tensor([per_step], dtype=torch.float64)
+    lo, hi = b.clone(), b.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return {"train": train, "val": val, "final_val": val[-1][1],
+            "cross_node_bytes_per_step": per_step,
+            "cross_node_bytes_per_step_range": [lo.item(), hi.item()],
+            "seconds": time.perf_counter() - t0, **extra}
+
+
+def _train_all(rank: int, world: int, a, store: RunStore, todo: list) -> None:
+    from _model import CharData, GPTShape
+
+    data = CharData(a.data)
+    shape = GPTShape(data.vocab, a.dim, a.layers, a.heads, a.seq)
+    for label, seed in todo:
+        rec = _train_one(rank, world, a, data, shape, label, seed)
+        rec["params"], rec["vocab"] = shape.params(), data.vocab
+        if rank == 0:
+            store.save(label, seed, asdict(ROWS[label]), rec)
+            print(f"{label} seed {seed}: final val loss {rec['final_val']:.5f}, "
+                  f"{rec['cross_node_bytes_per_step']:.0f} node-crossing bytes/step in "
+                  f"{rec['seconds']:.0f} s", flush=True)
+
+
+def _loss_within(run: dict, budget: float) -> Optional[tuple[int, float]]:
+    """(step, val loss) of the last evaluation whose cumulative node-crossing bytes are within
+    ``budget`` (None: the first evaluation is already past it)."""
+    best = None
+    for step, loss in run["val"]:
+        if step * run["cross_node_bytes_per_step"] <= budget * (1 + 1e-9):
+            best = (step, loss)
+    return best
+
+
+def _report(a, stored: dict) -> tuple[str, dict]:
+    base = {s: r["final_val"] for s, r in stored.get(BASELINE, {}).get("runs", {}).items()}
+    ref = stored.get(REFERENCE, {}).get("runs", {})
+    ref_bytes = next(iter(ref.values()))["cross_node_bytes_per_step"] if ref else None
+    budget_runs = stored.get(a.budget_row, {}).get("runs", {})
+    budget = None
+    if budget_runs:
+        r0 = next(iter(budget_runs.values()))
+        budget = r0["cross_node_bytes_per_step"] * a.steps
+    lines = [
+        "| row | setting | seeds | final val loss (mean ± sd) | vs HSDP, paired | 95% interval "
+        "| node-crossing bytes / step / rank | fewer than HSDP + sdp4bit | val loss at equal "
+        "bytes (step) |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for label in [k for k in ROWS if k in stored]:
+        runs = stored[label]["runs"]
+        final = {s: r["final_val"] for s, r in sorted(runs.items())}
+        gap = None if label == BASELINE else paired_gap_pct(final, base)
+        per = [r["cross_node_bytes_per_step"] for r in runs.values()]
+        fewer = ref_bytes / per[0] if ref_bytes and per[0] else None
+        eq = None
+        if budget is not None:
+            pts = [_loss_within(r, budget) for r in runs.values()]
+            if all(p is not None for p in pts):
+                eq = (sum(p[1] for p in pts) / len(pts), pts[0][0])
+        summary[label] = {"row": stored[label]["row"], "seeds": sorted(final),
+                          "final_val": final, "final_val_spread": spread(
+                              list(final.values())).as_dict(),
+                          "gap_pct_vs_hsdp": None if gap is None else gap.as_dict(),
+                          "cross_node_bytes_per_step": per[0],
+                          "times_fewer_than_sdp4bit": fewer, "loss_at_equal_bytes": eq}
+        row = ROWS[label]
+        lines.append(
+            f"| {label} | {row.describe()} | {len(final)} | "
+            f"{fmt_spread(spread(list(final.values())))} | "
+            f"{'-' if gap is None else fmt_spread(gap, 2, '%')} | "
+            f"{'-' if gap is None else fmt_verdict(gap)} | {per[0]:,.0f} | "
+            f"{'-' if fewer is None else f'{fewer:.1f}x'} | "
+            f"{'before the first evaluation' if eq is None else f'{eq[0]:.4f} ({eq[1]})'} |")
+    head = (f"Equal bytes: the node-crossing bytes {a.budget_row!r} sends in {a.steps} steps "
+            f"({'-' if budget is None else f'{budget:,.0f}'} per rank); each row's last "
+            "evaluation within that total.")
+    return "\n".join(lines) + "\n\n" + head + "\n", summary
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from _model import CharData
+
+    from fsdp_qcomm.testing import run_ranks
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _provenance.record(out, argv=None if argv is None else [__file__, *argv])
+    setup = {k: getattr(a, k) for k in _SETUP_ARGS}
+    setup["data"] = file_digest(CharData(a.data).path)
+    store = RunStore(out, setup)
+    try:
+        todo = [] if a.report_only else [
+            (label, s) for s in seed_list(a.seed, a.seeds) for label in a.rows
+            if a.fresh or store.load(label, s, asdict(ROWS[label])) is None]
+        store.all()
+    except SetupMismatch as e:
+        print(f"diloco: {e}", file=sys.stderr)
+        return 2
+    print(f"diloco: {len(a.rows)} rows x {a.seeds} seed(s) x {a.steps} steps: {len(todo)} "
+          f"run(s) to train", flush=True)
+    if todo:
+        run_ranks(_train_all, a.world, a, store, todo, timeout=24 * 3600)
+    stored = store.all()
+    if not stored:
+        print("nothing stored", file=sys.stderr)
+        return 1
+    table, summary = _report(a, stored)
+    first = next(iter(next(iter(stored.values()))["runs"].values()))
+    md = (f"# DiLoCo vs per-step HSDP\n\nModel: {first['params'] / 1e6:.2f}M-param char GPT "
+          f"(dim {a.dim}, {a.layers} layers), seq {a.seq}, batch {a.batch}/rank, AdamW lr "
+          f"{a.lr} cosine, {a.steps} steps, {a.world} ranks as {a.world // a.ranks_per_node} "
+          f"nodes x {a.ranks_per_node}; validation on the weights the replicas share.\n\n"
+          f"{table}")
+    (out / "table.md").write_text(md)
+    (out / "results.json").write_text(json.dumps(
+        {"setup": store.setup, "rows": summary, "runs": stored}, indent=1))
+    print("\n" + md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,567 @@
+"""``DiLoCo``: the inner-step driver that syncs fragments across replica groups.
+
+Call ``step()`` once after every inner optimizer step, on every rank. Each replica group is a
+normal FSDP2 model (``fully_shard`` over the group's own ranks: a 1-D mesh, or the ``shard``
+dimension of a 2-D ``(replicate, shard)`` mesh); nothing crosses replica groups except the
+outer all-reduces ``step()`` runs on the schedule (``schedule.Schedule``).
+
+Checkpoints (``state_dict`` / ``load_state_dict``; a DCP ``Stateful``). Plain tensors, keyed so
+any per-rank checkpointer keeps every rank's piece:
+
+* ``"group_rank{g}"``: what every replica holds alike at local index ``g`` (start-of-round
+  weights, outer optimizer state, counters, a merge still pending, and ``meta``: the rank,
+  group size, replica count, parameter names and shapes per fragment, and the config fields
+  the state depends on). ``load_state_dict`` refuses any difference in ``meta``.
+* ``"residuals.replica{r}.group_rank{g}"`` (error feedback only): this rank's own residuals.
+
+The model's parameters and the inner optimizer are not in it: they differ between replicas
+mid-round, so save each replica group's model and optimizer by itself (for example
+``dcp.save(..., process_group=<the group's shard group>)`` into a per-replica directory, the
+DiLoCo state next to them), as torchft does.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from ..stats import CommStats
+from .config import DiLoCoConfig
+from .outer import (
+    KIND,
+    KIND_INIT,
+    KIND_WEIGHT,
+    Fragment,
+    OptimizerFactory,
+    ParamRef,
+    default_optimizer,
+    outer_all_reduce,
+    outer_key,
+)
+from .replicas import ReplicaGroup, as_replicas
+from .schedule import Overlap, Schedule
+
+_STATE_VERSION = 1
+
+FragmentSpec = Union[nn.Module, Sequence[torch.Tensor]]
+
+
+class _Pending:
+    """A launched all-reduce of one fragment, merged after inner step ``merge_at``."""
+
+    def __init__(self, fragment: int, merge_at: int, future: "Future[float]",
+                 buf: torch.Tensor, weight: float = 1.0) -> None:
+        self.fragment = fragment
+        self.merge_at = merge_at
+        self.weight = weight
+        self.future = future
+        self.buf = buf
+        self.resolved = False  # the future holds the summed weight, the buffer the mean
+
+
+class DiLoCo:
+    """(Streaming) DiLoCo over fsdp-qcomm's quantized replica all-reduce.
+
+    ``model``: this replica group's model (FSDP2 over the group's ranks, or a plain module for
+    one-rank groups). ``replicas``: a 2-D device mesh ``(replicate, shard)``, the replica
+    process group, a ``ReplicaGroup``, or a torchft ``Manager`` (``diloco.ft``).
+    ``fragments``: F modules or parameter lists (default: the parameters in order, cut into F
+    runs of about equal size). ``outer_optimizer``: a factory ``[tensor] -> Optimizer`` over a
+    fragment's start-of-round weights (default SGD with the config's lr / momentum / Nesterov).
+    ``handle``: the ``QCommHandle`` of per-step hooks on ``model``: each merge calls its
+    ``mark_changed()`` so the next weight gather sends a quantized difference instead of a
+    full-precision resend. ``ranks_per_node``: for node-crossing byte counts when replica
+    groups share nodes (None: every other replica is on another node).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Optional[DiLoCoConfig] = None,
+        *,
+        replicas: Any,
+        fragments: Optional[Sequence[FragmentSpec]] = None,
+        outer_optimizer: Optional[OptimizerFactory] = None,
+        handle: Any = None,
+        ranks_per_node: Optional[int] = None,
+    ) -> None:
+        config = DiLoCoConfig() if config is None else config
+        if not isinstance(config, DiLoCoConfig):
+            raise TypeError(f"DiLoCo takes a DiLoCoConfig, got {type(config).__name__}")
+        self.config = config
+        self.schedule = Schedule(config.sync_every, config.fragments, config.delay)
+        self.handle = handle
+        self._spec = config.spec()
+        # FSDP modules whose parameters may be left unsharded between steps (the root after a
+        # no_grad forward): resharded before DiLoCo reads or writes the local shards
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._reshard()
+        refs = fragment_refs(model, fragments, config.fragments)
+        self.group_rank, self.group_size = _shard_position([r for f in refs for r in f])
+        factory = outer_optimizer or default_optimizer(config.outer_lr, config.outer_momentum,
+                                                       config.outer_nesterov)
+        self.fragments = [Fragment(i, f, factory, config.error_feedback and self._spec is not None)
+                          for i, f in enumerate(refs)]
+        self.device = self.fragments[0].device
+        self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
+                                                  ranks_per_node=ranks_per_node)
+        self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
+        self._stats = CommStats()
+        self._overlap = Overlap(config.overlaps, self.device)
+        self.inner_steps = 0
+        self.outer_steps = 0
+        self.failed_commits = 0
+        self._pending: Optional[_Pending] = None
+        #: the latest merge: fragment, inner steps of its launch and merge, this replica's
+        #: contribution weight and the sum over replicas, committed, the all-reduce's error
+        self.last_sync: Optional[dict[str, Any]] = None
+        # the replica set the residuals are laid out for (torchft: None before a quorum)
+        self._membership: Any = self.replicas.membership()
+        start = getattr(self.replicas, "start", None)
+        if start is not None:
+            weight = start(self)  # torchft: quorum, maybe heal; a weight when joining a sync
+            if weight is not None:
+                f = self.schedule.launch_at(self.inner_steps)
+                if f is None:
+                    raise RuntimeError(
+                        f"DiLoCo healed to inner step {self.inner_steps}, which is not a sync "
+                        "point; the replicas do not share this schedule "
+                        f"({self.schedule.describe()})"
+                    )
+                self._launch(f, self.inner_steps, weight)
+        elif config.init_sync:
+            self._init_sync()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> None:
+        """Call once after every inner optimizer step, on every rank: launches and merges the
+        outer all-reduces the schedule puts after this step."""
+        self.inner_steps += 1
+        t = self.inner_steps
+        f = self.schedule.launch_at(t)
+        if f is not None:
+            if self._pending is not None:  # delay < period: never, unless state was altered
+                raise RuntimeError("DiLoCo: a fragment's all-reduce was still pending at the "
+                                   "next launch")
+            self._launch(f, t, None)
+        if self._pending is not None and self._pending.merge_at == t:
+            self._merge()
+
+    def _reshard(self) -> None:
+        """Make every FSDP module hold its sharded parameters (``FSDPModule.reshard``): the
+        local shards are what DiLoCo reads and writes, and a module left unsharded would
+        compute its next forward with the unsharded copy it still holds."""
+        for m in self._fsdp_modules:
+            m.reshard()
+
+    def _launch(self, f: int, t: int, weight: Optional[float]) -> None:
+        self._reshard()
+        if weight is None:
+            weight = self.replicas.begin_sync()
+            f = self.schedule.launch_at(self.inner_steps)  # a heal may have moved the counter
+            t = self.inner_steps
+            assert f is not None
+        membership = self.replicas.membership()
+        if membership != self._membership:  # residuals are laid out for one replica set
+            self._membership = membership
+            self.reset_residuals()
+        frag = self.fragments[f]
+        buf = frag.pseudo_gradient() if weight else torch.zeros_like(frag.global_)
+        residuals = frag.feedback if weight else None
+        if residuals is not None:  # allocate here, on the main thread
+            frag.residuals(self.replicas.size(), self._spec, self.config.hadamard)
+        key = outer_key(self.config.seed, self.schedule.sync_index(t),
+                        self.replicas.rank() * self.group_size + self.group_rank, f)
+        group = self.replicas.background_group if self._overlap.enabled else self.replicas.group
+        run = partial(outer_all_reduce, buf, weight, group, self._spec, key,
+                      hadamard=self.config.hadamard, feedback=residuals, stats=self._stats,
+                      remote_peers=self.replicas.remote_peers, weighted=self._weighted)
+        usable = getattr(self.replicas, "usable", None)
+        if usable is not None and not usable():
+            run = partial(_refuse, "the quorum before this sync failed; not all-reducing")
+        self._pending = _Pending(f, t + self.config.delay, self._overlap.submit(run, t), buf,
+                                 weight)
+
+    def _merge(self) -> None:
+        p = self._pending
+        assert p is not None
+        self._pending = None
+        error: Optional[BaseException] = None
+        total = 0.0
+        try:
+            total = p.future.result() if p.resolved else Overlap.result(p.future)
+        except Exception as e:  # noqa: BLE001 - the replica group decides (torchft: no commit)
+            error = e
+        frag = self.fragments[p.fragment]
+        self._reshard()
+        committed = self.replicas.commit(error)
+        self.last_sync = {"fragment": p.fragment, "launched_after": p.merge_at - self.config.delay,
+                          "merged_after": p.merge_at, "weight": p.weight,
+                          "total_weight": total, "committed": committed,
+                          "error": None if error is None else repr(error)}
+        if not committed:
+            # Nothing applied: the parameters keep their local progress, which the fragment's
+            # next pseudo-gradient carries (its start-of-round weights did not move).
+            self.failed_commits += 1
+            return
+        if total > 0:
+            frag.outer_step(p.buf)
+        frag.write(self.config.alpha)
+        self.outer_steps += 1
+        if self.handle is not None:
+            self.handle.mark_changed()
+
+    def finish(self) -> None:
+        """Wait for an all-reduce still in flight and merge it now (end of training)."""
+        if self._pending is not None:
+            self._merge()
+
+    @contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """Inside the block the parameters are the start-of-round weights, the same on every
+        replica (evaluate the model DiLoCo trains there); each rank's own weights come back on
+        exit. With fsdp-qcomm's weight hooks (``handle``) the first gather inside sends full
+        precision (``handle.reset()``: a replica group's qWD reference is its own, so a
+        quantized difference would not compute with exactly the shared weights), and so does
+        the first one after (the restore is a parameter write)."""
+        self._reshard()
+        saved = [f.local_flat() for f in self.fragments]
+        for f in self.fragments:
+            f.write()
+        if self.handle is not None:
+            self.handle.reset()
+        try:
+            yield
+        finally:
+            self._reshard()
+            for f, local in zip(self.fragments, saved):
+                f.write_flat(local)
+
+    def close(self) -> None:
+        """Stop the background thread (after ``finish`` if a merge is pending)."""
+        self._overlap.shutdown()
+
+    def _init_sync(self) -> None:
+        """Every replica takes replica 0's weights (full precision, once)."""
+        import torch.distributed as dist
+
+        self._reshard()
+        group = self.replicas.group
+        for frag in self.fragments:
+            buf = frag.local_flat()
+            if self.replicas.size() > 1 and buf.numel():
+                dist.broadcast(buf, group=group, group_src=0)
+                root = self.replicas.rank() == 0
+                nbytes = buf.numel() * buf.element_size()
+                self._stats.record(KIND_INIT, sent_bytes=nbytes if root else 0,
+                                   recv_bytes=0 if root else nbytes, elements=buf.numel(),
+                                   baseline_bytes=nbytes,
+                                   cross_node_bytes=nbytes * self.replicas.remote_peers
+                                   if root else 0)
+            frag.global_.copy_(buf)
+            frag.write()
+
+    # ---- what it costs ---------------------------------------------------------------------
+    @property
+    def staleness(self) -> int:
+        """Inner steps of local progress a merged fragment's new weights lack (``delay``)."""
+        return self.config.staleness
+
+    def reset_residuals(self) -> None:
+        for frag in self.fragments:
+            if frag.feedback is not None:
+                frag.feedback.clear()
+
+    def outer_state_breakdown(self) -> dict[str, int]:
+        """Bytes of outer state this rank keeps, by part: ``global`` (start-of-round weights),
+        ``optimizer`` (outer optimizer state: SGD's momentum), ``residuals`` (error feedback,
+        steady state), and ``in_flight`` (the pseudo-gradient buffer that lives from a launch
+        to its merge: the largest fragment, counted only with ``delay`` > 0)."""
+        r = self.replicas.size()
+        out = {
+            "global": sum(f.global_.numel() * 4 for f in self.fragments),
+            "optimizer": sum(f.optimizer_bytes() for f in self.fragments),
+            "residuals": sum(f.residual_bytes(r, self._spec, self.config.hadamard)
+                             for f in self.fragments),
+            "in_flight": max(f.numel for f in self.fragments) * 4 if self.config.delay else 0,
+        }
+        return out
+
+    def outer_state_bytes(self) -> int:
+        """Total of ``outer_state_breakdown()``: this rank's memory for DiLoCo."""
+        return sum(self.outer_state_breakdown().values())
+
+    def stats(self) -> dict:
+        """Per-kind byte counters (``outer_allreduce``; ``outer_weight`` under torchft;
+        ``outer_init``) and a summary: ``inner_steps``, ``outer_steps``, ``failed_commits``,
+        ``staleness_steps``, ``outer_state_bytes``, and the outer all-reduce's bytes and
+        node-crossing bytes per inner step (the one-time ``outer_init`` copy not included)."""
+        snap = self._stats.snapshot()
+        t = self.inner_steps
+        kinds = [snap[k] for k in (KIND, KIND_WEIGHT) if k in snap]
+        sent = sum(k["sent_bytes"] for k in kinds)
+        cross = sum(k["cross_node_bytes"] for k in kinds)
+        snap["summary"].update(
+            inner_steps=t, outer_steps=self.outer_steps, failed_commits=self.failed_commits,
+            staleness_steps=self.staleness, alpha=self.config.alpha,
+            outer_sent_bytes=sent, outer_cross_node_bytes=cross,
+            outer_sent_bytes_per_inner_step=sent / t if t else 0.0,
+            outer_cross_node_bytes_per_inner_step=cross / t if t else 0.0,
+            outer_state_bytes=self.outer_state_bytes(),
+        )
+        return snap
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _meta(self, with_replicas: bool = True) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "group_rank": self.group_rank, "group_size": self.group_size,
+            "fragments": [[[r.name, *r.shapes()] for r in f.refs] for f in self.fragments],
+            "config": {k: getattr(self.config, k) for k in DiLoCoConfig.STATE_FIELDS},
+        }
+        if with_replicas:
+            meta["replicas"] = self.replicas.size()
+        return meta
+
+    def _check_meta(self, saved: str, with_replicas: bool) -> None:
+        mine = self._meta(with_replicas)
+        theirs = json.loads(saved)
+        diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if diff:
+            what = "; ".join(f"{k}: saved {theirs.get(k)!r}, this run {mine.get(k)!r}"
+                             for k in diff)
+            raise ValueError(
+                f"DiLoCo state does not match this run ({what}). Resume with the same replica "
+                "groups, group size, fragments, parameter shapes and DiLoCoConfig fields "
+                f"{', '.join(DiLoCoConfig.STATE_FIELDS)}"
+            )
+
+    def _resolve_pending(self) -> None:
+        """Wait for an all-reduce in flight (its result is part of the state)."""
+        p = self._pending
+        if p is None or p.resolved:
+            return
+        total = Overlap.result(p.future)  # a failed all-reduce raises here
+        done: Future[float] = Future()
+        done.set_result(total)
+        p.future = done
+        p.resolved = True
+
+    def _pending_capacity(self) -> int:
+        return max(f.numel for f in self.fragments) if self.config.delay else 0
+
+    def _shared_state(self) -> dict[str, Any]:
+        frags = {}
+        for f in self.fragments:
+            state, present = f.optimizer_state()
+            frags[str(f.index)] = {"global": f.global_, "outer": state,
+                                   "outer_present": torch.tensor(int(present))}
+        pend = torch.zeros(self._pending_capacity(), dtype=torch.float32, device=self.device)
+        info = torch.tensor([-1, -1], dtype=torch.int64)
+        total = torch.zeros((), dtype=torch.float64)
+        if self._pending is not None:
+            p = self._pending
+            pend[:p.buf.numel()] = p.buf
+            info = torch.tensor([p.fragment, p.merge_at], dtype=torch.int64)
+            total = torch.tensor(float(p.future.result()), dtype=torch.float64)
+        return {
+            "meta": json.dumps(self._meta()),
+            "counters": torch.tensor([self.inner_steps, self.outer_steps, self.failed_commits],
+                                     dtype=torch.int64),
+            "fragments": frags,
+            "pending": {"info": info, "total": total, "buf": pend},
+        }
+
+    def _residual_key(self) -> str:
+        return f"residuals.replica{self.replicas.rank()}.group_rank{self.group_rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's DiLoCo state (see the module docstring); waits for an all-reduce in
+        flight. The tensors are the live buffers (save before the next ``step``)."""
+        self._resolve_pending()
+        out: dict[str, Any] = {"version": _STATE_VERSION,
+                               f"group_rank{self.group_rank}": self._shared_state()}
+        if any(f.feedback is not None for f in self.fragments):
+            r = self.replicas.size()
+            out[self._residual_key()] = {
+                str(f.index): f.residuals(r, self._spec, self.config.hadamard)
+                for f in self.fragments}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (with the model and inner optimizer of the same step).
+        Refuses a state saved by another layout or configuration, naming the difference."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a DiLoCo state (version {state.get('version')!r}, expected "
+                             f"{_STATE_VERSION}); pass what DiLoCo.state_dict() returned")
+        key = f"group_rank{self.group_rank}"
+        if key not in state:
+            raise ValueError(
+                f"the DiLoCo state holds {sorted(k for k in state if k.startswith('group_rank'))}"
+                f", not {key!r} (this rank's local index {self.group_rank} of "
+                f"{self.group_size}); resume with the same group size"
+            )
+        shared = state[key]
+        self._check_meta(shared["meta"], with_replicas=True)
+        if self._pending is not None:
+            raise RuntimeError("DiLoCo.load_state_dict: an all-reduce is in flight; load "
+                               "before training, or call finish() first")
+        self._load_shared(shared)
+        self.reset_residuals()
+        saved = state.get(self._residual_key())
+        if saved is not None:
+            r = self.replicas.size()
+            for f in self.fragments:
+                for site, buf in f.residuals(r, self._spec, self.config.hadamard).items():
+                    src = saved[str(f.index)][site]
+                    if src.shape != buf.shape:
+                        raise ValueError(f"DiLoCo residual {f.index}.{site}: saved shape "
+                                         f"{tuple(src.shape)}, this run {tuple(buf.shape)}")
+                    buf.copy_(src)
+
+    def _load_shared(self, shared: dict[str, Any]) -> None:
+        c = shared["counters"].tolist()
+        self.inner_steps, self.outer_steps, self.failed_commits = int(c[0]), int(c[1]), int(c[2])
+        for f in self.fragments:
+            s = shared["fragments"][str(f.index)]
+            f.global_.copy_(s["global"])
+            f.load_optimizer_state(s["outer"], bool(int(s["outer_present"])))
+        pend = shared.get("pending")
+        if pend is not None and int(pend["info"][0]) >= 0:
+            frag, merge_at = (int(v) for v in pend["info"].tolist())
+            buf = pend["buf"][:self.fragments[frag].numel].clone()
+            done: Future[float] = Future()
+            done.set_result(float(pend["total"]))
+            self._pending = _Pending(frag, merge_at, done, buf)
+            self._pending.resolved = True
+
+    # ---- torchft recovery (``diloco.ft``) -------------------------------------------------
+    def ft_state_dict(self) -> dict[str, Any]:
+        """What a healing replica receives: the shared state without residuals (never
+        transferred: they are the sender's own errors) and without the replica count (a
+        quorum changes it). Called at a sync point, where nothing is pending."""
+        s = self._shared_state()
+        s["meta"] = json.dumps(self._meta(with_replicas=False))
+        del s["pending"]
+        return s
+
+    def ft_load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a healthy replica's state at its sync point: counters, start-of-round weights,
+        outer optimizer state; the parameters become the start-of-round weights (the healed
+        replica's own progress is that of another state) and residuals restart from zero."""
+        self._check_meta(state["meta"], with_replicas=False)
+        self._pending = None
+        self._load_shared(state)
+        self.reset_residuals()
+        self._reshard()
+        for f in self.fragments:
+            f.write()
+
+
+def _refuse(why: str) -> float:
+    raise RuntimeError(why)
+
+
+def _shard_position(refs: Sequence[ParamRef]) -> tuple[int, int]:
+    """(this rank's index, the group size) in the FSDP mesh the parameters are sharded over;
+    (0, 1) without DTensors. Refuses 2-D (HSDP) meshes: they all-reduce across replicas at
+    every step, which is what DiLoCo replaces."""
+    meshes = {}
+    for r in refs:
+        p = r.param
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            continue
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"DiLoCo: parameter {r.name!r} is sharded over a {mesh.ndim}-D mesh "
+                f"{mesh.mesh_dim_names}: HSDP all-reduces across replicas at every step, which "
+                "DiLoCo replaces. Shard each replica group by itself: fully_shard(..., "
+                "mesh=mesh['shard']) on the 2-D (replicate, shard) mesh"
+            )
+        meshes[(mesh.size(), mesh.get_local_rank())] = r.name
+    if not meshes:
+        return 0, 1
+    if len(meshes) > 1:
+        raise ValueError(f"DiLoCo: the parameters are sharded over meshes of different sizes "
+                         f"or positions {sorted(meshes)}; use one shard mesh for the model")
+    size, rank = next(iter(meshes))
+    return rank, size
+
+
+def fragment_refs(model: nn.Module, fragments: Optional[Sequence[FragmentSpec]],
+                  count: int) -> list[list[ParamRef]]:
+    """The parameters of each fragment, each parameter in exactly one."""
+    owners: dict[int, ParamRef] = {}
+    order: list[ParamRef] = []
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in owners:
+                continue
+            ref = ParamRef(f"{mname}.{pname}".lstrip("."), module, pname)
+            owners[id(p)] = ref
+            order.append(ref)
+    if not order:
+        raise ValueError(f"DiLoCo: {type(model).__name__} has no parameters")
+    if fragments is None:
+        return _split(order, count)
+    if len(fragments) != count:
+        raise ValueError(f"DiLoCo: {len(fragments)} fragments given, DiLoCoConfig.fragments="
+                         f"{count}")
+    out: list[list[ParamRef]] = []
+    seen: dict[int, int] = {}
+    for i, spec in enumerate(fragments):
+        params = list(spec.parameters()) if isinstance(spec, nn.Module) else list(spec)
+        refs = []
+        for p in params:
+            if id(p) not in owners:
+                raise ValueError(f"DiLoCo: fragment {i} holds a parameter that is not the "
+                                 "model's")
+            if id(p) in seen:
+                if seen[id(p)] == i:
+                    continue
+                raise ValueError(f"DiLoCo: parameter {owners[id(p)].name!r} is in fragments "
+                                 f"{seen[id(p)]} and {i}; each parameter syncs in one fragment")
+            seen[id(p)] = i
+            refs.append(owners[id(p)])
+        if not refs:
+            raise ValueError(f"DiLoCo: fragment {i} has no parameters")
+        out.append(refs)
+    missing = [r.name for r in order if id(r.param) not in seen]
+    if missing:
+        raise ValueError(f"DiLoCo: parameters {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                         "are in no fragment and would never sync across replicas")
+    return out
+
+
+def _split(order: list[ParamRef], count: int) -> list[list[ParamRef]]:
+    """Cut the parameters, in order, into ``count`` runs of about equal size (global
+    numel, the same on every rank)."""
+    sizes = [r.param.numel() for r in order]
+    total = sum(sizes)
+    out: list[list[ParamRef]] = [[] for _ in range(count)]
+    cum = 0
+    for ref, n in zip(order, sizes):
+        idx = min(count - 1, int(count * (cum + n / 2) / total)) if total else 0
+        out[idx].append(ref)
+        cum += n
+    empty = [i for i, f in enumerate(out) if not f]
+    if empty:
+        raise ValueError(
+            f"DiLoCo: cutting {len(order)} parameters into {count} fragments of about equal "
+            f"size leaves fragment(s) {empty} empty; pass fragments= (modules or parameter "
+            "lists) or use fewer fragments"
+        )
+    return out
+
+
+__all__ = ["DiLoCo", "fragment_refs"]

@@ -1,0 +1,121 @@
+"""Who the replicas are: the process group an outer all-reduce runs over, and the agreement
+points around it.
+
+DiLoCo talks to its replicas through four calls at each sync (``ReplicaGroup``):
+
+* ``begin_sync()`` before the fragment's pseudo-gradient is taken: returns this replica's
+  contribution weight (1, or 0 when it has nothing of its own to add: a replica that just
+  healed from another holds that one's weights, and its pseudo-gradient would count it twice);
+* ``group`` / ``background_group``: the process group of the all-reduce (ranks with this rank's
+  local index in every replica group), on the caller's thread or on the overlap thread;
+* ``commit(error)`` at the merge: whether to apply the outer step (every rank of the replica
+  group gets the same answer);
+* ``membership()``: changes when the set of replicas changes (error-feedback residuals are
+  laid out for one replica count and rank, so they restart from zero).
+
+``StaticReplicas`` is a fixed process group (``torch.distributed``, every replica always
+there). ``diloco.ft.FTReplicas`` is the torchft one (quorum, healing, commit votes).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional, Protocol, runtime_checkable
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ..collectives.topology import group_layout, private_group
+
+
+@runtime_checkable
+class ReplicaGroup(Protocol):
+    group: ProcessGroup
+    background_group: ProcessGroup
+    remote_peers: int
+
+    def size(self) -> int: ...
+
+    def rank(self) -> int: ...
+
+    def begin_sync(self) -> float: ...
+
+    def commit(self, error: Optional[BaseException]) -> bool: ...
+
+    def membership(self) -> Hashable: ...
+
+
+class StaticReplicas:
+    """A fixed replica group: ``group`` holds one rank of every replica group (the ranks with
+    this rank's local index). ``overlap``: create the private copy of it the background thread
+    uses (collective over the group's members, at construction). ``ranks_per_node``: which
+    members share this rank's node, for the node-crossing byte counts (None: every other
+    replica is on another node, the DiLoCo layout)."""
+
+    def __init__(self, group: ProcessGroup, *, overlap: bool = False,
+                 ranks_per_node: Optional[int] = None) -> None:
+        self.group = group
+        self.background_group = private_group(group) if overlap and group.size() > 1 else group
+        if ranks_per_node is None:
+            self.remote_peers = group.size() - 1
+        else:
+            self.remote_peers = group_layout(group, ranks_per_node).remote_peers
+
+    def size(self) -> int:
+        return self.group.size()
+
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def begin_sync(self) -> float:
+        return 1.0
+
+    def commit(self, error: Optional[BaseException]) -> bool:
+        if error is not None:
+            raise RuntimeError(f"the outer all-reduce failed: {error}") from error
+        return True
+
+    def membership(self) -> Hashable:
+        return ("static", self.group.size())
+
+
+def replica_group_of(mesh) -> ProcessGroup:
+    """The replica dimension's process group of a 2-D device mesh ``(replicate, shard)``: the
+    dimension named "replicate" (or "dp_replicate"), else dimension 0."""
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"DiLoCo takes a 2-D device mesh (replicate, shard), got {mesh.ndim}-D "
+            f"{mesh.mesh_dim_names}; or pass the replica process group itself"
+        )
+    names = mesh.mesh_dim_names or ()
+    for name in ("replicate", "dp_replicate"):
+        if name in names:
+            return mesh.get_group(name)
+    return mesh.get_group(0)
+
+
+def as_replicas(replicas, *, overlap: bool, ranks_per_node: Optional[int]) -> ReplicaGroup:
+    """``replicas`` as a ``ReplicaGroup``: one already, a process group, a 2-D device mesh, or a
+    torchft ``Manager`` (``diloco.ft.FTReplicas``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(replicas, ReplicaGroup):
+        return replicas
+    if isinstance(replicas, DeviceMesh):
+        return StaticReplicas(replica_group_of(replicas), overlap=overlap,
+                              ranks_per_node=ranks_per_node)
+    if isinstance(replicas, ProcessGroup):
+        return StaticReplicas(replicas, overlap=overlap, ranks_per_node=ranks_per_node)
+    if type(replicas).__module__.startswith("torchft"):
+        from .ft import FTReplicas
+
+        return FTReplicas(replicas)
+    if replicas is None and dist.is_initialized():
+        raise ValueError(
+            "DiLoCo needs its replicas: a 2-D device mesh (replicate, shard), the replica "
+            "process group (this rank's peers with its local index in every replica group), or "
+            "a torchft Manager"
+        )
+    raise TypeError(f"DiLoCo cannot use {type(replicas).__name__} as its replicas")
+
+
+__all__ = ["ReplicaGroup", "StaticReplicas", "as_replicas", "replica_group_of"]

@@ -1,0 +1,399 @@
+"""DiLoCo across replica groups (``fsdp_qcomm.diloco``) on gloo CPU ranks.
+
+Every replica group is an FSDP2 model sharded over its own ranks (the ``shard`` dimension of a
+2-D ``(replicate, shard)`` mesh); only the outer all-reduces cross replica groups. What is
+checked: the schedule; replicas bit-identical after every outer step (2 groups x 2 ranks and 3
+x 1, quantized at 2-4 bits, with and without error feedback, streaming fragments); the overlap
+thread really runs the all-reduce during the next inner step and gives the same bits as the
+synchronous reference; resume from a DCP checkpoint at an outer step and mid-round (an
+all-reduce in flight) is bit-identical; mismatched checkpoints are refused; bytes and outer
+state are accounted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _models import MLPBlock
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from fsdp_qcomm.codec import hadamard_len, wire_bytes
+from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
+from fsdp_qcomm.diloco.schedule import Schedule
+from fsdp_qcomm.testing import run_ranks
+
+D, HID = 12, 20
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _build(shape, seed: int = 0, fsdp: bool = True):
+    R, G = shape
+    mesh = init_device_mesh("cpu", (R, G), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(seed)
+    model = nn.Sequential(MLPBlock(D, HID), MLPBlock(D, HID), nn.Linear(D, D))
+    if fsdp:
+        for m in model[:2]:
+            fully_shard(m, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+    return model, mesh
+
+
+def _batch(mesh, t: int):
+    r = mesh["replicate"].get_local_rank()
+    g = mesh["shard"].get_local_rank()
+    gen = torch.Generator().manual_seed(1000 + 100 * r + 10 * g + 7919 * t)
+    x = torch.randn(4, D, generator=gen)
+    return x, torch.sin(x).flip(-1)
+
+
+def _same_across_replicas(tensors: dict, group) -> bool:
+    mine = {k: _digest(v) for k, v in sorted(tensors.items())}
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return all(d == mine for d in every)
+
+
+def _shards(diloco: DiLoCo, fragment: int) -> dict:
+    """This rank's shard of every parameter of ``fragment`` and the start-of-round weights of
+    every fragment."""
+    out = {f"param.{r.name}": r.local().clone() for r in diloco.fragments[fragment].refs}
+    out.update({f"global.{f.index}": f.global_.clone() for f in diloco.fragments})
+    return out
+
+
+def _train(model, opt, diloco, mesh, steps: int, check: bool = True) -> dict:
+    """``steps`` inner steps; after every outer step, compare the merged fragment's shards and
+    every start-of-round buffer across replicas."""
+    rgroup = mesh["replicate"].get_group()
+    losses, checks, same = [], 0, True
+    for _ in range(steps):
+        t = diloco.inner_steps
+        x, y = _batch(mesh, t)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        before = diloco.outer_steps
+        merging = diloco._pending.fragment if diloco._pending is not None else None
+        diloco.step()
+        if merging is None and diloco.config.delay == 0:
+            merging = diloco.schedule.launch_at(diloco.inner_steps)
+        losses.append(loss.item())
+        if check and diloco.outer_steps > before:
+            checks += 1
+            same &= _same_across_replicas(_shards(diloco, merging), rgroup)
+    return {"losses": losses, "checks": checks, "same": same}
+
+
+def _identical_run(rank: int, world: int, shape, cfg_kw: dict, steps: int,
+                   qcomm: bool = False) -> dict:
+    model, mesh = _build(shape)
+    handle = None
+    if qcomm:
+        from fsdp_qcomm import QCommConfig, enable
+
+        handle = enable(model, QCommConfig.preset("qwd", quantize_intra_node=True,
+                                                  ranks_per_node=shape[1]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = DiLoCo(model, DiLoCoConfig(**cfg_kw), replicas=mesh, handle=handle)
+    out = _train(model, opt, diloco, mesh, steps)
+    diloco.finish()
+    diloco.close()
+    if handle is not None:
+        out["modes"] = handle.gather_modes()
+        out["modules"] = len(handle.module_names)
+    # global_weights(): every replica computes with the start-of-round weights inside, its own
+    # weights come back after
+    before = {f"{i}": f.local_flat() for i, f in enumerate(diloco.fragments)}
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(5))  # the same on every rank
+    with diloco.global_weights():
+        inside = {f"{i}": f.local_flat() for i, f in enumerate(diloco.fragments)}
+        inside["out"] = model(x).detach()
+    out["global_weights"] = _same_across_replicas(inside, mesh["replicate"].get_group()) and all(
+        torch.equal(inside[k], diloco.fragments[int(k)].global_) for k in before) and all(
+        torch.equal(before[k], f.local_flat()) for k, f in zip(before, diloco.fragments))
+    out["stats"] = diloco.stats()
+    out["state"] = diloco.outer_state_breakdown()
+    out["numels"] = [f.numel for f in diloco.fragments]
+    out["outer_steps"] = diloco.outer_steps
+    return out
+
+
+# ---- the schedule and the config ---------------------------------------------------------------
+def test_schedule_round_robin_and_delay():
+    s = Schedule(sync_every=8, fragments=2, delay=1)
+    launches = {t: s.launch_at(t) for t in range(1, 25) if s.launch_at(t) is not None}
+    merges = {t: s.merge_at(t) for t in range(1, 25) if s.merge_at(t) is not None}
+    assert launches == {4: 0, 8: 1, 12: 0, 16: 1, 20: 0, 24: 1}  # each fragment every 8 steps
+    assert merges == {t + 1: f for t, f in launches.items() if t + 1 < 25}
+    assert [s.sync_index(t) for t in launches] == [0, 1, 2, 3, 4, 5]
+    one = Schedule(sync_every=5, fragments=1, delay=0)
+    assert [t for t in range(1, 16) if one.launch_at(t) == 0] == [5, 10, 15]
+    assert all(one.merge_at(t) == one.launch_at(t) for t in range(16))
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(sync_every=6, fragments=4), "fragments"),
+    (dict(sync_every=8, fragments=2, delay=4), "delay"),
+    (dict(bits=1), "bits"),
+    (dict(bits=None), "hadamard"),
+    (dict(bits=None, hadamard=False, error_feedback=True), "error_feedback"),
+    (dict(overlap=True), "overlap"),
+    (dict(alpha=1.5), "alpha"),
+    (dict(group_size=12), "group_size"),
+])
+def test_config_refuses_bad_values_by_name(kw, field):
+    with pytest.raises(ValueError, match=field):
+        DiLoCoConfig(**kw)
+
+
+def test_config_defaults_are_the_papers():
+    c = DiLoCoConfig()
+    assert (c.outer_lr, c.outer_momentum, c.outer_nesterov) == (0.7, 0.9, True)
+    assert c.bits == 4 and c.hadamard and not c.error_feedback
+    assert c.wire_bits() == 4.25
+    assert DiLoCoConfig(delay=1, sync_every=4).overlaps and not DiLoCoConfig().overlaps
+    with pytest.raises(ValueError, match="unknown"):
+        DiLoCoConfig.from_dict({"H": 4})
+
+
+# ---- replicas bit-identical after every outer step ---------------------------------------------
+def test_replicas_identical_2x2_with_qwd_hooks():
+    """DiLoCo (F=1, 4-bit) over 2 replica groups of 2 FSDP ranks, with fsdp-qcomm's qWD gathers
+    inside each group: after each outer step every shard is the same on both replicas, and
+    the gathers after an outer step send quantized differences (``mark_changed``), not a
+    full-precision resend."""
+    steps = 12
+    res = run_ranks(_identical_run, 4, (2, 2), dict(sync_every=4), steps, True, timeout=300)
+    for r in res:
+        assert r["checks"] == steps // 4 and r["same"] and r["global_weights"]
+        assert r["modes"].get("qwd_full", 0) == r["modules"]  # the first gather only
+        assert r["modes"].get("qwd_diff", 0) > 0
+    # both replicas computed different losses (different data) yet ended identical
+    assert res[0]["losses"] != res[2]["losses"]
+
+
+def test_replicas_identical_streaming_2x2_error_feedback():
+    """Streaming DiLoCo: 2 fragments, 2-bit outer gradients with error feedback, the all-reduce
+    overlapping one inner step on the background thread."""
+    steps = 17
+    cfg = dict(sync_every=8, fragments=2, delay=1, bits=2, error_feedback=True)
+    res = run_ranks(_identical_run, 4, (2, 2), cfg, steps, timeout=300)
+    for r in res:
+        assert r["checks"] == 4 and r["same"] and r["global_weights"]
+        assert r["state"]["residuals"] > 0
+
+
+def test_replicas_identical_3x1():
+    steps = 8
+    cfg = dict(sync_every=4, bits=3, error_feedback=True)
+    res = run_ranks(_identical_run, 3, (3, 1), cfg, steps + 1, timeout=300)
+    for r in res:
+        assert r["checks"] == 2 and r["same"]
+        assert r["global_weights"]
+
+
+# ---- bytes and memory ----------------------------------------------------------------------------
+def test_stats_count_the_wire_bytes_per_inner_step():
+    steps, H = 8, 4
+    cfg = DiLoCoConfig(sync_every=H, bits=4)
+    res = run_ranks(_identical_run, 4, (2, 2), dict(sync_every=H, bits=4), steps, timeout=300)
+    for r in res:
+        (m,) = r["numels"]
+        st = r["stats"]
+        row = wire_bytes(hadamard_len(-(-m // 2)), cfg.spec())  # one of R rows, R = 2
+        assert st["outer_allreduce"]["calls"] == steps // H
+        assert st["outer_allreduce"]["sent_bytes"] == (steps // H) * 3 * row  # R + 1 rows
+        assert st["outer_allreduce"]["cross_node_bytes"] == (steps // H) * 2 * row
+        s = st["summary"]
+        assert s["inner_steps"] == steps and s["outer_steps"] == steps // H
+        assert s["outer_cross_node_bytes_per_inner_step"] == 2 * row / H
+        assert "outer_weight" not in st  # a static group: every replica counts 1
+        assert st["outer_init"]["elements"] == m  # replica 0's weights, once
+        b = r["state"]
+        assert b["global"] == 4 * m and b["optimizer"] == 4 * m  # SGD momentum
+        assert b["residuals"] == 0 and b["in_flight"] == 0
+        assert s["outer_state_bytes"] == sum(b.values())
+
+
+# ---- the overlap thread -------------------------------------------------------------------------
+def _overlap_run(rank: int, world: int, overlap: bool) -> dict:
+    import threading
+
+    model, mesh = _build((2, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = DiLoCoConfig(sync_every=6, fragments=2, delay=2, overlap=overlap, bits=4)
+    diloco = DiLoCo(model, cfg, replicas=mesh)
+    started = {}  # inner step being trained when each all-reduce started, by launch step
+    training = {"t": -1}
+    cond = threading.Condition()
+
+    def on_start(t_launch: int) -> None:  # the background thread, before the all-reduce
+        with cond:
+            cond.wait_for(lambda: training["t"] > t_launch, timeout=30)
+            started[t_launch] = (training["t"], threading.current_thread().name)
+
+    diloco._overlap.on_start = on_start
+    losses = []
+    for _ in range(13):
+        with cond:
+            training["t"] = diloco.inner_steps + 1  # the inner step now running (1-based)
+            cond.notify_all()
+        x, y = _batch(mesh, diloco.inner_steps)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step()
+        losses.append(loss.item())
+    diloco.close()
+    return {"losses": losses, "started": started,
+            "shards": {k: _digest(v) for k, v in _shards(diloco, 0).items()},
+            "shards1": {k: _digest(v) for k, v in _shards(diloco, 1).items()}}
+
+
+def test_overlap_runs_during_inner_steps_and_matches_sync():
+    """With ``delay=2`` each all-reduce starts on the background thread only once the next
+    inner step is running (it waits for it: a synchronous all-reduce would time out there),
+    and the run is bit-identical to the same schedule run synchronously."""
+    on = run_ranks(_overlap_run, 2, True, timeout=300)
+    off = run_ranks(_overlap_run, 2, False, timeout=300)
+    for a, b in zip(on, off):
+        assert a["started"] and not b["started"]
+        for t, (training, thread) in a["started"].items():
+            assert training == t + 1 and thread.startswith("qcomm-diloco")
+        assert sorted(a["started"]) == [3, 6, 9, 12]
+        assert a["losses"] == b["losses"]
+        assert a["shards"] == b["shards"] and a["shards1"] == b["shards1"]
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+_RESUME_CFG = dict(sync_every=8, fragments=2, delay=1, bits=3, error_feedback=True)
+
+
+def _app(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    class App(Stateful):
+        def state_dict(self):
+            m, o = get_state_dict(model, opt)
+            return {"model": m, "optim": o}
+
+        def load_state_dict(self, sd):
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    return App()
+
+
+def _resume_run(rank: int, world: int, root: str, phase: str, save_at=(), load_at=None,
+                steps: int = 14) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    model, mesh = _build((2, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = DiLoCo(model, DiLoCoConfig(**_RESUME_CFG), replicas=mesh)
+    rep = mesh["replicate"].get_local_rank()
+    pg = mesh["shard"].get_group()
+
+    def where(t):
+        return os.path.join(root, f"t{t}", f"replica{rep}")
+
+    if load_at is not None:
+        dcp.load({"app": _app(model, opt), "diloco": diloco}, checkpoint_id=where(load_at),
+                 process_group=pg)
+        assert diloco.inner_steps == load_at
+    losses = {}
+    while diloco.inner_steps < steps:
+        x, y = _batch(mesh, diloco.inner_steps)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step()
+        losses[diloco.inner_steps] = loss.item()
+        if diloco.inner_steps in save_at:
+            pending = diloco._pending is not None
+            dcp.save({"app": _app(model, opt), "diloco": diloco},
+                     checkpoint_id=where(diloco.inner_steps), process_group=pg)
+            losses[f"pending{diloco.inner_steps}"] = pending
+    diloco.finish()
+    diloco.close()
+    shards = {}
+    for f in range(2):
+        shards.update({k: _digest(v) for k, v in _shards(diloco, f).items()})
+    res = diloco.state_dict()[diloco._residual_key()]
+    shards.update({f"res.{f}.{s}": _digest(v) for f, d in res.items() for s, v in d.items()})
+    return {"losses": losses, "shards": shards}
+
+
+def test_dcp_resume_is_bit_identical(tmp_path):
+    """Save at an outer step (t=5, right after fragment 0's merge) and mid-round with fragment
+    1's all-reduce in flight (t=8); a fresh run loading either one ends bit-identical to the
+    run that never stopped (losses, shards, start-of-round weights, residuals)."""
+    ref = run_ranks(_resume_run, 4, str(tmp_path), "ref", (5, 8), timeout=300)
+    for r in ref:
+        assert r["losses"]["pending8"] and not r["losses"]["pending5"]
+    for t in (5, 8):
+        got = run_ranks(_resume_run, 4, str(tmp_path), "resume", (), t, timeout=300)
+        for a, b in zip(ref, got):
+            tail = {k: v for k, v in a["losses"].items() if isinstance(k, int) and k > t}
+            assert b["losses"] == tail
+            assert b["shards"] == a["shards"]
+
+
+def _mismatch_run(rank: int, world: int) -> dict:
+    model, mesh = _build((2, 1))
+    base = DiLoCo(model, DiLoCoConfig(sync_every=4, fragments=2), replicas=mesh)
+    state = base.state_dict()
+    errors = {}
+    for name, kw in (("fragments", dict(sync_every=4, fragments=1)),
+                     ("bits", dict(sync_every=4, fragments=2, bits=2))):
+        other = DiLoCo(model, DiLoCoConfig(**kw), replicas=mesh)
+        try:
+            other.load_state_dict(state)
+        except ValueError as e:
+            errors[name] = str(e)
+    wide, _ = _build((2, 1), fsdp=False)
+    wide[2] = nn.Linear(D, D + 1)
+    other = DiLoCo(nn.Sequential(*wide[:2], nn.Linear(D, D + 2)),
+                   DiLoCoConfig(sync_every=4, fragments=2), replicas=mesh)
+    try:
+        other.load_state_dict(state)
+    except ValueError as e:
+        errors["shapes"] = str(e)
+    same = DiLoCo(model, DiLoCoConfig(sync_every=4, fragments=2), replicas=mesh)
+    same.load_state_dict(state)  # accepted
+    return errors
+
+
+def test_load_refuses_another_layout_or_config():
+    for errors in run_ranks(_mismatch_run, 2, timeout=200):
+        assert "fragments" in errors["fragments"]
+        assert "'bits'" in errors["bits"]
+        assert "fragments" in errors["shapes"]
+
+
+def _refuse_hsdp(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = nn.Linear(D, D)
+    fully_shard(model, mesh=mesh)
+    try:
+        DiLoCo(model, DiLoCoConfig(), replicas=mesh)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_refuses_hsdp_meshes():
+    for msg in run_ranks(_refuse_hsdp, 2, timeout=120):
+        assert "mesh['shard']" in msg
