@@ -234,6 +234,7 @@ def _measure(rank: int, world: int, a, row: Row, nodes: int, gpus: int) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import fsdp_qcomm
+    from fsdp_qcomm.fsdp.residual_state import residual_buffers
 
     shape = _shape(a)
     out: dict[str, Any] = {}
@@ -271,10 +272,11 @@ def _measure(rank: int, world: int, a, row: Row, nodes: int, gpus: int) -> dict:
                                               if torch.is_tensor(v))
             kept = handle.kept_bytes() if handle is not None else {}
             out["reference"] = handle.reference_bytes() if handle is not None else 0
-            # the residuals' live buffers (handle.state_dict() holds views of them)
+            # the residuals' live buffers (handle.state_dict() holds copies of them)
             out["error_feedback"] = _storage_bytes(
-                v for mod in handle.state_dict()["modules"].values()
-                for v in mod.get("grad_residuals", {}).values()) if handle is not None else 0
+                v for i in handle._installs
+                for v in residual_buffers(i.reduction_hooks, i.group).values()
+            ) if handle is not None else 0
             out["level_tables"] = kept.get("level_tables", 0)
             assert kept.get("reference", 0) == out["reference"]
             assert kept.get("error_feedback", 0) == out["error_feedback"]

@@ -2,7 +2,9 @@
 
 from .codec import RngKey, wire_bytes
 from .config import QCommConfig, QuantSpec
+from .fsdp.checkpoint import CheckpointMismatch
 from .fsdp.enable import QCommHandle, enable
 
-__all__ = ["QCommConfig", "QCommHandle", "QuantSpec", "RngKey", "enable", "wire_bytes"]
+__all__ = ["CheckpointMismatch", "QCommConfig", "QCommHandle", "QuantSpec", "RngKey", "enable",
+           "wire_bytes"]
 __version__ = "0.1.0"

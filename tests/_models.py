@@ -25,6 +25,23 @@ class MLPBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
+class MLPNet(nn.Module):
+    """``inp`` (5 -> 13), ``layers`` ``MLPBlock(13, 37)`` in ``blocks``, ``out`` (13 -> 1): the
+    checkpoint tests' model, sharded per block and at the root."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 13)
+        self.blocks = nn.ModuleList(MLPBlock(13, 37) for _ in range(layers))
+        self.out = nn.Linear(13, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
 class Block(nn.Module):
     def __init__(self, d: int, hidden: int) -> None:
         super().__init__()

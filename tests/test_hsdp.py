@@ -607,7 +607,8 @@ def _resume(rank: int, world: int, root: str) -> dict:
     _save(path, model, opt, handle)
     ref += [_step(model, opt, s, rank) for s in range(3, 6)]
     final = _locals(model)
-    state = handle.state_dict()["modules"]
+    (entry,) = handle.state_dict().values()  # this rank's, under "rank<r>_of_<W>"
+    state = entry["modules"]
     model_b, handle_b, _ = _build((2, 2), cfg)
     opt_b = torch.optim.AdamW(model_b.parameters(), lr=3e-3)
     _load(path, model_b, opt_b, handle_b)

@@ -252,8 +252,8 @@ def _resume_shared_group(rank, world, root):
     [_train_step(model, opt, s, rank) for s in range(2)]
     _save(ckpt, model, opt, handle)
     ref = [_train_step(model, opt, s, rank) for s in range(2, 4)]
-    keys = sorted(k for st in handle.state_dict()["modules"].values()
-                  for k in st.get("reference", {}))
+    (entry,) = handle.state_dict().values()  # this rank's, under "rank<r>_of_<W>"
+    keys = sorted(k for st in entry["modules"].values() for k in st.get("reference", {}))
     model_b, handle_b, opt_b = _build(cfg, group_io=True)
     _load(ckpt, model_b, opt_b, handle_b)
     got = [_train_step(model_b, opt_b, s, rank) for s in range(2, 4)]
@@ -434,8 +434,10 @@ def _misuse(rank, world):
     derived.disable()
     # a checkpoint from a differently sharded model
     handle = fsdp_qcomm.enable(model, _SDP4)
+    ((key, entry),) = handle.state_dict().items()
+    entry["owner"]["modules"]["blocks.0"] = entry["owner"]["modules"]["<root>"]
     with pytest.raises(ValueError, match="covers FSDP modules .* apply fully_shard"):
-        handle.load_state_dict({"version": 1, "modules": {"<root>": {}, "blocks.0": {}}})
+        handle.load_state_dict({key: entry})
     with pytest.raises(ValueError, match="not a QCommHandle state"):
         handle.load_state_dict({"model": {}})
     handle.disable()

@@ -15,11 +15,16 @@ summation order or the machines' numpy builds do. Between refreshes the table is
 Cost per refresh: ``bins`` fp64 weights all-reduced plus ``4 * 2^b`` bytes broadcast, recorded
 under the stats kind ``"levels_sync"`` (elements 0, baseline 0: pure overhead). Callers must
 refresh on every rank at the same steps (SPMD), like any collective.
+
+Checkpoints: ``checkpoint_state`` / ``load_checkpoint_state`` carry the table, the step it was
+fitted at and the refresh count, so a resumed run refits at the steps the uninterrupted run
+does and encodes with the same table in between (a run that lost the table would refit at its
+first call, on other values, and send other bits).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -71,6 +76,37 @@ class LevelSync:
             self._step = step
         assert self.levels is not None
         return self.levels
+
+    def checkpoint_state(self, device: torch.device) -> dict[str, Any]:
+        """The table (a copy), ``valid`` (0 before the first fit: the table is then zeros of
+        the right size, so a checkpoint loader can use it as a template), the step it was
+        fitted at (-1 before the first fit) and the number of refreshes so far."""
+        if self.levels is None:
+            table = torch.zeros(num_levels(self.spec), dtype=LEVELS_DTYPE, device=device)
+            return {"table": table, "valid": 0, "step": -1, "refreshes": self.refreshes}
+        return {"table": self.levels.detach().clone(), "valid": 1, "step": int(self._step),
+                "refreshes": self.refreshes}
+
+    def check_checkpoint_state(self, state: Any, what: str) -> None:
+        """Raise ``ValueError`` naming ``what`` unless ``state`` is what ``checkpoint_state``
+        returns for this table's bit width."""
+        keys = ("table", "valid", "step", "refreshes")
+        if not isinstance(state, dict) or any(k not in state for k in keys):
+            raise ValueError(f"{what}: the saved level table state needs the entries {keys}")
+        table, n = state["table"], num_levels(self.spec)
+        if not isinstance(table, torch.Tensor) or table.numel() != n:
+            size = table.numel() if isinstance(table, torch.Tensor) else type(table).__name__
+            raise ValueError(f"{what}: the saved level table has {size} levels, this run's "
+                             f"{self.spec.bits}-bit quantizer needs {n}")
+
+    def load_checkpoint_state(self, state: dict[str, Any], device: torch.device) -> None:
+        """Restore what ``checkpoint_state`` saved (``check_checkpoint_state`` first)."""
+        self.refreshes = int(state["refreshes"])
+        if not int(state["valid"]):
+            self.levels, self._step = None, None
+            return
+        self.levels = state["table"].detach().to(device=device, dtype=LEVELS_DTYPE).clone()
+        self._step = int(state["step"])
 
     def _refresh(
         self,

@@ -49,12 +49,12 @@ second unsharded buffer); the own slot's previous value is kept in ``own_ref`` b
 writes the new shard over it.
 
 Checkpoints (``checkpoint_state`` / ``load_checkpoint_state``, gathered by
-``QCommHandle.state_dict``): the RNG call counter, and for qWD this rank's shard of the reference
-(``own_ref``; the whole reference is every rank's ``own_ref`` back to back), one DTensor per
-parameter sharded like the parameter, so torch.distributed.checkpoint can reshard it. A loaded
-reference is re-assembled by one full-precision all-gather of the shards at the next gather,
-which then sends the usual difference: the resumed run computes with the bits the uninterrupted
-run would have used. Without a loaded reference the next gather sends the weights themselves.
+``QCommHandle.state_dict``, in ``fsdp.checkpoint``): the RNG call counter, the learned level
+table, and for qWD this rank's shard of the reference (``own_ref``) as one tensor per parameter.
+A loaded reference is re-assembled by one full-precision all-gather of the shards at the next
+gather, which then sends the usual difference: the resumed run computes with the bits the
+uninterrupted run would have used. Without a loaded reference the next gather sends the weights
+themselves.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ from ..collectives.weight_gather import (
 )
 from ..config import QCommConfig
 from ..stats import CommStats
+from . import checkpoint
 from . import internals as fsdp
 from .change_tracker import Agreement, Change, ChangeTracker, describe, plan
 from .consistency import check_consistent, consistency_error
@@ -244,92 +245,15 @@ class QuantizedAllGather(AllGather):
             self._names = names
         return self._names
 
-    def _reference_layout(self) -> Optional[tuple[torch.dtype, tuple[int, ...]]]:
-        """(all-gather dtype, segments) when this module's gathers are qWD gathers, else None."""
-        if self._scheme != "qwd":
-            return None
-        segs, _ = self._segments()
-        params = fsdp.sharded_params(self._pg)
-        if segs is None or not params:
-            return None
-        mp_dtype = fsdp.param_dtype(self._pg)
-        dtypes = {mp_dtype or p.dtype for p in params}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES:
-            return None  # mixed dtypes: FSDP gathers raw bytes, we gather plainly
-        return next(iter(dtypes)), segs
-
-    def _reference_views(self, flat: torch.Tensor, segs: tuple[int, ...]) -> dict[str, Any]:
-        """One DTensor per parameter viewing its unpadded values in a flat own-shard buffer,
-        placed like the sharded parameter (so DCP reshards it to another world size)."""
-        from torch.distributed.tensor import DTensor
-
-        out: dict[str, Any] = {}
-        off = 0
-        for name, p, seg in zip(self._param_names(), fsdp.sharded_params(self._pg), segs):
-            local_shape = p.to_local().shape
-            local = flat[off:off + math.prod(local_shape)].view(local_shape)
-            out[name] = DTensor.from_local(
-                local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                stride=p.stride(),
-            )
-            off += seg
-        return out
-
     def checkpoint_state(self) -> dict[str, Any]:
-        """RNG call counter and, for qWD, this rank's shard of the reference (see the module
-        docstring). The tensors are views: save them before the next gather."""
-        state: dict[str, Any] = {"weight_calls": self._counter}
-        layout = self._reference_layout()
-        if layout is None:
-            return state
-        dtype, segs = layout
-        q = self._qwd
-        if self._pending_ref is not None:
-            flat, valid = self._pending_ref, 1
-        elif q is not None and q.valid and q.segments == segs and q.own_ref.dtype == dtype:
-            flat, valid = q.own_ref, 1
-        else:  # nothing gathered yet (or a template for loading): placeholders
-            device = fsdp.group_device(self._pg)
-            flat, valid = torch.zeros(sum(segs), dtype=dtype, device=device), 0
-        state["reference_valid"] = valid
-        state["reference"] = self._reference_views(flat, segs)
-        return state
+        """RNG call counter, level table and, for qWD, this rank's shard of the reference, as
+        copies (``fsdp.checkpoint.gather_state``)."""
+        return checkpoint.gather_state(self)
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Restore the counter; adopt a saved qWD reference (re-assembled at the next gather), or
-        make the next gather send full precision when the checkpoint has none."""
-        self._counter = int(state["weight_calls"])
-        if self.tracker is not None:
-            self.tracker.loaded()  # the next gather exchanges
-        self._forward_gathers = 0
-        self._pending_ref = None
-        if self._kept is not None:
-            self._kept.invalidate()
-        layout = self._reference_layout()
-        ref = state.get("reference")
-        if layout is None or not state.get("reference_valid") or not ref:
-            self.reset()
-            return
-        dtype, segs = layout
-        names = self._param_names()
-        missing = [n for n in names if n not in ref]
-        if missing:
-            raise ValueError(
-                f"{self.name}: the checkpoint's qWD reference has no entry for {missing}; it was "
-                "saved from a different model. Load the matching checkpoint, or drop the "
-                "'reference' entries to resend full-precision weights"
-            )
-        device = fsdp.group_device(self._pg)
-        flat = torch.zeros(sum(segs), dtype=dtype, device=device)
-        off = 0
-        for name, seg in zip(names, segs):
-            t = ref[name]
-            local = t.to_local() if hasattr(t, "to_local") else t
-            flat[off:off + local.numel()].copy_(local.reshape(-1))
-            off += seg
-        self._pending_ref = flat
-        if self._qwd is not None:
-            self._qwd.invalidate()  # FSDP gets a fresh output buffer, not the stale reference
+        """Restore what ``checkpoint_state`` saved (``fsdp.checkpoint.load_gather_state``)."""
+        checkpoint.check_gather_state(self, state)
+        checkpoint.load_gather_state(self, state)
 
     # ---- decisions ---------------------------------------------------------------------------
     def _decide(self, backward: bool, group: dist.ProcessGroup) -> int:

@@ -29,9 +29,12 @@ and DTensor placements, and bit-identical gradients on every replica.
 
 Checkpoints. ``QCommHandle`` is a ``torch.distributed.checkpoint`` ``Stateful``: put it in the
 dict passed to ``dcp.save`` / ``dcp.load`` next to the model and optimizer state. It carries each
-module's RNG call counters (weights and gradients: stochastic rounding is keyed by them) and its
-qWD reference shard, so a resumed run draws the same random bits and computes with the same
-weights as a run that never stopped.
+module's RNG call counters (weights and gradients: stochastic rounding is keyed by them), its
+learned level tables, its qWD reference shard and its error-feedback residuals, so a resumed run
+draws the same random bits and computes with the same weights as a run that never stopped. The
+state is this rank's own, under a key naming the rank, with a record of who wrote it that
+``load_state_dict`` checks (``fsdp.checkpoint``); ``fsdp_qcomm.integrations`` saves it for
+checkpointers that keep one copy for all ranks (Accelerate, Lightning Fabric).
 """
 
 from __future__ import annotations
@@ -52,12 +55,12 @@ from ..collectives.topology import (
 )
 from ..config import QCommConfig
 from ..stats import CommStats
-from . import hop_plan, hsdp
+from . import checkpoint, hop_plan, hsdp
 from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import ReductionQueue
 from .reduce_scatter import PreparedGroup, QuantizedReduceScatter
-from .residual_state import load_residuals, residual_bytes, residual_entries, scaler_scale
+from .residual_state import residual_bytes, scaler_scale
 from .session import Session
 
 
@@ -188,52 +191,29 @@ class QCommHandle:
                 "total": ref + ef + tables}
 
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state, per FSDP module: ``weight_calls`` and ``grad_calls`` (RNG call
-        counters), with ``grad_error_feedback`` the ``grad_residuals`` (``residual_state``),
-        and, for qWD, ``reference_valid`` and ``reference`` (this rank's shard of the
-        reference, one DTensor per parameter). Save it with torch.distributed.checkpoint (or
-        pass the handle itself, a ``Stateful``); the tensors are views of live buffers. Under HSDP
-        ``replica_calls`` counts each module's quantized all-reduces across replicas."""
+        """This rank's checkpointable state, under the key ``"rank<r>_of_<W>"``: who wrote it
+        (``owner``: rank, world size, node placement, the ``QCommConfig`` fields that shape it,
+        every FSDP module's mesh and parameter shapes) and, per FSDP module, the RNG call
+        counters (``weight_calls``, ``grad_calls``, ``replica_calls``), the learned level
+        tables (``weight_levels``, ``grad_levels``), this rank's shard of the qWD reference
+        (``reference_valid``, ``reference``) and the error-feedback residuals
+        (``grad_residuals``). Plain copies only (``fsdp.checkpoint``): any per-rank
+        checkpointer can save it. With torch.distributed.checkpoint pass the handle itself (a
+        ``Stateful``); with a checkpointer that keeps one copy for all ranks, use
+        ``fsdp_qcomm.integrations`` (``docs/reliability.md``)."""
         self._check_enabled("state_dict")
-        modules: dict[str, Any] = {}
-        for i in self._installs:
-            state = i.all_gather.checkpoint_state() if i.all_gather is not None else {}
-            state["grad_calls"] = i.reduce_scatter.call_count if i.reduce_scatter else 0
-            state["replica_calls"] = i.replica.call_count if i.replica is not None else 0
-            residuals = residual_entries(i.reduction_hooks, i.group)
-            if residuals:
-                state["grad_residuals"] = residuals
-            modules[i.label] = state
-        return {"version": _STATE_VERSION, "modules": modules}
+        return checkpoint.handle_state(self._installs, self.config, self.placement)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` saved (call on every rank, with the model and optimizer
-        loaded from the same checkpoint). The next gather of each qWD module re-assembles the
-        saved reference with one full-precision all-gather; modules saved without a reference
-        send full-precision weights. Either way no rank computes with stale weights."""
+        """Restore what ``state_dict`` saved on this rank (call on every rank, with the model and
+        optimizer loaded from the same checkpoint). Refuses, with ``CheckpointMismatch`` (a
+        ``ValueError``) naming what differs and before changing anything, a state that another
+        rank, world size, placement, ``QCommConfig`` or model wrote. The next gather of each qWD
+        module re-assembles the saved reference with one full-precision all-gather; modules
+        saved without a reference send full-precision weights. Either way no rank computes with
+        stale weights."""
         self._check_enabled("load_state_dict")
-        if state.get("version") != _STATE_VERSION or "modules" not in state:
-            raise ValueError(
-                f"not a QCommHandle state (version {state.get('version')!r}, expected "
-                f"{_STATE_VERSION}); pass what QCommHandle.state_dict() returned"
-            )
-        saved = state["modules"]
-        mine = [i.label for i in self._installs]
-        if sorted(saved) != sorted(mine):
-            raise ValueError(
-                f"the checkpoint's fsdp_qcomm state covers FSDP modules {sorted(saved)}, this "
-                f"model has {sorted(mine)}; apply fully_shard to the same modules as the run that "
-                "saved it"
-            )
-        for i in self._installs:
-            if i.all_gather is not None:
-                i.all_gather.load_checkpoint_state(saved[i.label])
-            if i.reduce_scatter is not None:
-                i.reduce_scatter.call_count = int(saved[i.label].get("grad_calls", 0))
-            if i.replica is not None:
-                i.replica.call_count = int(saved[i.label].get("replica_calls", 0))
-            load_residuals(i.reduction_hooks, i.group, saved[i.label].get("grad_residuals", {}),
-                           i.label)
+        checkpoint.load_handle_state(self._installs, self.config, self.placement, state)
 
     def attach_grad_scaler(self, scaler: Any) -> None:
         """Keep the error-feedback residuals in unscaled units under a loss scaler
@@ -291,9 +271,6 @@ class QCommHandle:
     def __repr__(self) -> str:
         state = "enabled" if self._enabled else "disabled"
         return f"QCommHandle({state}, {len(self._installs)} FSDP modules, {self.config})"
-
-
-_STATE_VERSION = 1
 
 
 def _plan(i: _Install, run: QCommConfig) -> hop_plan.ModulePlan:

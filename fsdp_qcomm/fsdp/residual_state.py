@@ -15,12 +15,10 @@ Loss scaling. ``QCommHandle.attach_grad_scaler(scaler)`` makes every call read t
 current scale (a tensor: no host sync) and keep the residuals divided by it, so they stay in
 the gradients' true units when the scale changes between steps (``error_feedback``).
 
-Checkpoints. Each rank's residuals are its own (what *its* encodings lost), so they are saved
-as DTensors sharded ``Shard(0)`` over every dimension of the module's device mesh: global shape
-``[mesh size * n]``, rank ``i`` of the mesh holding ``n`` values. torch.distributed.checkpoint
-then writes every rank's piece (a plain tensor would be saved once, from rank 0). A resumed run
-must use the same mesh; loading into another world size fails in DCP's shape check, and a run
-without the saved residuals starts them at zero (``QCommHandle.load_state_dict``).
+Checkpoints. Each rank's residuals are its own (what *its* encodings lost): they are saved as
+plain copies in this rank's entry of ``QCommHandle.state_dict()``, which ``fsdp.checkpoint``
+keys by rank and checks on load (same rank, world size, mesh and settings). A run without the
+saved residuals starts them at zero.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..collectives.error_feedback import Feedback, FeedbackState, MappedFeedback, ValueLayout
 from ..stats import CommStats
@@ -104,23 +102,41 @@ def residual_bytes(hook: Any, group: Any) -> int:
     return 4 * sum(torch.Size(s).numel() for s in shapes.values())
 
 
-def residual_entries(hooks: dict[str, Any], group: Any) -> dict[str, DTensor]:
-    """``{"<hook>.<site>": DTensor}`` of this rank's residuals (views of the live buffers)."""
-    params = fsdp.sharded_params(group)
-    out: dict[str, DTensor] = {}
+def residual_buffers(hooks: dict[str, Any], group: Any) -> dict[str, torch.Tensor]:
+    """``{"<hook>.<site>": live buffer}`` of this rank's residuals (for measuring memory)."""
+    return {f"{name}.{site}": buf
+            for name, hook in hooks.items() for site, buf in _buffers(hook, group).items()}
+
+
+def residual_entries(hooks: dict[str, Any], group: Any) -> dict[str, torch.Tensor]:
+    """``{"<hook>.<site>": flat copy}`` of this rank's residuals (for checkpoints)."""
+    return {k: buf.detach().reshape(-1).clone()
+            for k, buf in residual_buffers(hooks, group).items()}
+
+
+def check_residuals(hooks: dict[str, Any], group: Any, entries: dict[str, Any],
+                    label: str) -> None:
+    """Raise ``ValueError`` unless every saved residual fits the buffer it would be loaded
+    into (called before anything is loaded)."""
     for name, hook in hooks.items():
         for site, buf in _buffers(hook, group).items():
-            mesh = params[0].device_mesh
-            flat = buf.view(-1)
-            out[f"{name}.{site}"] = DTensor.from_local(
-                flat, mesh, [Shard(0)] * mesh.ndim, run_check=False,
-                shape=(mesh.size() * flat.numel(),), stride=(1,),
-            )
-    return out
+            saved = entries.get(f"{name}.{site}")
+            if saved is None:
+                continue
+            local = saved.to_local() if isinstance(saved, DTensor) else saved
+            if not isinstance(local, torch.Tensor) or local.numel() != buf.numel():
+                got = local.numel() if isinstance(local, torch.Tensor) else type(local).__name__
+                raise ValueError(
+                    f"FSDP module {label!r}: the checkpoint's error-feedback residual "
+                    f"{name}.{site} has {got} values on this rank, this run keeps "
+                    f"{buf.numel()}; resume with the same mesh and grad settings, or drop "
+                    "'grad_residuals' from the saved fsdp_qcomm state to start them at zero"
+                )
 
 
 def load_residuals(hooks: dict[str, Any], group: Any, entries: dict[str, Any], label: str) -> None:
     """Copy saved residuals into the hooks' buffers; without saved ones, start from zero."""
+    check_residuals(hooks, group, entries, label)
     for name, hook in hooks.items():
         for site, buf in _buffers(hook, group).items():
             saved = entries.get(f"{name}.{site}")
@@ -128,15 +144,9 @@ def load_residuals(hooks: dict[str, Any], group: Any, entries: dict[str, Any], l
                 buf.zero_()
                 continue
             local = saved.to_local() if isinstance(saved, DTensor) else saved
-            if local.numel() != buf.numel():
-                raise ValueError(
-                    f"FSDP module {label!r}: the checkpoint's error-feedback residual "
-                    f"{name}.{site} has {local.numel()} values on this rank, this run keeps "
-                    f"{buf.numel()}; resume with the same mesh and grad settings, or drop "
-                    "'grad_residuals' from the saved fsdp_qcomm state to start them at zero"
-                )
             buf.view(-1).copy_(local.reshape(-1))
 
 
-__all__ = ["ScaleSource", "call_feedback", "load_residuals", "residual_bytes", "residual_entries",
-           "scaler_scale", "shard_numel", "value_layout"]
+__all__ = ["ScaleSource", "call_feedback", "check_residuals", "load_residuals",
+           "residual_buffers", "residual_bytes", "residual_entries", "scaler_scale",
+           "shard_numel", "value_layout"]

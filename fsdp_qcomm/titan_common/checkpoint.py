@@ -1,9 +1,10 @@
 """torchtitan checkpoints carry the fsdp_qcomm handles' state under the key ``"qcomm"``.
 
-Each ``QCommHandle`` is a DCP ``Stateful``: per FSDP module, the RNG call counters of the
-weight and gradient collectives and this rank's shard of the qWD reference
-(``fsdp/enable.py``). Without them a resumed run rebuilds the reference at full precision and
-restarts the counters, so it continues close to, but not exactly like, a run that never
+Each ``QCommHandle`` is a DCP ``Stateful``: this rank's state under its own key (per FSDP
+module the RNG call counters, learned level tables, this rank's shard of the qWD reference and
+its error-feedback residuals, with a record of who wrote it; ``fsdp/checkpoint.py``), so every
+rank saves and loads its own. Without it a resumed run rebuilds the reference at full precision
+and restarts the counters, so it continues close to, but not exactly like, a run that never
 stopped. Each adapter adds one :class:`HandlesState` entry to the states its checkpoint manager
 saves and loads, next to ``model``, ``optimizer``, ``lr_scheduler``, ``dataloader`` and
 ``train_state``: then a resume is bit for bit the uninterrupted run.

@@ -285,7 +285,7 @@ def test_checkpoint_resume_is_bit_identical(sdp4bit_run, tmp_path):
     n = b["hooked_modules"]
     assert b["steps_logged"] == [5, 6, 7, 8] and b["training_steps"] == 4
     assert b["gather_modes"].get("qwd_restore") == n and not b["gather_modes"].get("qwd_full")
-    assert plan_notes(b) == SDP4BIT_PLAN
+    assert plan_notes(b) == SDP4BIT_PLAN and b["notes"] == a["notes"]  # nothing added
     la = dict(zip(a["steps_logged"], a["loss"]))
     lb = dict(zip(b["steps_logged"], b["loss"]))
     assert all(lb[s] == la[s] for s in (5, 6, 7, 8)), (la, lb)
