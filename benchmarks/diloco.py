@@ -88,8 +88,8 @@ ROWS: dict[str, Row] = {
 BASELINE = "HSDP"
 REFERENCE = "HSDP sdp4bit"  # the per-step row whose bytes the DiLoCo rows are compared with
 
-_SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "warmup", "eval_every",
-               "eval_batches", "val_seed", "world", "ranks_per_node")
+_SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "lr_final", "warmup",
+               "eval_every", "eval_batches", "val_seed", "world", "ranks_per_node")
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -103,6 +103,8 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--lr-final", type=float, default=0.1,
+                    help="cosine decay to this fraction of --lr (benchmarks/accuracy.py's)")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1234)
