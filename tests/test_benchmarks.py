@@ -286,3 +286,16 @@ def test_frontier_reuses_a_run_only_when_it_is_the_same_computation(tmp_path):
     # the unquantized row of seed 1235 is the same computation as seed 1234's: not retrained
     assert accuracy._pending(fixed, mine) == [("SDP4Bit", 1235)]
     assert mine.load("baseline", 1235, accuracy._row("baseline"))["same_as_seed"] == 1234
+
+
+def test_diloco_benchmark_gives_accuracy_its_schedule_arguments():
+    """benchmarks/diloco.py trains with accuracy.py's learning-rate schedule and evaluation:
+    its parsed arguments carry every field those read (a field added to accuracy.py once made
+    every DiLoCo run fail at its first step)."""
+    import diloco
+
+    a = diloco._args(["--steps", "100", "--lr-final", "0.2"])
+    assert accuracy._lr(0, a) == pytest.approx(a.lr / a.warmup)
+    assert accuracy._lr(a.steps, a) == pytest.approx(a.lr * 0.2)
+    for field in ("batch", "eval_batches", "val_seed"):
+        assert hasattr(a, field), field
