@@ -56,7 +56,7 @@ def _mean(values: list) -> Optional[float]:
 
 
 _PLURAL = {"weight": "weights", "grad": "grads", "replica": "replicas", "levels": "levels",
-           "weight_intra": "w-intra"}
+           "weight_intra": "w-intra", "agreement": "agree"}
 
 
 def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
@@ -90,7 +90,8 @@ def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
     p("unquantized FSDP2 collectives would have been handed:")
     measured = {k[len("qcomm/"):-len("_baseline_bytes_per_step")] for h in hist for k in h
                 if k.endswith("_baseline_bytes_per_step")}
-    own = {c.name for c in COLLECTIVES if c.name not in measured and ref.get(_PLURAL[c.name])}
+    own = {c.name for c in COLLECTIVES
+           if c.name not in measured and ref.get(_PLURAL.get(c.name, c.name))}
     no_baseline = {c.name for c in COLLECTIVES if not c.counts_baseline}
     known = [c.name for c in COLLECTIVES]
     for name in [n for n in known if n in measured | own] + sorted(measured - set(known)):

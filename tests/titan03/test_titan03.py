@@ -370,11 +370,11 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
     assert "  L " in proc.stdout + proc.stderr and "(overhead)" in proc.stdout + proc.stderr
 
 
-def test_config_dataclass_fields_are_torchtitans_plus_qcomm():
+def test_config_dataclass_fields_are_torchtitans_plus_qcomm_and_diloco():
     from torchtitan.trainer import Trainer
 
     mine = {f.name for f in dataclasses.fields(QCommTrainer.Config)}
-    assert mine == {f.name for f in dataclasses.fields(Trainer.Config)} | {"qcomm"}
+    assert mine == {f.name for f in dataclasses.fields(Trainer.Config)} | {"qcomm", "diloco"}
 
 
 # --------------------------------------------------------------------------- diloco section
