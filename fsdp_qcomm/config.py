@@ -29,6 +29,17 @@ _SCALE_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def _from_checked_dict(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)`` for a config dataclass, naming unknown keys (TOML, CLI) first."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown {cls.__name__} field(s) {unknown}; known fields: {', '.join(sorted(known))}"
+        )
+    return cls(**values)
+
+
 def _check_choice(owner: str, name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(
@@ -455,13 +466,7 @@ class QCommConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "QCommConfig":
         """Build from a plain dict (TOML, CLI), rejecting unknown keys by name."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown QCommConfig field(s) {unknown}; known fields: {', '.join(sorted(known))}"
-            )
-        return cls(**values)
+        return _from_checked_dict(cls, values)
 
     def replace(self, **changes: Any) -> "QCommConfig":
         """A copy with ``changes``, validated anew. While ``bit_budget`` is set (here or by

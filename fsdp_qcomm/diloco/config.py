@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..config import QuantSpec, Rounding, _check_choice, _check_int
+from ..config import QuantSpec, Rounding, _check_choice, _check_int, _from_checked_dict
 
 _OWNER = "DiLoCoConfig"
 
@@ -162,13 +162,7 @@ class DiLoCoConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DiLoCoConfig":
         """Build from a plain dict (TOML, CLI), rejecting unknown keys by name."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown {_OWNER} field(s) {unknown}; known fields: {', '.join(sorted(known))}"
-            )
-        return cls(**values)
+        return _from_checked_dict(cls, values)
 
     def replace(self, **changes: Any) -> "DiLoCoConfig":
         return dataclasses.replace(self, **changes)
