@@ -26,11 +26,14 @@ an all-gather, equal on every rank by construction.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import os
 import pickle
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -48,8 +51,11 @@ def free_port() -> int:
 
 def _worker(
     fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs: dict, q, timeout: float,
-    env: dict,
+    env: dict, crash_log: str,
 ) -> None:
+    # a crash in native code (a segfault) leaves no Python traceback to report: the parent
+    # reads this file's stacks of every thread when the process dies without a result
+    faulthandler.enable(file=open(crash_log, "w"), all_threads=True)  # noqa: SIM115
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **env,
@@ -81,6 +87,16 @@ def _worker(
         dist.destroy_process_group()
 
 
+def _crash_report(path: str) -> str:
+    """The stacks faulthandler wrote when the process crashed, if any."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"; faulthandler:\n{text}" if text else ""
+
+
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
     may_exit: tuple[int, ...] = (), pg_timeout: Optional[float] = None,
@@ -93,12 +109,14 @@ def run_ranks(
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads
     procs = []
+    crash_dir = tempfile.mkdtemp(prefix="fsdp_qcomm_ranks_")
+    crash_logs = [os.path.join(crash_dir, f"rank{r}.txt") for r in range(world_size)]
     try:
         for r in range(world_size):
             p = ctx.Process(
                 target=_worker,
                 args=(fn, r, world_size, port, args, kwargs, q, pg_timeout or timeout,
-                      dict(env or {})),
+                      dict(env or {}), crash_logs[r]),
                 daemon=True,
             )
             p.start()
@@ -127,7 +145,8 @@ def run_ranks(
                         if not p.is_alive() and p.exitcode not in (0, None)
                         and r not in results and r not in errors]
                 for r in dead:
-                    errors[r] = f"process exited with code {procs[r].exitcode} without a result"
+                    errors[r] = (f"process exited with code {procs[r].exitcode} without a "
+                                 f"result{_crash_report(crash_logs[r])}")
                 if errors:
                     break
                 continue
@@ -148,6 +167,7 @@ def run_ranks(
                 p.kill()
         for p in procs:
             p.join(timeout=10)
+        shutil.rmtree(crash_dir, ignore_errors=True)
     if errors:
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise AssertionError(f"{fn.__name__} failed on rank(s) {sorted(errors)}:\n{msg}")
