@@ -45,6 +45,14 @@ from .topology import NodeLayout
 _WEIGHT_SALT = 1 << 40
 
 
+def _check_shard(input: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
+    """A gather's input must be this rank's flat shard in the reference's dtype."""
+    if input.dim() != 1 or input.numel() != numel:
+        raise ValueError(f"input must be a flat shard of {numel} values")
+    if input.dtype != dtype:
+        raise TypeError(f"input dtype {input.dtype} differs from the reference's {dtype}")
+
+
 @dataclass(frozen=True)
 class GatherOutcome:
     """What one gather put on the wire, reported to ``on_done`` once the output is ready.
@@ -458,12 +466,7 @@ class QwdAllGather(KeptWeights):
     ) -> Optional[dist.Work]:
         """Bring ``ref`` up to every rank's new shard ``input`` (``numel`` values); the
         differences are encoded on ``levels`` when given (a table identical on all ranks)."""
-        if input.dim() != 1 or input.numel() != self.numel:
-            raise ValueError(f"input must be a flat shard of {self.numel} values")
-        if input.dtype != self.ref.dtype:
-            raise TypeError(
-                f"input dtype {input.dtype} differs from the reference's {self.ref.dtype}"
-            )
+        _check_shard(input, self.numel, self.ref.dtype)
         own = self.own_slot()
         base = self._base()
         if self.world == 1:
@@ -632,12 +635,7 @@ class NodeShardedQwd:
         reference of every shard into ``output`` (``world * numel`` values, FSDP's layout;
         ``input`` may be a view of ``output``'s own slot: it is read before ``output`` is
         written)."""
-        if input.dim() != 1 or input.numel() != self.numel:
-            raise ValueError(f"input must be a flat shard of {self.numel} values")
-        if input.dtype != self.slices.dtype:
-            raise TypeError(
-                f"input dtype {input.dtype} differs from the reference's {self.slices.dtype}"
-            )
+        _check_shard(input, self.numel, self.slices.dtype)
         base = self._base()
         remote = self.nodes - 1
         if full or not self.valid:
