@@ -55,6 +55,16 @@ def _batch(mesh, t: int):
     return x, torch.sin(x).flip(-1)
 
 
+def _inner_step(model, opt, mesh, t: int) -> torch.Tensor:
+    """One inner step on this rank's batch ``t``: forward, backward, optimizer step; the loss."""
+    x, y = _batch(mesh, t)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def _same_across_replicas(tensors: dict, group) -> bool:
     mine = {k: _digest(v) for k, v in sorted(tensors.items())}
     every = [None] * dist.get_world_size(group)
@@ -77,11 +87,7 @@ def _train(model, opt, diloco, mesh, steps: int, check: bool = True) -> dict:
     losses, checks, same = [], 0, True
     for _ in range(steps):
         t = diloco.inner_steps
-        x, y = _batch(mesh, t)
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = _inner_step(model, opt, mesh, t)
         before = diloco.outer_steps
         merging = diloco._pending.fragment if diloco._pending is not None else None
         diloco.step()
@@ -248,11 +254,7 @@ def _overlap_run(rank: int, world: int, overlap: bool) -> dict:
         with cond:
             training["t"] = diloco.inner_steps + 1  # the inner step now running (1-based)
             cond.notify_all()
-        x, y = _batch(mesh, diloco.inner_steps)
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = _inner_step(model, opt, mesh, diloco.inner_steps)
         diloco.step()
         losses.append(loss.item())
     diloco.close()
@@ -314,11 +316,7 @@ def _resume_run(rank: int, world: int, root: str, phase: str, save_at=(), load_a
         assert diloco.inner_steps == load_at
     losses = {}
     while diloco.inner_steps < steps:
-        x, y = _batch(mesh, diloco.inner_steps)
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = _inner_step(model, opt, mesh, diloco.inner_steps)
         diloco.step()
         losses[diloco.inner_steps] = loss.item()
         if diloco.inner_steps in save_at:
