@@ -128,6 +128,7 @@ def _accumulation(rank, world, names, ks, steps):
     return out
 
 
+@pytest.mark.long
 def test_accumulation_one_exchange_per_step_losses_bit_identical():
     names = list(_SCHEMES)
     res = run_ranks(_accumulation, 2, names, [1, 2, 4], 3)

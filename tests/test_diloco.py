@@ -334,6 +334,7 @@ def _resume_run(rank: int, world: int, root: str, phase: str, save_at=(), load_a
     return {"losses": losses, "shards": shards}
 
 
+@pytest.mark.long
 def test_dcp_resume_is_bit_identical(tmp_path):
     """Save at an outer step (t=5, right after fragment 0's merge) and mid-round with fragment
     1's all-reduce in flight (t=8); a fresh run loading either one ends bit-identical to the

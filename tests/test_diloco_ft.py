@@ -203,6 +203,7 @@ def _kill_and_rejoin(tmp_path: Path, group_size: int) -> None:
               f"{join['total_weight']}); {len(c1)} commits identical to the survivor's")
 
 
+@pytest.mark.long
 def test_replica_dies_in_allreduce_and_rejoins(tmp_path):
     _kill_and_rejoin(tmp_path, 1)
 

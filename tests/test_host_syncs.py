@@ -22,6 +22,7 @@ import os
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 
 from fsdp_qcomm.testing import run_ranks
@@ -219,6 +220,7 @@ def test_recorder_sees_syncs_in_our_code_only():
     assert rec.events[0].startswith("_local_scalar_dense at torch_codec.py"), rec.events
 
 
+@pytest.mark.long
 def test_no_host_sync_in_training_steps():
     """Step 0 may sync (full-precision qWD reference, first level tables); step 1 only in the
     agreement before the forward (gathers that may reuse weights, verify_weight_writes)."""

@@ -649,7 +649,8 @@ def _mesh_run(rank: int, world: int, shape, preset: str = "sdp4bit") -> dict:
     )
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (1, 4), (3, 2)], ids=["2x1", "1x4", "3x2"])
+@pytest.mark.parametrize("shape", [(2, 1), (1, 4), pytest.param((3, 2), marks=pytest.mark.long)],
+                         ids=["2x1", "1x4", "3x2"])
 def test_other_meshes(shape):
     R, S = shape
     res = run_ranks(_mesh_run, R * S, shape, timeout=400)

@@ -197,6 +197,7 @@ def _lightning(rank: int, world: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.long
 def test_lightning_fabric_save_and_load(tmp_path):
     pytest.importorskip("lightning")
     res = run_ranks(_lightning, 2, str(tmp_path), timeout=600)

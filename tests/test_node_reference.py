@@ -117,8 +117,10 @@ def _train(rank, world, rpn, reference, preset, raf, micro):
     return out
 
 
-@pytest.mark.parametrize("preset,raf,micro", [("sdp4bit", True, 1), ("lowbit", True, 2),
-                                              ("sdp4bit", False, 2)])
+@pytest.mark.parametrize("preset,raf,micro", [
+    pytest.param("sdp4bit", True, 1, marks=pytest.mark.long),
+    pytest.param("lowbit", True, 2, marks=pytest.mark.long),
+    ("sdp4bit", False, 2)])
 def test_training_matches_the_full_reference_2_nodes_x_2(preset, raf, micro):
     node = run_ranks(_train, 4, 2, "node", preset, raf, micro)
     full = run_ranks(_train, 4, 2, "full", preset, raf, micro)
@@ -154,7 +156,7 @@ def _memory(rank, world, rpn):
     return out
 
 
-@pytest.mark.parametrize("rpn", [2, 3])
+@pytest.mark.parametrize("rpn", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_kept_bytes_at_most_one_over_g_plus_one_over_world_6_ranks(rpn):
     for kept, params, notes in run_ranks(_memory, 6, rpn, timeout=300):
         assert 0 < kept <= (1 / rpn + 1 / 6) * params * 4, (kept, params)

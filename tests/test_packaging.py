@@ -162,6 +162,7 @@ except ImportError as e:
     assert out.strip() == f"another distribution {other / '__init__.py'}"
 
 
+@pytest.mark.long
 def test_transformers_loads_a_model_with_the_checkout_on_sys_path(checkout, tmp_path):
     """What a user does from the repository root (``python -c``, ``-m`` or ``PYTHONPATH``): a
     tiny GPT-2 is built from a config, saved, loaded back offline and run, next to our kernels."""

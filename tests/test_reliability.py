@@ -384,6 +384,7 @@ def _nonfinite(rank, world, root):
     return True
 
 
+@pytest.mark.long
 def test_nonfinite_gradient_skip_step_and_nan_update_stay_identical(tmp_path):
     run_ranks(_nonfinite, 4, str(tmp_path))
 

@@ -194,6 +194,7 @@ def _drift(rank, world, steps):
     return out
 
 
+@pytest.mark.long
 def test_qwd_reference_does_not_drift_and_beats_direct_4bit():
     errs = run_ranks(_drift, 2, 200)[0]
     qwd, qw4 = errs["qwd"], errs["qw4"]
@@ -251,6 +252,7 @@ def _train(rank, world, steps):
     return losses
 
 
+@pytest.mark.long
 def test_training_loss_close_to_unhooked_and_qw4_worse():
     losses = run_ranks(_train, 2, 60)[0]
     final = {k: sum(v[-20:]) / 20 for k, v in losses.items()}

@@ -73,7 +73,11 @@ def test_every_field_parses_from_toml(tmp_path):
 VARIANTS = field_variants()
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+# quick tier: every preset (each field's default already parses in the test above); the long
+# tier adds every field at each other value
+@pytest.mark.parametrize("variant", [
+    pytest.param(v, id=v[0], marks=() if v[0].startswith("preset-") else pytest.mark.long)
+    for v in VARIANTS])
 def test_every_preset_and_field_value_parses_from_toml_and_cli(tmp_path, variant):
     """Each preset, and each QCommConfig field at each other value, through torchtitan
     0.2.2's TOML parser and through its CLI flags: the section resolves to the same config."""
@@ -268,6 +272,7 @@ def test_torchrun_two_processes_through_recipe(sdp4bit_run):
         assert h["qcomm/total_ratio_vs_unquantized"] < 0.15
 
 
+@pytest.mark.long
 def test_checkpoint_resume_is_bit_identical(sdp4bit_run, tmp_path):
     """Resume the sdp4bit run from its step-4 checkpoint: steps 5-8 repeat the uninterrupted
     run exactly. The checkpoint carries the handles' state (``titan/checkpoint.py``): the RNG
@@ -299,6 +304,7 @@ def test_checkpoint_resume_is_bit_identical(sdp4bit_run, tmp_path):
         assert hb[step]["qcomm/weight_bytes_per_step"] == ha[step]["qcomm/weight_bytes_per_step"]
 
 
+@pytest.mark.long
 def test_checkpoint_without_qcomm_state_loads_with_exclude(sdp4bit_run, tmp_path):
     """A checkpoint lacking the "qcomm" entry (written before it existed) still loads with
     --checkpoint.exclude_from_loading qcomm: the hooks start fresh, the first gathers send full
@@ -319,6 +325,7 @@ def test_checkpoint_without_qcomm_state_loads_with_exclude(sdp4bit_run, tmp_path
         assert abs(lb[step] - la[step]) < 2e-3 * la[step], (la, lb)
 
 
+@pytest.mark.long
 def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard(tmp_path):
     """The baseline preset runs the library's plain gather (measured) and FSDP's own
     reduce-scatter (gloo needs enable's SUM switch for it): weights read exactly 1.0 / 32 bits
@@ -350,6 +357,7 @@ def test_baseline_preset_counts_exactly_with_accumulation_validation_tensorboard
         assert {h["step"]: h[tag] for h in s["history"]} == pytest.approx(tb[tag]), tag
 
 
+@pytest.mark.long
 def test_gradient_accumulation_sends_one_weight_exchange_per_step(tmp_path):
     """sdp4bit with 2 microbatches per optimizer step (global batch 16 = 2 x 4 sequences x 2
     ranks; torchtitan reduce-scatters every microbatch; 2 one-rank "nodes"): the first
@@ -373,6 +381,7 @@ def test_gradient_accumulation_sends_one_weight_exchange_per_step(tmp_path):
     assert "qcomm: [2 microbatches/step] W " in out and "per exchange that sent" in out
 
 
+@pytest.mark.long
 def test_learned_levels_log_their_table_exchange(tmp_path):
     """QSDP with learned levels on both sides (the ``levels_sync`` stats kind, which once
     crashed the first metrics log): the run logs every step, the table refreshes show up as
@@ -402,6 +411,7 @@ def test_learned_levels_log_their_table_exchange(tmp_path):
     assert "  L " in proc.stdout + proc.stderr and "(overhead)" in proc.stdout + proc.stderr
 
 
+@pytest.mark.long
 def test_hsdp_two_replicas_of_two_shards(tmp_path):
     """recipes/debug_sdp4bit.toml as HSDP, 2 replicas x 2 shards on 4 CPU ranks counting as 2
     nodes x 2, with 2 micro-batches per optimizer step (global batch 32 = 2 x 4 sequences x 4
@@ -448,6 +458,7 @@ def test_diloco_section_parses_from_toml_and_cli(tmp_path):
         parse(tmp_path, f"[job]\n{CUSTOM}\n[diloco]\nbits = '4'\n")
 
 
+@pytest.mark.long
 def test_diloco_two_replicas_of_two_shards(tmp_path):
     """recipes/debug_sdp4bit.toml on 4 CPU ranks as 2 replica groups x 2 shards with
     ``--diloco.enable``: FSDP inside each group only (no per-step replica all-reduce), an
