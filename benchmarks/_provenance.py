@@ -261,6 +261,35 @@ class Recorder:
                       "load_samples": len(samples), "status": status})
 
 
+class RunClock:
+    """One stored run's own provenance (a campaign stores runs one by one, so each carries
+    what its folder's invocation entry would say of it): the commit, when it started and
+    ended, and the 1-min load average at both ends and sampled every ``SAMPLE_S`` seconds in
+    between, so a run made beside other work shows it. Used by rank 0 around each run."""
+
+    def __init__(self) -> None:
+        self.start, self.load_start = _now(), _load()
+        self._t0 = time.monotonic()
+        self._samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="run-load")
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self._samples.append(os.getloadavg()[0])
+
+    def done(self) -> dict[str, Any]:
+        self._stop.set()
+        samples = self._samples + [os.getloadavg()[0]]
+        return {**git_state(), "host": platform.node(), "start": self.start, "end": _now(),
+                "wall_s": round(time.monotonic() - self._t0, 1),
+                "loadavg_start": self.load_start, "loadavg_end": _load(),
+                "load1_max": round(max(samples), 2),
+                "load1_mean": round(sum(samples) / len(samples), 2),
+                "cpu_count": os.cpu_count()}
+
+
 def record(folder: str | Path, *, prefix: str = "", argv: Optional[Sequence[str]] = None,
            notes: str = "", extra: Optional[dict[str, Any]] = None) -> Recorder:
     """Append this invocation to ``<folder>/<prefix>provenance.json`` (and ``COMMANDS.md``);

@@ -128,6 +128,12 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--full-last", type=int, default=0, metavar="N",
                     help="with --eval-full: only the last N evaluations use the whole split "
                          "(0: all); it costs about 20 training steps of the default model")
+    ap.add_argument("--scored-evals-only", action="store_true",
+                    help="with --eval-full --full-last N: evaluate only at the last N "
+                         "evaluation steps, the ones the score reads; the sampled evaluations "
+                         "in between draw the loss curve only, and leaving them out changes no "
+                         "bit of the training (tests/test_benchmarks.py), so runs with and "
+                         "without share a store")
     ap.add_argument("--tail", type=int, default=1,
                     help="score of a run: the mean of its last TAIL evaluations (1: the final "
                          "one); a report setting, not stored with the runs")
@@ -162,6 +168,9 @@ def _args(argv=None) -> argparse.Namespace:
         ap.error(f"--fix {a.fix}: choose from {', '.join(SEED_PARTS)}")
     if a.full_last and not a.eval_full:
         ap.error("--full-last needs --eval-full")
+    if a.scored_evals_only and not (a.eval_full and a.full_last):
+        ap.error("--scored-evals-only needs --eval-full and --full-last N (the evaluations "
+                 "the score reads)")
     if a.bpe and a.data:
         ap.error("--bpe and --data exclude each other")
     return a
@@ -241,9 +250,18 @@ def _full_val_loss(model, data, a, rank: int, world: int, seq: int):
     dist.all_reduce(per)
     return per.mean().item(), per
 
+def _evaluates(step: int, a: argparse.Namespace) -> tuple[bool, bool]:
+    """(sampled, whole split): which evaluations run after ``step`` steps."""
+    at = step % a.eval_every == 0 or step == a.steps
+    full = at and a.eval_full and (not a.full_last or _evals_left(step, a) < a.full_last)
+    return (full if a.scored_evals_only else at), full
+
+
 def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label: str,
                seed: int) -> dict:
-    """One scheme under one seed, from the seed's initial weights and batches."""
+    """One scheme under one seed, from the seed's initial weights and batches. ``timing``
+    splits its wall time: building the model and installing the hooks, the training steps, the
+    sampled and the whole-split evaluations."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -254,6 +272,7 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
     row = getattr(a, "row_defs", SCHEMES)[label]  # rows added by other scripts travel in a
     seeds = seeds_of(a, seed)
     t0 = time.perf_counter()
+    timing = {"setup_s": 0.0, "train_s": 0.0, "eval_sampled_s": 0.0, "eval_full_s": 0.0}
     model = build_fsdp_gpt(shape, seeds["init"],
                            hsdp_mesh(a.ranks_per_node) if row.hsdp else None)
     handle = None
@@ -264,7 +283,9 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
         handle = fsdp_qcomm.enable(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     train_curve, val_curve, full_curve, windows = [], [], [], None
+    timing["setup_s"] = time.perf_counter() - t0
     for step in range(a.steps):
+        t1 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = _lr(step, a)
         x, y = data.batch("train", a.batch, a.seq, seeds["data"], step, rank)
@@ -275,19 +296,27 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
         lt = loss.detach().clone()
         dist.all_reduce(lt)
         train_curve.append(lt.item() / world)
-        if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
+        t2 = time.perf_counter()
+        timing["train_s"] += t2 - t1
+        sampled, whole = _evaluates(step + 1, a)
+        if sampled:
             val_curve.append((step + 1, _val_loss(model, data, a, rank, shape)))
-            full = ""
-            if a.eval_full and (not a.full_last or _evals_left(step + 1, a) < a.full_last):
-                loss_full, windows = _full_val_loss(model, data, a, rank, world, shape.seq)
-                full_curve.append((step + 1, loss_full))
-                full = f" full {loss_full:.4f}"
+        t3 = time.perf_counter()
+        timing["eval_sampled_s"] += t3 - t2
+        full = ""
+        if whole:
+            loss_full, windows = _full_val_loss(model, data, a, rank, world, shape.seq)
+            full_curve.append((step + 1, loss_full))
+            full = f" full {loss_full:.4f}"
+        timing["eval_full_s"] += time.perf_counter() - t3
+        if sampled or whole:
             if rank == 0:
                 print(f"  [{label} seed {seed}] step {step + 1}/{a.steps}: train "
                       f"{train_curve[-1]:.4f} val {val_curve[-1][1]:.4f}{full} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
     rec = {"train": train_curve, "val": val_curve, "final_val": val_curve[-1][1],
-           "seconds": time.perf_counter() - t0, "seeds": seeds}
+           "seconds": time.perf_counter() - t0, "seeds": seeds,
+           "timing": {k: round(v, 2) for k, v in timing.items()}}
     if a.eval_full:
         # the final evaluation's loss per held-out window: what the eval-set-size experiment
         # resamples (results/accuracy_variance)
@@ -313,8 +342,11 @@ def _train_all(rank: int, world: int, a: argparse.Namespace, store: RunStore,
         if key in done:  # the same computation as a run already made: not trained again
             rec = dict(done[key], same_as_seed=done[key].get("same_as_seed", done[key]["_seed"]))
         else:
+            clock = _provenance.RunClock() if rank == 0 else None
             rec = _train_one(rank, world, a, data, shape, label, seed)
             rec["_seed"] = seed
+            if clock is not None:
+                rec["provenance"] = clock.done()
             done[key] = rec
         rec = {k: v for k, v in rec.items() if k != "_seed"}
         rec["params"], rec["vocab"] = shape.params(), data.vocab
@@ -419,10 +451,11 @@ def _table(summary: dict[str, Any]) -> str:
 
 
 def _mean_curve(curves: list[list]) -> tuple[list, list, list]:
-    """Pointwise mean and sd of equally long curves of (step, value) pairs."""
-    steps = [c[0] for c in curves[0]]
-    cols = list(zip(*[[v for _, v in c] for c in curves]))
-    stats = [spread(col) for col in cols]
+    """Pointwise mean and sd of curves of (step, value) pairs, at the steps every curve has
+    (runs made with ``--scored-evals-only`` have only the scored ones)."""
+    maps = [dict((int(st), v) for st, v in c) for c in curves]
+    steps = sorted(set.intersection(*(set(m) for m in maps)))
+    stats = [spread([m[st] for m in maps]) for st in steps]
     return steps, [s.mean for s in stats], [s.sd for s in stats]
 
 

@@ -92,6 +92,21 @@ _SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "lr_fina
                "eval_every", "eval_batches", "val_seed", "world", "ranks_per_node")
 
 
+def rows_of(a: argparse.Namespace) -> dict[str, Row]:
+    """The rows a run knows: ``ROWS`` and those a campaign file adds (``a.row_defs``, which
+    travels to the ranks with the arguments)."""
+    return getattr(a, "row_defs", None) or ROWS
+
+
+def setup_of(a: argparse.Namespace) -> dict[str, Any]:
+    """What every run of one store must share."""
+    from _model import CharData
+
+    setup = {k: getattr(a, k) for k in _SETUP_ARGS}
+    setup["data"] = file_digest(CharData(a.data).path)
+    return setup
+
+
 def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None)
@@ -136,7 +151,7 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
     import fsdp_qcomm
     from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
 
-    row = ROWS[label]
+    row = rows_of(a)[label]
     t0 = time.perf_counter()
     mesh = hsdp_mesh(a.ranks_per_node)
     handle = diloco = None
@@ -208,7 +223,7 @@ def _train_all(rank: int, world: int, a, store: RunStore, todo: list) -> None:
         rec = _train_one(rank, world, a, data, shape, label, seed)
         rec["params"], rec["vocab"] = shape.params(), data.vocab
         if rank == 0:
-            store.save(label, seed, asdict(ROWS[label]), rec)
+            store.save(label, seed, asdict(rows_of(a)[label]), rec)
             print(f"{label} seed {seed}: final val loss {rec['final_val']:.5f}, "
                   f"{rec['cross_node_bytes_per_step']:.0f} node-crossing bytes/step in "
                   f"{rec['seconds']:.0f} s", flush=True)
@@ -239,7 +254,8 @@ def _report(a, stored: dict) -> tuple[str, dict]:
         "bytes (step) |",
         "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
-    for label in [k for k in ROWS if k in stored]:
+    rows = rows_of(a)
+    for label in [k for k in rows if k in stored]:
         runs = stored[label]["runs"]
         final = {s: r["final_val"] for s, r in sorted(runs.items())}
         gap = None if label == BASELINE else paired_gap_pct(final, base)
@@ -256,7 +272,7 @@ def _report(a, stored: dict) -> tuple[str, dict]:
                           "gap_pct_vs_hsdp": None if gap is None else gap.as_dict(),
                           "cross_node_bytes_per_step": per[0],
                           "times_fewer_than_sdp4bit": fewer, "loss_at_equal_bytes": eq}
-        row = ROWS[label]
+        row = rows[label]
         lines.append(
             f"| {label} | {row.describe()} | {len(final)} | "
             f"{fmt_spread(spread(list(final.values())))} | "
@@ -270,19 +286,35 @@ def _report(a, stored: dict) -> tuple[str, dict]:
     return "\n".join(lines) + "\n\n" + head + "\n", summary
 
 
+def write_report(a: argparse.Namespace, store: RunStore) -> Optional[str]:
+    """Rebuild ``table.md`` and ``results.json`` in ``a.out`` from every run stored there;
+    returns the markdown (None: nothing stored)."""
+    out = Path(a.out)
+    stored = store.all()
+    if not stored:
+        return None
+    table, summary = _report(a, stored)
+    first = next(iter(next(iter(stored.values()))["runs"].values()))
+    md = (f"# DiLoCo vs per-step HSDP\n\nModel: {first['params'] / 1e6:.2f}M-param char GPT "
+          f"(dim {a.dim}, {a.layers} layers), seq {a.seq}, batch {a.batch}/rank, AdamW lr "
+          f"{a.lr} cosine, {a.steps} steps, {a.world} ranks as {a.world // a.ranks_per_node} "
+          f"nodes x {a.ranks_per_node}; validation on the weights the replicas share.\n\n"
+          f"{table}")
+    (out / "table.md").write_text(md)
+    (out / "results.json").write_text(json.dumps(
+        {"setup": store.setup, "rows": summary, "runs": stored}, indent=1))
+    return md
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from _model import CharData
-
     from fsdp_qcomm.testing import run_ranks
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     _provenance.record(out, argv=None if argv is None else [__file__, *argv])
-    setup = {k: getattr(a, k) for k in _SETUP_ARGS}
-    setup["data"] = file_digest(CharData(a.data).path)
-    store = RunStore(out, setup)
+    store = RunStore(out, setup_of(a))
     try:
         todo = [] if a.report_only else [
             (label, s) for s in seed_list(a.seed, a.seeds) for label in a.rows
@@ -295,20 +327,10 @@ def main(argv=None) -> int:
           f"run(s) to train", flush=True)
     if todo:
         run_ranks(_train_all, a.world, a, store, todo, timeout=24 * 3600)
-    stored = store.all()
-    if not stored:
+    md = write_report(a, store)
+    if md is None:
         print("nothing stored", file=sys.stderr)
         return 1
-    table, summary = _report(a, stored)
-    first = next(iter(next(iter(stored.values()))["runs"].values()))
-    md = (f"# DiLoCo vs per-step HSDP\n\nModel: {first['params'] / 1e6:.2f}M-param char GPT "
-          f"(dim {a.dim}, {a.layers} layers), seq {a.seq}, batch {a.batch}/rank, AdamW lr "
-          f"{a.lr} cosine, {a.steps} steps, {a.world} ranks as {a.world // a.ranks_per_node} "
-          f"nodes x {a.ranks_per_node}; validation on the weights the replicas share.\n\n"
-          f"{table}")
-    (out / "table.md").write_text(md)
-    (out / "results.json").write_text(json.dumps(
-        {"setup": store.setup, "rows": summary, "runs": stored}, indent=1))
     print("\n" + md)
     return 0
 

@@ -259,6 +259,31 @@ def _plot(front: dict[str, Any], path: Path, title: str) -> bool:
     return True
 
 
+def write_report(a: argparse.Namespace, store: RunStore, trained: int = 0,
+                 wall: float = 0.0) -> Optional[str]:
+    """Rebuild ``table.md``, ``results.json`` and ``frontier.png`` in ``a.out`` from every run
+    stored there; returns the table's markdown (None: nothing stored)."""
+    out_dir = Path(a.out)
+    stored = store.all()
+    if not stored:
+        return None
+    front = _frontier(accuracy._summary(stored, a.tail), stored)
+    md = accuracy.report_md(
+        "Loss vs node-crossing bits", a, stored, front, _table(front), trained, wall, store)
+    md += ("\nBits: per element on the node-crossing exchanges that send (weight gathers; "
+           "inter-node gradient hop), measured from the handles' counters (scales and level "
+           "tables included); mean bits = their mean (sdp4bit: 4.13 by the wire formula; the "
+           "table's bits are measured). Goal: mean bits <= 3.0 with the gap's upper bound "
+           "within +0.5%.\n")
+    (out_dir / "table.md").write_text(md)
+    (out_dir / "results.json").write_text(json.dumps(
+        {"setup": store.setup, "rows": front, "args": vars(a)}, indent=1, default=str))
+    _plot(front, out_dir / "frontier.png",
+          f"{'BPE' if a.bpe else 'char'} GPT, {a.steps} steps, "
+          f"{a.world // a.ranks_per_node} nodes x {a.ranks_per_node} ranks")
+    return md
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -283,25 +308,12 @@ def main(argv=None) -> int:
         run_ranks(accuracy._train_all, a.world, a, store, todo, timeout=24 * 3600)
     wall = time.perf_counter() - t0
     prov.note(trained_runs=len(todo), train_wall_s=round(wall, 1))
-    stored = store.all()
-    if not stored:
+    md = write_report(a, store, len(todo), wall)
+    if md is None:
         print(f"no runs stored in {store.dir}", file=sys.stderr)
         return 1
-    front = _frontier(accuracy._summary(stored, a.tail), stored)
-    md = accuracy.report_md(
-        "Loss vs node-crossing bits", a, stored, front, _table(front), len(todo), wall, store)
-    md += ("\nBits: per element on the node-crossing exchanges that send (weight gathers; "
-           "inter-node gradient hop), measured from the handles' counters (scales and level "
-           "tables included); mean bits = their mean (sdp4bit: 4.13 by the wire formula; the "
-           "table's bits are measured). Goal: mean bits <= 3.0 with the gap's upper bound "
-           "within +0.5%.\n")
-    (out_dir / "table.md").write_text(md)
-    (out_dir / "results.json").write_text(json.dumps(
-        {"setup": store.setup, "rows": front, "args": vars(a)}, indent=1, default=str))
-    plotted = _plot(front, out_dir / "frontier.png",
-                    f"{'BPE' if a.bpe else 'char'} GPT, {a.steps} steps, 2 nodes x 2 ranks")
     print("\n" + md)
-    print(f"written: {out_dir}/table.md, results.json" + (", frontier.png" if plotted else ""))
+    print(f"written: {out_dir}/table.md, results.json, frontier.png")
     return 0
 
 

@@ -1,0 +1,147 @@
+"""benchmarks/campaign.py: a campaign file's jobs, run one at a time into resumable stores, each
+run with its own provenance; and the claim it relies on to share a store with older runs:
+leaving out the unscored evaluations changes no bit of the training."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _seeds  # noqa: E402
+import accuracy  # noqa: E402
+import campaign  # noqa: E402
+
+from fsdp_qcomm.testing import run_ranks  # noqa: E402
+
+TINY = ["--dim", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
+        "--steps", "6", "--warmup", "2", "--eval-every", "2", "--eval-batches", "1",
+        "--eval-full", "--full-last", "2", "--tail", "2"]
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    p = tmp_path / "d.txt"
+    p.write_text("to be or not to be, that is the question. " * 400)
+    return p
+
+
+def _campaign(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "c.toml"
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def test_jobs_run_seed_by_seed_and_bad_files_name_the_fix(tmp_path, data):
+    args = json.dumps([*TINY, "--data", str(data)])
+    good = _campaign(tmp_path, f"""
+        [workloads.w]
+        kind = "accuracy"
+        out = "{tmp_path / 'out'}"
+        args = {args}
+        [rows."W3 G2/64"]
+        preset = "sdp4bit"
+        overrides = {{ weight_bits = 3, grad_inter_bits = 2, grad_group_size = 64 }}
+        [[jobs]]
+        workload = "w"
+        rows = ["baseline", "W3 G2/64"]
+        seeds = "7-8"
+        [[jobs]]
+        workload = "w"
+        rows = ["qW"]
+        seeds = [3]
+        """)
+    workloads, rows, jobs = campaign.load(good)
+    # every row of a seed before the next seed: an interrupted campaign leaves pairs
+    assert [(j.row, j.seed) for j in jobs] == [("baseline", 7), ("W3 G2/64", 7), ("baseline", 8),
+                                               ("W3 G2/64", 8), ("qW", 3)]
+    assert workloads["w"].rows == ["baseline", "W3 G2/64", "qW"]
+    kind = campaign._Kind(workloads["w"], rows)
+    assert kind.a.row_defs["W3 G2/64"].overrides["grad_group_size"] == 64
+    assert kind.row("W3 G2/64")["config"]["grad_inter_bits"] == 2
+
+    def refused(body: str, match: str) -> None:
+        with pytest.raises(campaign.CampaignError, match=match):
+            w, r, _ = campaign.load(_campaign(tmp_path, body))
+            for k in (campaign._Kind(x, r) for x in w.values()):
+                k.check_rows()
+
+    head = f'[workloads.w]\nkind = "accuracy"\nout = "{tmp_path}"\nargs = {args}\n'
+    refused(head + '[[jobs]]\nworkload = "v"\nrows = ["baseline"]\nseeds = [1]\n',
+            "workload 'v' is not one of")
+    refused(head + '[[jobs]]\nworkload = "w"\nrows = ["nope"]\nseeds = [1]\n',
+            r"unknown rows \['nope'\]; add them under \[rows\]")
+    refused(head + '[[jobs]]\nworkload = "w"\nrows = ["qW"]\nseeds = "9-3"\n',
+            "ends before it starts")
+    refused('[workloads.w]\nkind = "accuracy"\nout = "x"\nargs = ["--out", "y"]\n',
+            "the folder, the seeds and the rows come from out and the jobs")
+    refused(head + '[rows.bad]\npreset = "sdp4bit"\noverrides = { grad_levels = "learned" }\n'
+            '[[jobs]]\nworkload = "w"\nrows = ["bad"]\nseeds = [1]\n',
+            "row 'bad': QCommConfig.grad_levels='learned' needs grad_scheme='one_level'")
+    refused(head + '[rows.SDP4Bit]\npreset = "qwd"\n'
+            '[[jobs]]\nworkload = "w"\nrows = ["SDP4Bit"]\nseeds = [1]\n',
+            "redefines a built-in row")
+
+
+def test_pending_runs_train_once_each_with_provenance_and_tables(tmp_path, data):
+    out = tmp_path / "out"
+    args = json.dumps([*TINY, "--data", str(data), "--scored-evals-only"])
+    c = _campaign(tmp_path, f"""
+        [workloads.w]
+        kind = "accuracy"
+        out = "{out}"
+        args = {args}
+        [[jobs]]
+        workload = "w"
+        rows = ["baseline", "SDP4Bit"]
+        seeds = [5]
+        """)
+    assert campaign.main([str(c)]) == 0
+    stored = _seeds.RunStore(out, {}).dir
+    runs = sorted(p.name for p in stored.glob("*.json"))
+    assert runs == ["SDP4Bit__seed5.json", "baseline__seed5.json"]
+    rec = json.loads((stored / "SDP4Bit__seed5.json").read_text())["record"]
+    prov = rec["provenance"]
+    assert prov["git_commit"] and len(prov["loadavg_start"]) == 3 and prov["wall_s"] > 0
+    assert set(rec["timing"]) == {"setup_s", "train_s", "eval_sampled_s", "eval_full_s"}
+    # only the scored evaluations (the last --full-last 2 of steps 2, 4, 6) ran
+    assert [s for s, _ in rec["val"]] == [4, 6] and [s for s, _ in rec["val_full"]] == [4, 6]
+    table = (out / "table.md").read_text()
+    assert "| SDP4Bit | sdp4bit | 1 |" in table and (out / "provenance.json").is_file()
+    mtime = (stored / "SDP4Bit__seed5.json").stat().st_mtime_ns
+    assert campaign.main([str(c)]) == 0  # resumed: nothing left to train
+    assert (stored / "SDP4Bit__seed5.json").stat().st_mtime_ns == mtime
+
+
+def _train_rows(rank: int, world: int, a, rows: list[str]) -> list[dict]:
+    import accuracy as acc
+    from _model import GPTShape
+
+    data = acc.load_data(a)
+    shape = GPTShape(data.vocab, a.dim, a.layers, a.heads, a.seq)
+    return [acc._train_one(rank, world, a, data, shape, label, 11) for label in rows]
+
+
+def test_leaving_out_unscored_evaluations_changes_no_training_bit(data):
+    """The claim that lets --scored-evals-only runs share a store with runs that evaluated on
+    sampled batches every --eval-every steps: the training losses and the scored losses are
+    bit for bit the same, for an unhooked run, qWD (its evaluation gathers send the
+    differences the next training forward would), learned levels and direct weights."""
+    rows = ["baseline", "SDP4Bit", "W2-learned G3", "qW"]
+    runs = {}
+    for extra in ([], ["--scored-evals-only"]):
+        a = accuracy._args([*TINY, "--data", str(data), *extra])
+        a.row_defs = accuracy.SCHEMES | {"W2-learned G3": accuracy.Scheme(
+            "sdp4bit", dict(weight_bits=2, weight_levels="learned", grad_inter_bits=3))}
+        runs[bool(extra)] = run_ranks(_train_rows, 4, a, rows, timeout=300)[0]
+    for label, every, scored in zip(rows, runs[False], runs[True]):
+        assert len(every["val"]) == 3 and len(scored["val"]) == 2, label
+        assert every["train"] == scored["train"], label
+        assert every["val_full"] == scored["val_full"], label
+        assert every["val"][1:] == scored["val"], label
