@@ -25,7 +25,7 @@ def check_hsdp_sdp4bit_summary(s: dict, steps: int, microbatches: int = 1) -> No
     assert s["world_size"] == 2 and s["replicas"] == 2 and s["preset"] == "sdp4bit"
     assert s["installed"] and s["training_steps"] == steps and s["microbatches"] == microbatches
     notes = " | ".join(s["notes"])
-    assert "HSDP all-reduce across replicas: quantized: 2 nodes of 1 rank(s)" in notes, notes
+    assert "HSDP all-reduce across replicas: quantized 4-bit: 2 nodes of 1 rank(s)" in notes, notes
     assert "weight all-gather: unquantized, its 2 rank(s) share one node" in notes, notes
     assert "gradient reduce-scatter: unquantized, its 2 rank(s) share one node" in notes, notes
     n = s["hooked_modules"]

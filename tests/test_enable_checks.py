@@ -1,8 +1,9 @@
 """What ``enable`` refuses or decides before installing anything (issue 22, item 7): a
 ``replicate()`` module, learned gradient levels under HSDP, and the reduction op FSDP's own
-all-reduce runs with on the one-rank HSDP group (never AVG off CPU).
+all-reduce runs with on the one-rank HSDP group (never AVG off CPU); and what it says of its
+decisions through the ``fsdp_qcomm`` logger.
 
-Two launches: 2 gloo ranks (``replicate``), 4 (HSDP 2 x 2).
+Two launches: 2 gloo ranks (``replicate``, the log), 4 (HSDP 2 x 2).
 """
 
 from __future__ import annotations
@@ -41,6 +42,33 @@ def _replicated(rank: int, world: int) -> dict:
             not type(c).__module__.startswith("fsdp_qcomm.")
             for m in model.modules() if isinstance(m, internals.FSDPModule)
             for g in internals.param_groups(m) for c in internals.installed_comms(g))
+    return out
+
+
+def _logged(rank: int, world: int) -> dict:
+    """The ``fsdp_qcomm`` log of ``enable`` on two ranks of one node, and as two nodes."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log = logging.getLogger("fsdp_qcomm")
+    log.addHandler(Keep())
+    log.setLevel(logging.INFO)
+    out = {}
+    for name, rpn in (("one_node", 2), ("two_nodes", 1)):
+        records.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+        fully_shard(model[0])
+        fully_shard(model)
+        handle = fsdp_qcomm.enable(model, QCommConfig.preset("sdp4bit", ranks_per_node=rpn))
+        out[name] = {"log": [(r.levelname, r.getMessage()) for r in records],
+                     "notes": handle.stats()["notes"]}
+        handle.disable()
     return out
 
 
@@ -95,7 +123,8 @@ def _learned_and_ops(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def checks() -> list[dict]:
-    return [run_ranks(_replicated, 2, timeout=300), run_ranks(_learned_and_ops, 4, timeout=300)]
+    return [run_ranks(_replicated, 2, timeout=300), run_ranks(_learned_and_ops, 4, timeout=300),
+            run_ranks(_logged, 2, timeout=300)]
 
 
 def test_replicate_is_refused_with_a_clear_error(checks):
@@ -120,3 +149,21 @@ def test_one_rank_hsdp_group_never_gets_avg_off_cpu(checks):
         # on CPU (gloo) FSDP keeps passing AVG, which the hooks apply themselves
         assert r["cpu"] and all(not f and n == 1 and "AVG" in ar
                                 for f, n, _, ar in r["cpu"]), r["cpu"]
+
+
+def test_enable_logs_each_decision_once_and_warns_when_nothing_is_quantized(checks):
+    first, second = checks[2]
+    assert second["one_node"]["log"] == [] and second["two_nodes"]["log"] == []  # rank 0 only
+    one = first["one_node"]
+    warnings = [m for lvl, m in one["log"] if lvl == "WARNING"]
+    assert len(warnings) == 1 and "quantize_intra_node=True" in warnings[0], one["log"]
+    assert "quantizes nothing" in warnings[0] and warnings[0].split(": ", 1)[1] in one["notes"]
+    infos = [m.split(": ", 1)[1] for lvl, m in one["log"] if lvl == "INFO"]
+    assert len(infos) == 2 and set(infos) <= set(one["notes"]), (infos, one["notes"])
+    assert all("unquantized" in m for m in infos), infos
+    two = first["two_nodes"]
+    assert [lvl for lvl, _ in two["log"]] == ["INFO", "INFO"], two["log"]
+    text = " | ".join(m for _, m in two["log"])
+    assert "weight all-gather: qwd 4-bit" in text, text
+    assert "two-level, 8-bit inside then 4-bit across nodes" in text, text
+    assert not any("quantizes nothing" in n for n in two["notes"])

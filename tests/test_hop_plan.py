@@ -27,7 +27,8 @@ def test_flat_across_nodes_quantizes_both_hops_with_a_node_sharded_reference():
     assert p.why == (
         "weight all-gather: qwd 4-bit, node-sharded reference (1/2 of the parameters): "
         "2 nodes of 2 rank(s)",
-        "gradient reduce-scatter: two-level, inside then across nodes: 2 nodes of 2 rank(s)",
+        "gradient reduce-scatter: two-level, 8-bit inside then 4-bit across nodes: 2 nodes of 2 "
+        "rank(s)",
     )
 
 
@@ -68,7 +69,7 @@ def test_hsdp_quantizes_only_the_replica_all_reduce():
     p = _plan("sdp4bit", shard, replicas=replicas)
     assert p.weights.weight_scheme == "none" and p.reduce_scatter is None
     assert p.replica is not None and p.replica.grad_scheme == "two_level"
-    assert p.why[-1] == "HSDP all-reduce across replicas: quantized: 2 nodes of 1 rank(s)"
+    assert p.why[-1] == "HSDP all-reduce across replicas: quantized 4-bit: 2 nodes of 1 rank(s)"
     # replicas inside one node: FSDP2's own all-reduce
     inside = _plan("sdp4bit", _layout([0], 4), replicas=_layout([0, 1], 4))
     assert inside.replica is None
@@ -95,3 +96,16 @@ def test_notes_group_modules_by_decision():
     assert len(notes) == 4
     assert notes[0].endswith("[5 module(s): m0, m1, m2, m3 and 1 more]")
     assert notes[2].endswith("[1 module(s): other]")
+
+
+def test_the_hint_comes_only_when_a_quantizing_config_quantizes_nothing():
+    one_node = _layout(range(4), 4)
+    plans = {"m": _plan("sdp4bit", one_node)}
+    hint = hop_plan.nothing_quantized_hint(plans, QCommConfig.preset("sdp4bit"))
+    assert hint is not None and "quantize_intra_node=True" in hint and "ranks_per_node" in hint
+    assert hop_plan.nothing_quantized_hint(
+        {"m": _plan("baseline", one_node)}, QCommConfig.preset("baseline")) is None
+    two_nodes = {"m": _plan("sdp4bit", _layout(range(4), 2))}
+    assert hop_plan.nothing_quantized_hint(two_nodes, QCommConfig.preset("sdp4bit")) is None
+    asked = {"m": _plan("sdp4bit", one_node, quantize_intra_node=True)}
+    assert hop_plan.nothing_quantized_hint(asked, QCommConfig.preset("sdp4bit")) is None

@@ -39,6 +39,7 @@ checkpointers that keep one copy for all ranks (Accelerate, Lightning Fabric).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -62,6 +63,21 @@ from .grad_overlap import ReductionQueue
 from .reduce_scatter import PreparedGroup, QuantizedReduceScatter
 from .residual_state import residual_bytes, scaler_scale
 from .session import Session
+
+#: ``enable`` says what it decided here: one INFO line per distinct hop decision (the same lines
+#: as ``handle.stats()["notes"]``) and a WARNING when the configuration quantizes nothing on this
+#: layout. Logged by global rank 0 only: every rank decides alike.
+logger = logging.getLogger("fsdp_qcomm")
+
+
+def _log_plan(plans: dict, run: QCommConfig) -> None:
+    if dist.get_rank() != 0:
+        return
+    for line in hop_plan.notes(plans):
+        logger.info("fsdp_qcomm.enable: %s", line)
+    hint = hop_plan.nothing_quantized_hint(plans, run)
+    if hint is not None:
+        logger.warning("fsdp_qcomm.enable: %s", hint)
 
 
 class _Install:
@@ -389,6 +405,10 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     stats = CommStats()
     for line in hop_plan.notes(plans):
         stats.note(line)
+    hint = hop_plan.nothing_quantized_hint(plans, run)
+    if hint is not None:
+        stats.note(hint)
+    _log_plan(plans, run)
     names = {id(m): n for n, m in model.named_modules()}
     solo = None  # HSDP: the one-rank group FSDP's own all-reduce is pointed at
     if any(p.replica is not None for p in plans.values()):

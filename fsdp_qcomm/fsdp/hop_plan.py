@@ -106,8 +106,9 @@ def plan_module(
                    "collective)")
     elif run.grad_scheme != "none" and (reduce_scatter.num_nodes > 1 or intra_ok):
         rs = run
-        hops = ("two-level, inside then across nodes" if run.grad_scheme == "two_level"
-                else "one hop")
+        hops = (f"two-level, {run.grad_intra_bits}-bit inside then {run.grad_inter_bits}-bit "
+                "across nodes" if run.grad_scheme == "two_level"
+                else f"one hop, {run.grad_inter_bits}-bit")
         why.append(f"gradient reduce-scatter: {hops}: {_where(reduce_scatter)}")
     else:
         if run.grad_overlap or (gloo and run.grad_scheme != "none"):
@@ -119,7 +120,9 @@ def plan_module(
     if replicas is not None:
         if run.grad_scheme != "none" and (replicas.num_nodes > 1 or intra_ok):
             replica = run
-            why.append(f"HSDP all-reduce across replicas: quantized: {_where(replicas)}")
+            bits = run.replica_spec(replicas.num_nodes > 1).bits
+            why.append(f"HSDP all-reduce across replicas: quantized {bits}-bit: "
+                       f"{_where(replicas)}")
         elif run.grad_overlap:
             replica = dataclasses.replace(run, **_PLAIN_GRADS)
             why.append(f"HSDP all-reduce across replicas: unquantized, {_where(replicas)}")
@@ -142,4 +145,23 @@ def notes(plans: dict[str, ModulePlan]) -> list[str]:
     return out
 
 
-__all__ = ["ModulePlan", "notes", "plan_module"]
+def nothing_quantized_hint(plans: dict[str, ModulePlan], run: QCommConfig) -> Optional[str]:
+    """The line a user needs when the configuration asks for quantization and no collective of
+    any module gets it (every group inside one node, ``quantize_intra_node=False``): without it,
+    ``enable`` on one machine looks like it worked and sends FSDP2's bytes. None otherwise."""
+    asks = run.weight_scheme != "none" or run.grad_scheme != "none"
+    if not asks or not plans:
+        return None
+    if any(p.weights.weight_scheme != "none"
+           or (p.reduce_scatter is not None and p.reduce_scatter.grad_scheme != "none")
+           or (p.replica is not None and p.replica.grad_scheme != "none")
+           for p in plans.values()):
+        return None
+    return ("no collective crosses a node, so fsdp-qcomm quantizes nothing and every byte "
+            "stays FSDP2's own: only traffic between nodes is quantized by default. To quantize "
+            "inside a node as well (GPUs linked by PCIe only, or to try the codecs on one "
+            "machine), pass quantize_intra_node=True; if these ranks are in fact on several "
+            "nodes, set ranks_per_node (or LOCAL_WORLD_SIZE) to the ranks per node")
+
+
+__all__ = ["ModulePlan", "nothing_quantized_hint", "notes", "plan_module"]

@@ -210,7 +210,8 @@ SDP4BIT_RUN = (*TWO_NODES,  # the 4-bit inter hop
                "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.folder", "ckpt")
 #: what the notes say of that run: which hops are quantized and why, nothing else
 SDP4BIT_PLAN = [
-    "gradient reduce-scatter: two-level, inside then across nodes: 2 nodes of 1 rank(s)",
+    "gradient reduce-scatter: two-level, 8-bit inside then 4-bit across nodes: 2 nodes of 1 "
+    "rank(s)",
     "weight all-gather: qwd 4-bit, full reference (one rank per node): 2 nodes of 1 rank(s)",
 ]
 
