@@ -51,22 +51,35 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import _provenance  # noqa: E402
+from _baselines import FSDP2_BF16_BF16, FSDP2_BF16_FP32  # noqa: E402
 
 ADDR0, ADDR1 = "10.77.0.1", "10.77.0.2"
 PORT = 29577
 
-#: label -> (QCommConfig preset or None for FSDP2's own collectives, mesh). Flat rows shard
-#: over all 4 ranks; "hsdp" rows shard inside a node and replicate across the two nodes.
-#: ``baseline_thread``: fsdp-qcomm's baseline preset with the background reduction thread
-#: (grad_overlap): unquantized, so it isolates the gain of quantization from the thread's.
-SCHEMES = {"baseline": (None, "flat"), "sdp4bit": ("sdp4bit", "flat"),
+#: label -> (QCommConfig preset, the QCommConfig fields of an emulated FSDP2 baseline
+#: (``_baselines``: its exact bytes, fp32 compute; ``--grad-overlap`` does not apply), or None
+#: for FSDP2's own fp32 collectives; mesh). Flat rows shard over all 4 ranks; "hsdp" rows shard
+#: inside a node and replicate across the two nodes. ``baseline_thread``: fsdp-qcomm's baseline
+#: preset with the background reduction thread (grad_overlap): unquantized, so it isolates the
+#: gain of quantization from the thread's.
+SCHEMES = {"baseline": (None, "flat"), "fsdp2_bf16": (FSDP2_BF16_FP32, "flat"),
+           "fsdp2_bf16_bf16": (FSDP2_BF16_BF16, "flat"), "bf16": ("bf16", "flat"),
+           "sdp4bit": ("sdp4bit", "flat"), "lowbit": ("lowbit", "flat"),
            "zeropp": ("zeropp", "flat"), "qsdp": ("qsdp", "flat"), "qwd": ("qwd", "flat"),
            "tlq_hs": ("tlq_hs", "flat"), "qw4": ("qw4", "flat"), "tlq": ("tlq", "flat"),
            "baseline_thread": ("baseline", "flat"),
-           "hsdp": (None, "hsdp"), "hsdp_baseline_thread": ("baseline", "hsdp"),
-           "hsdp_sdp4bit": ("sdp4bit", "hsdp")}
+           "hsdp": (None, "hsdp"), "hsdp_fsdp2_bf16": (FSDP2_BF16_FP32, "hsdp"),
+           "hsdp_fsdp2_bf16_bf16": (FSDP2_BF16_BF16, "hsdp"), "hsdp_bf16": ("bf16", "hsdp"),
+           "hsdp_baseline_thread": ("baseline", "hsdp"),
+           "hsdp_sdp4bit": ("sdp4bit", "hsdp"), "hsdp_lowbit": ("lowbit", "hsdp")}
 DEFAULT_SCHEMES = "baseline,sdp4bit,zeropp,qsdp"
 HSDP_SCHEMES = "hsdp,hsdp_baseline_thread,hsdp_sdp4bit,sdp4bit"
+#: what users run instead (issue 29): FSDP2 in fp32, bf16/fp32, bf16/bf16, then the presets
+USER_SCHEMES = ("baseline,fsdp2_bf16,fsdp2_bf16_bf16,bf16,sdp4bit,lowbit,hsdp,hsdp_fsdp2_bf16,"
+                "hsdp_fsdp2_bf16_bf16,hsdp_bf16,hsdp_sdp4bit,hsdp_lowbit")
+#: the FSDP2 baselines each row's speedup is given against, per mesh
+REFERENCES = {"flat": ("baseline", "fsdp2_bf16", "fsdp2_bf16_bf16"),
+              "hsdp": ("hsdp", "hsdp_fsdp2_bf16", "hsdp_fsdp2_bf16_bf16")}
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -75,7 +88,7 @@ def _args(argv=None) -> argparse.Namespace:
                     help="comma-separated tc rates, e.g. 100mbit,1gbit,10gbit (default 1gbit)")
     ap.add_argument("--schemes", default=DEFAULT_SCHEMES,
                     help=f"comma-separated subset of {', '.join(SCHEMES)}; 'hsdp-set' = "
-                         f"{HSDP_SCHEMES}")
+                         f"{HSDP_SCHEMES}; 'user-set' = {USER_SCHEMES}")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per scheme")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per scheme")
     ap.add_argument("--dim", type=int, default=384)
@@ -99,8 +112,8 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ifname", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json-out", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    a.schemes = [s.strip() for s in a.schemes.replace("hsdp-set", HSDP_SCHEMES).split(",")
-                 if s.strip()]
+    a.schemes = [s.strip() for s in a.schemes.replace("hsdp-set", HSDP_SCHEMES)
+                 .replace("user-set", USER_SCHEMES).split(",") if s.strip()]
     bad = [s for s in a.schemes if s not in SCHEMES]
     if bad:
         ap.error(f"unknown scheme(s) {bad}; choose from {list(SCHEMES)}")
@@ -151,8 +164,11 @@ def _worker(a: argparse.Namespace) -> None:
         preset, layout = SCHEMES[label]
         model = build_fsdp_gpt(shape, a.seed, hsdp_mesh(rpn) if layout == "hsdp" else None)
         handle = None
-        if preset is not None:
-            # nodes emulated on one host: the node size must be explicit (topology)
+        # nodes emulated on one host: the node size must be explicit (topology)
+        if isinstance(preset, dict):  # an emulated FSDP2 baseline: its own grad_overlap
+            cfg = fsdp_qcomm.QCommConfig(**preset, ranks_per_node=rpn, seed=a.seed)
+            handle = fsdp_qcomm.enable(model, cfg)
+        elif preset is not None:
             cfg = fsdp_qcomm.QCommConfig.preset(preset, ranks_per_node=rpn, seed=a.seed,
                                                 grad_overlap=a.grad_overlap)
             handle = fsdp_qcomm.enable(model, cfg)
@@ -366,17 +382,20 @@ def _tables(res: dict) -> str:
     for rate, r in res["rates"].items():
         sch = r["schemes"]
         out.append(f"### link {rate}\n")
-        out.append("| scheme | median step s | speedup | comm s | quant s | compute+rest s | "
-                   "comm share | link MB/step | link bytes vs FSDP2 | CPU s, all ranks | "
-                   "CPU floor s | link floor s | floor s (larger) | step / floor |")
+        out.append("| scheme | median step s | speedup vs FSDP2 fp32 / bf16-fp32 / bf16-bf16 | "
+                   "comm s | quant s | compute+rest s | comm share | link MB/step | link bytes "
+                   "vs FSDP2 fp32 / bf16-fp32 / bf16-bf16 | CPU s, all ranks | CPU floor s | "
+                   "link floor s | floor s (larger) | step / floor |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         cores = res.get("cores") or 1
         for label, s in sch.items():
-            # HSDP rows against FSDP2's own HSDP, flat rows against FSDP2's flat sharding
-            ref = sch.get("hsdp" if SCHEMES[label][1] == "hsdp" else "baseline")
-            sp = f"{ref['median_step_s'] / s['median_step_s']:.2f}x" if ref else "-"
-            ratio = (f"{s['link_bytes_per_step'] / ref['link_bytes_per_step']:.3f}"
-                     if ref and ref["link_bytes_per_step"] else "-")
+            # HSDP rows against FSDP2's own HSDP, flat rows against FSDP2's flat sharding, each
+            # against the FSDP2 baselines this run measured (fp32, bf16/fp32, bf16/bf16)
+            refs = [sch.get(k) for k in REFERENCES[SCHEMES[label][1]]]
+            sp = " / ".join(f"{ref['median_step_s'] / s['median_step_s']:.2f}x" if ref else "-"
+                            for ref in refs)
+            ratio = " / ".join(f"{s['link_bytes_per_step'] / ref['link_bytes_per_step']:.3f}"
+                               if ref and ref["link_bytes_per_step"] else "-" for ref in refs)
             share = s["comm_s"] / s["median_step_s"]
             cpu = s.get("cpu_all_ranks_s", float("nan"))
             busier = s.get("link_busier_direction_bytes_per_step", s["link_bytes_per_step"] / 2)
@@ -426,7 +445,10 @@ def _plot(res: dict, path: Path) -> bool:
 def _markdown(res: dict, retabled: bool = False) -> str:
     a = res["args"]
     return (f"# Step time on an emulated 2-node cluster (veth + tc tbf)\n\n"
-            f"{res['params'] / 1e6:.2f}M-param GPT (dim {a['dim']}, {a['layers']} layers), fp32, "
+            f"{res['params'] / 1e6:.2f}M-param GPT (dim {a['dim']}, {a['layers']} layers), fp32 "
+            f"compute; the FSDP2 bf16-fp32 and bf16-bf16 rows send exactly the bytes FSDP2 sends "
+            f"under MixedPrecisionPolicy(bf16, fp32 / bf16) (benchmarks/_baselines.py, "
+            f"tests/test_cast.py) while computing in fp32, "
             f"batch {a['batch']}x{a['seq']} per rank, 2 nodes x 2 ranks (gloo), median of "
             f"{a['steps']} steps after {a['warmup']} warm-up; quantized schemes with "
             f"grad_overlap={a['grad_overlap']}; comm = exposed (blocked) communication of the "

@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Literal, Optional
 import torch
 
 Rounding = Literal["nearest", "stochastic"]
-WeightScheme = Literal["none", "direct", "qwd"]
-GradScheme = Literal["none", "one_level", "two_level"]
+WeightScheme = Literal["none", "bf16", "direct", "qwd"]
+GradScheme = Literal["none", "bf16", "one_level", "two_level"]
 ErrorFeedback = Literal["none", "inter", "all"]
 Levels = Literal["uniform", "learned"]
 Reference = Literal["node", "full"]
@@ -108,15 +108,20 @@ class QCommConfig:
     """Which quantizer each FSDP2 collective uses.
 
     Weights (the all-gather): ``weight_scheme`` "none" (plain gather through our hook),
-    "direct" (quantize the weights themselves: QSDP, ZeRO++ qwZ, the qW ablation) or "qwd"
-    (SDP4Bit: quantize the difference against a reference every rank holds).
+    "bf16" (the shard rounded to bfloat16 on the wire, every rank computing with the same
+    rounded weights: ``collectives.cast``), "direct" (quantize the weights themselves: QSDP,
+    ZeRO++ qwZ, the qW ablation) or "qwd" (SDP4Bit: quantize the difference against a
+    reference every rank holds).
     ``weight_hadamard`` rotates what is sent (weights or differences) by the 32-point Hadamard
     transform first, as TLq-HS does for gradients; ``weight_levels="learned"`` encodes it on a
     fitted level table instead (QSDP; for qWD the table is fitted to the differences).
 
-    Gradients (the reduce-scatter): ``grad_scheme`` "none", "one_level" (quantize once, one
-    all-to-all, ``grad_inter_bits``) or "two_level" (``grad_intra_bits`` inside a node, then
-    ``grad_inter_bits`` across nodes). ``grad_hadamard`` adds the 32-point Hadamard smoothing.
+    Gradients (the reduce-scatter): ``grad_scheme`` "none", "bf16" (rows rounded to bfloat16,
+    one all-to-all, summed in fp32 by the receiver; HSDP's replica all-reduce alike),
+    "one_level" (quantize once, one all-to-all, ``grad_inter_bits``) or "two_level"
+    (``grad_intra_bits`` inside a node, then ``grad_inter_bits`` across nodes).
+    ``grad_hadamard`` adds the 32-point Hadamard smoothing. The bit widths, group sizes and
+    rounding fields apply to the quantized schemes, not to "bf16".
 
     ``grad_overlap`` (CPU process groups): run each module's gradient reduction on a background
     thread so it overlaps the rest of backward, as FSDP's reduce-scatter stream does on GPUs;
@@ -214,6 +219,9 @@ class QCommConfig:
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "baseline": {},
+        # bf16 on the wire, fp32 sums: weights gathered in bf16, gradients exchanged in bf16 and
+        # summed in fp32 at the receiver, HSDP's replica all-reduce alike (collectives.cast)
+        "bf16": dict(weight_scheme="bf16", grad_scheme="bf16"),
         # SDP4Bit: qWD 4-bit g2048 + TLq-HS (8-bit intra, 4-bit inter, g128, Hadamard).
         "sdp4bit": dict(weight_scheme="qwd", grad_scheme="two_level", grad_hadamard=True),
         # Ablations from SDP4Bit Table 1.
@@ -255,8 +263,10 @@ class QCommConfig:
         owner = "QCommConfig"
         if self.bit_budget is not None:
             self._apply_budget()
-        _check_choice(owner, "weight_scheme", self.weight_scheme, ("none", "direct", "qwd"))
-        _check_choice(owner, "grad_scheme", self.grad_scheme, ("none", "one_level", "two_level"))
+        _check_choice(owner, "weight_scheme", self.weight_scheme,
+                      ("none", "bf16", "direct", "qwd"))
+        _check_choice(owner, "grad_scheme", self.grad_scheme,
+                      ("none", "bf16", "one_level", "two_level"))
         _check_choice(owner, "weight_reference", self.weight_reference, ("node", "full"))
         for name in ("weight_symmetric", "weight_hadamard", "grad_symmetric", "grad_hadamard",
                      "grad_overlap", "quantize_intra_node", "verify_weight_writes"):
@@ -288,16 +298,16 @@ class QCommConfig:
         self._check_levels()
         _check_choice(owner, "grad_error_feedback", self.grad_error_feedback,
                       ("none", "inter", "all"))
-        if self.grad_error_feedback != "none" and self.grad_scheme == "none":
+        if self.grad_error_feedback != "none" and self.grad_scheme in ("none", "bf16"):
             raise ValueError(
                 "QCommConfig.grad_error_feedback needs a quantized gradient scheme (nothing is "
                 "lost to feed back without one); set grad_scheme='one_level' or 'two_level', or "
-                "grad_error_feedback='none'"
+                f"grad_error_feedback='none' (got grad_scheme={self.grad_scheme!r})"
             )
-        if self.grad_hadamard and self.grad_scheme == "none":
+        if self.grad_hadamard and self.grad_scheme in ("none", "bf16"):
             raise ValueError(
                 "QCommConfig.grad_hadamard=True needs a quantized gradient scheme; set "
-                "grad_scheme='one_level' or 'two_level'"
+                f"grad_scheme='one_level' or 'two_level' (got {self.grad_scheme!r})"
             )
 
     def _check_levels(self) -> None:
@@ -305,15 +315,16 @@ class QCommConfig:
         _check_choice(owner, "weight_levels", self.weight_levels, ("uniform", "learned"))
         _check_choice(owner, "grad_levels", self.grad_levels, ("uniform", "learned"))
         _check_int(owner, "levels_refresh_every", self.levels_refresh_every, 1)
-        if self.weight_levels == "learned" and self.weight_scheme == "none":
+        if self.weight_levels == "learned" and self.weight_scheme in ("none", "bf16"):
             raise ValueError(
                 "QCommConfig.weight_levels='learned' needs a quantized weight scheme; set "
-                "weight_scheme='direct' (the weights) or 'qwd' (their differences)"
+                "weight_scheme='direct' (the weights) or 'qwd' (their differences), got "
+                f"{self.weight_scheme!r}"
             )
-        if self.weight_hadamard and self.weight_scheme == "none":
+        if self.weight_hadamard and self.weight_scheme in ("none", "bf16"):
             raise ValueError(
                 "QCommConfig.weight_hadamard=True needs a quantized weight scheme; set "
-                "weight_scheme='direct' or 'qwd'"
+                f"weight_scheme='direct' or 'qwd', got {self.weight_scheme!r}"
             )
         if self.weight_hadamard and self.weight_levels == "learned":
             raise ValueError(
@@ -336,7 +347,7 @@ class QCommConfig:
                 f"QCommConfig.bit_budget={b!r} must be a number of bits per element in [2, 32] "
                 "(the mean over weight gathers and inter-node gradients; sdp4bit is 4.13)"
             )
-        if self.weight_scheme != "qwd" or self.grad_scheme == "none":
+        if self.weight_scheme != "qwd" or self.grad_scheme in ("none", "bf16"):
             raise ValueError(
                 "QCommConfig.bit_budget chooses the widths of qWD weights and quantized "
                 f"gradients (got weight_scheme={self.weight_scheme!r}, grad_scheme="
@@ -358,16 +369,18 @@ class QCommConfig:
     def node_crossing_bits(self) -> tuple[float, float, float]:
         """(weight, inter-node gradient, mean) bits per element on the exchanges that send,
         for large tensors (wire format: codes plus one scale, and a minimum for min-max, per
-        group; Hadamard padding ignored). Unquantized sides count 32 (fp32)."""
+        group; Hadamard padding ignored). Unquantized sides count 32 (fp32), "bf16" ones 16."""
 
-        def bits(on: bool, spec: QuantSpec) -> float:
-            if not on:
+        def bits(scheme: str, spec: QuantSpec) -> float:
+            if scheme == "none":
                 return 32.0
+            if scheme == "bf16":
+                return 16.0
             scale = 8 * torch.empty((), dtype=spec.torch_scale_dtype).element_size()
             return spec.bits + scale * (1 if spec.symmetric else 2) / spec.group_size
 
-        w = bits(self.weight_scheme != "none", self.weight_spec())
-        g = bits(self.grad_scheme != "none", self.grad_inter_spec())
+        w = bits(self.weight_scheme, self.weight_spec())
+        g = bits(self.grad_scheme, self.grad_inter_spec())
         return w, g, (w + g) / 2
 
     @property

@@ -37,6 +37,23 @@ def test_cluster_table_floor_is_the_larger_bound_not_the_sum():
     assert row.endswith("| 0.800 | 0.400 | 0.200 | 0.400 | 1.25 |"), row
 
 
+def test_cluster_rows_give_speedup_and_bytes_against_each_fsdp2_baseline_measured():
+    def row(step, link):
+        return {"median_step_s": step, "comm_s": 0.1, "quant_s": 0.0, "rest_s": 0.1,
+                "link_bytes_per_step": link, "link_busier_direction_bytes_per_step": link / 2,
+                "cpu_all_ranks_s": 0.2}
+
+    sch = {"baseline": row(2.0, 4e6), "fsdp2_bf16": row(1.5, 3e6), "sdp4bit": row(1.0, 5e5),
+           "hsdp": row(3.0, 2e6), "hsdp_sdp4bit": row(1.0, 2e5)}
+    table = cluster_speed._tables({"cores": 2, "rates": {"100mbit": {"schemes": sch}}})
+    lines = {ln.split(" | ")[0][2:]: ln for ln in table.splitlines() if ln.startswith("| ")}
+    # flat rows against the flat baselines this run measured (bf16/bf16 not run: "-")
+    assert "| 2.00x / 1.50x / - |" in lines["sdp4bit"]
+    assert "| 0.125 / 0.167 / - |" in lines["sdp4bit"]
+    assert "| 3.00x / - / - |" in lines["hsdp_sdp4bit"]  # HSDP rows against HSDP baselines
+    assert set(cluster_speed.USER_SCHEMES.split(",")) <= set(cluster_speed.SCHEMES)
+
+
 def test_missing_data_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="--data"):
         _model.CharData(str(tmp_path / "nope.txt"))

@@ -57,7 +57,8 @@ def _check_shard(input: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
 class GatherOutcome:
     """What one gather put on the wire, reported to ``on_done`` once the output is ready.
 
-    mode: "plain" (unquantized), "direct", "qwd_full" (full-precision reference reset),
+    mode: "plain" (unquantized), "cast" (bf16 on the wire, ``collectives.cast``), "direct",
+        "qwd_full" (full-precision reference reset),
         "qwd_diff" (quantized differences), "qwd_restore" (a checkpointed reference
         re-assembled), "local" (world size 1), and "<scheme>_reuse" (nothing sent, kept
         weights reused: "qwd_reuse", "direct_reuse", "plain_reuse").

@@ -69,6 +69,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from ..codec import FLOAT_DTYPES, RngKey
+from ..collectives.cast import cast_all_gather
 from ..collectives.level_sync import LevelSync
 from ..collectives.topology import Topology
 from ..collectives.weight_gather import (
@@ -134,7 +135,9 @@ class QuantizedAllGather(AllGather):
         # without kept weights decide nothing). ``session`` is set by ``enable``: whether a root
         # forward has agreed already, else the gather agrees itself.
         self.tracker: Optional[ChangeTracker] = None
-        if self._scheme != "none" or self._keep:
+        # bf16 gathers without kept weights re-send every time, like plain ones: FSDP's semantics
+        self._plain_like = self._scheme in ("none", "bf16")
+        if not self._plain_like or self._keep:
             self.tracker = ChangeTracker(param_group, self.name)
         # take part in the agreement before each root forward (``verify_weight_writes``)
         self.agrees = self.tracker is not None and config.verify_weight_writes
@@ -182,7 +185,7 @@ class QuantizedAllGather(AllGather):
         if self._attached:
             return
         self._attached = True
-        if self._scheme != "none":
+        if not self._plain_like:
             # not traced by torch.compile, like FSDP's own hooks (wrapped here, not at import:
             # importing torch._dynamo imports triton, which must see TRITON_INTERPRET first)
             hook = torch.compiler.disable(self._after_forward)
@@ -319,7 +322,7 @@ class QuantizedAllGather(AllGather):
         self, input_tensor: torch.Tensor, world: int
     ) -> tuple[Optional[tuple[int, ...]], str]:
         """The segments to quantize (or keep) with, or None and why the gather stays plain."""
-        if (self._scheme == "none" and not self._keep) or world == 1:
+        if (self._plain_like and not self._keep) or world == 1:
             return None, ""
         if input_tensor.dtype not in FLOAT_DTYPES:
             return None, (
@@ -397,6 +400,10 @@ class QuantizedAllGather(AllGather):
             return plain_all_gather(
                 output_tensor, input_tensor, group, async_op=async_op, on_done=on_done
             )
+        if self._scheme == "bf16":
+            return cast_all_gather(
+                output_tensor, input_tensor, group, async_op=async_op, on_done=on_done
+            )
         key = RngKey(self._config.seed, self._counter, group.rank(), self.bucket)
         levels = None
         if self.levels is not None:
@@ -426,6 +433,9 @@ class QuantizedAllGather(AllGather):
                 f"{self.name}: weight all-gather fell back to FSDP's plain gather ({what} not "
                 f"applied): {why}"
             )
+        elif self._scheme == "bf16" and self._kept is None:
+            # not a fallback: a bf16 gather without kept weights (or of a one-rank group)
+            return cast_all_gather(output, input, group, async_op=async_op, on_done=record)
         if self._kept is not None:
             self._kept.invalidate()
         done = record

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..collectives.cast import WIRE_DTYPE
 from ..collectives.topology import (
     NodePlacement,
     group_layout,
@@ -169,7 +170,7 @@ class QCommHandle:
         self._stats.reset()
 
     def gather_modes(self) -> dict[str, int]:
-        """How many weight gathers ran in each mode (plain, direct, qwd_full, qwd_diff,
+        """How many weight gathers ran in each mode (plain, cast, direct, qwd_full, qwd_diff,
         qwd_restore, local, and the ones that sent nothing: qwd_reuse, direct_reuse,
         plain_reuse), summed over modules."""
         total: dict[str, int] = {}
@@ -511,7 +512,7 @@ def _build_replica(
         return None
     layout = group_layout(replicas, run.ranks_per_node)
     remote = layout.remote_peers
-    quantized = run.grad_scheme != "none"
+    quantized = run.grad_scheme in ("one_level", "two_level")
     if 0 < remote < layout.size - 1:
         stats.note(
             f"{i.label}: {layout.size - remote - 1} other replica(s) share this rank's node "
@@ -527,6 +528,7 @@ def _build_replica(
         error_feedback=run.grad_error_feedback == "all" or (
             run.grad_error_feedback == "inter" and remote > 0),
         solo=solo, queue=queue,
+        wire_dtype=WIRE_DTYPE if run.grad_scheme == "bf16" else None,
     )
 
 

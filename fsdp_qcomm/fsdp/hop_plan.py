@@ -38,6 +38,8 @@ class ModulePlan:
     reduce_scatter: the reduce-scatter hook's configuration, or None for FSDP2's own.
     replica: the HSDP all-reduce hook's configuration, or None for FSDP2's own (or no HSDP).
     why: one line per collective, for the notes.
+    kept_inside: the collectives the configuration would quantize that stay FSDP2's own
+        because their members share one node (``quantize_intra_node=False``).
     """
 
     weights: QCommConfig
@@ -45,6 +47,7 @@ class ModulePlan:
     reduce_scatter: Optional[QCommConfig]
     replica: Optional[QCommConfig]
     why: tuple[str, ...]
+    kept_inside: tuple[str, ...] = ()
 
 
 _PLAIN_WEIGHTS = dict(weight_scheme="none", weight_levels="uniform", weight_hadamard=False,
@@ -72,6 +75,7 @@ def plan_module(
     goes through the hook (a plain one, which applies the factor itself) when gradients are
     otherwise handled by fsdp-qcomm."""
     why = []
+    inside: list[str] = []
     intra_ok = run.quantize_intra_node
     # ---- weights
     weights = run
@@ -82,7 +86,8 @@ def plan_module(
             why.append("weight all-gather: none, a group of one rank (FSDP2 runs no collective)")
     elif run.weight_scheme != "none":
         if gather.num_nodes > 1 or intra_ok:
-            text = f"weight all-gather: {run.weight_scheme} {run.weight_bits}-bit"
+            text = (f"weight all-gather: {run.weight_scheme} {run.weight_bits}-bit"
+                    if run.weight_scheme != "bf16" else "weight all-gather: bf16 (16-bit)")
             if run.weight_scheme == "qwd":
                 node_reference = (run.weight_reference == "node" and gather.regular
                                   and gather.num_nodes > 1 and gather.local_size > 1)
@@ -97,6 +102,7 @@ def plan_module(
             why.append(f"{text}: {_where(gather)}")
         else:
             weights = dataclasses.replace(run, **_PLAIN_WEIGHTS)
+            inside.append("weight all-gather")
             why.append(f"weight all-gather: unquantized, {_where(gather)} "
                        "(quantize_intra_node=False)")
     # ---- gradients
@@ -106,30 +112,36 @@ def plan_module(
                    "collective)")
     elif run.grad_scheme != "none" and (reduce_scatter.num_nodes > 1 or intra_ok):
         rs = run
-        hops = (f"two-level, {run.grad_intra_bits}-bit inside then {run.grad_inter_bits}-bit "
-                "across nodes" if run.grad_scheme == "two_level"
-                else f"one hop, {run.grad_inter_bits}-bit")
+        hops = {"two_level": f"two-level, {run.grad_intra_bits}-bit inside then "
+                             f"{run.grad_inter_bits}-bit across nodes",
+                "one_level": f"one hop, {run.grad_inter_bits}-bit",
+                "bf16": "one hop, bf16 rows summed in fp32"}[run.grad_scheme]
         why.append(f"gradient reduce-scatter: {hops}: {_where(reduce_scatter)}")
     else:
         if run.grad_overlap or (gloo and run.grad_scheme != "none"):
             rs = dataclasses.replace(run, **_PLAIN_GRADS)
         if run.grad_scheme != "none":
+            inside.append("gradient reduce-scatter")
             why.append(f"gradient reduce-scatter: unquantized, {_where(reduce_scatter)} "
                        "(quantize_intra_node=False)")
     replica = None
     if replicas is not None:
         if run.grad_scheme != "none" and (replicas.num_nodes > 1 or intra_ok):
             replica = run
-            bits = run.replica_spec(replicas.num_nodes > 1).bits
-            why.append(f"HSDP all-reduce across replicas: quantized {bits}-bit: "
-                       f"{_where(replicas)}")
+            what = ("bf16, fp32 sums" if run.grad_scheme == "bf16"
+                    else f"{run.replica_spec(replicas.num_nodes > 1).bits}-bit")
+            why.append(f"HSDP all-reduce across replicas: quantized {what}: {_where(replicas)}")
         elif run.grad_overlap:
             replica = dataclasses.replace(run, **_PLAIN_GRADS)
+            if run.grad_scheme != "none":
+                inside.append("HSDP all-reduce across replicas")
             why.append(f"HSDP all-reduce across replicas: unquantized, {_where(replicas)}")
         else:
+            if run.grad_scheme != "none":
+                inside.append("HSDP all-reduce across replicas")
             why.append(f"HSDP all-reduce across replicas: FSDP2's own, unquantized, "
                        f"{_where(replicas)}")
-    return ModulePlan(weights, node_reference, rs, replica, tuple(why))
+    return ModulePlan(weights, node_reference, rs, replica, tuple(why), tuple(inside))
 
 
 def notes(plans: dict[str, ModulePlan]) -> list[str]:
@@ -147,10 +159,11 @@ def notes(plans: dict[str, ModulePlan]) -> list[str]:
 
 def nothing_quantized_hint(plans: dict[str, ModulePlan], run: QCommConfig) -> Optional[str]:
     """The line a user needs when the configuration asks for quantization and no collective of
-    any module gets it (every group inside one node, ``quantize_intra_node=False``): without it,
-    ``enable`` on one machine looks like it worked and sends FSDP2's bytes. None otherwise."""
+    any module gets it because every group lies inside one node (``quantize_intra_node=False``):
+    without it, ``enable`` on one machine looks like it worked and sends FSDP2's bytes. None
+    otherwise (a one-rank world has nothing to quantize at all)."""
     asks = run.weight_scheme != "none" or run.grad_scheme != "none"
-    if not asks or not plans:
+    if not asks or not any(p.kept_inside for p in plans.values()):
         return None
     if any(p.weights.weight_scheme != "none"
            or (p.reduce_scatter is not None and p.reduce_scatter.grad_scheme != "none")

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from ..collectives.cast import all_reduce_cast
 from ..collectives.error_feedback import FeedbackState
 from ..collectives.replica_reduce import (
     all_reduce_plain,
@@ -119,9 +120,11 @@ class ReplicaAllReduce:
     ``bucket`` (the module's index) and ``call_count`` key the stochastic rounding:
     ``replica_key(seed, call_count, global rank, bucket)``; ``call_count`` is checkpointed by
     the handle so a resumed run draws the same bits. ``spec`` None runs the all-reduce
-    unquantized (``grad_scheme="none"`` with ``grad_overlap``). ``overlap_group``: a private copy
-    of the replica group (``grad_overlap``); when FSDP will not read the output before backward
-    ends (``replica_deferrable``) the all-reduce runs on the background thread over it.
+    unquantized (``grad_scheme="none"`` with ``grad_overlap``); ``wire_dtype`` (bf16, with
+    ``grad_scheme="bf16"``) sends it in that dtype with fp32 sums (``collectives.cast``).
+    ``overlap_group``: a private copy of the replica group (``grad_overlap``); when FSDP will not
+    read the output before backward ends (``replica_deferrable``) the all-reduce runs on the
+    background thread over it.
     """
 
     def __init__(
@@ -142,8 +145,10 @@ class ReplicaAllReduce:
         error_feedback: bool = False,
         solo: Optional[SoloGroup] = None,
         queue: Optional[ReductionQueue] = None,
+        wire_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.param_group = param_group
+        self.wire_dtype = wire_dtype
         self.solo = solo
         if overlap_group is not None and queue is None:
             queue = ReductionQueue()
@@ -191,6 +196,10 @@ class ReplicaAllReduce:
 
     def _reduce(self, tensor: torch.Tensor, group: ProcessGroup, op: Any, key: Any,
                 feedback: Any = None) -> None:
+        if self.wire_dtype is not None:
+            all_reduce_cast(tensor, group, wire_dtype=self.wire_dtype, op=op, stats=self.stats,
+                            remote_peers=self.remote_peers)
+            return
         if self.spec is None:
             all_reduce_plain(tensor, group, op=op, stats=self.stats,
                              remote_peers=self.remote_peers)

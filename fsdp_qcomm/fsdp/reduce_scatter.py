@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from ..codec import RngKey
+from ..collectives.cast import reduce_scatter_cast
 from ..collectives.error_feedback import Feedback, FeedbackState
 from ..collectives.grad_reduce import (
     feedback_shapes,
@@ -47,9 +48,10 @@ class PreparedGroup:
 
 
 class QuantizedReduceScatter(ReduceScatter):
-    """The reduce-scatter of one FSDP module, with quantized gradients (or, with
-    ``grad_scheme="none"`` and ``grad_overlap``, FSDP's unquantized reduction moved to the
-    background thread: the reference that shows the gain of quantization alone).
+    """The reduce-scatter of one FSDP module, with quantized gradients, bf16 rows summed in fp32
+    (``grad_scheme="bf16"``), or, with ``grad_scheme="none"`` and ``grad_overlap``, FSDP's
+    unquantized reduction moved to the background thread: the reference that shows the gain of
+    quantization alone.
 
     ``bucket`` (the module's index) and a per-instance call counter key the stochastic
     rounding: call ``i`` of bucket ``b`` on global rank ``r`` uses
@@ -118,7 +120,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.call_count += 1
         topology = self._prepared_topology(group)
         feedback = None
-        if self.config.grad_scheme != "none" and group.size() > 1:
+        if self.config.grad_scheme not in ("none", "bf16") and group.size() > 1:
             feedback = call_feedback(self.feedback, self.param_group,
                                      input_tensor.numel() // group.size(), self.stats,
                                      self.grad_scale, "reduce-scatter")
@@ -146,6 +148,9 @@ class QuantizedReduceScatter(ReduceScatter):
                 feedback: Feedback = None) -> None:
         if self.config.grad_scheme == "none":
             reduce_scatter_plain(output, input, group, op=op, stats=self.stats, topology=topology)
+            return
+        if self.config.grad_scheme == "bf16":
+            reduce_scatter_cast(output, input, group, op=op, stats=self.stats, topology=topology)
             return
         reduce_scatter_quantized(output, input, group, self.config, key, op=op,
                                  stats=self.stats, levels=levels, topology=topology,
