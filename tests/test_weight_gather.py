@@ -285,7 +285,8 @@ def _misuse_and_lifecycle(rank, world):
         fsdp_qcomm.enable(TinyLM(), _preset("qwd"))
     with pytest.raises(TypeError, match="QCommConfig"):
         fsdp_qcomm.enable(TinyLM(), {"weight_scheme": "qwd"})
-    # several parameter groups in one module (per-parameter meshes): refused by name
+    # several parameter groups in one module (per-parameter meshes): one install per group,
+    # each named apart (tests/test_moe.py trains such models)
     other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
     info = FSDPMeshInfo(other, shard_mesh_dim=0)
     two = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
@@ -294,8 +295,10 @@ def _misuse_and_lifecycle(rank, world):
 
     fully_shard(two, shard_placement_fn=biases_elsewhere)
     assert len(two._get_fsdp_state()._fsdp_param_groups) == 2
-    with pytest.raises(ValueError, match="'<root>' has 2 parameter groups"):
-        fsdp_qcomm.enable(two, _preset("qwd"))
+    h2 = fsdp_qcomm.enable(two, _preset("qwd"))
+    assert [i.label for i in h2._installs] == ["<root> [group 1/2: 2 params on 2 ranks]",
+                                               "<root> [group 2/2: 2 params on 2 ranks]"]
+    h2.disable()
 
     torch.manual_seed(0)
     model = TinyLM()

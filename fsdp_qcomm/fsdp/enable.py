@@ -1,10 +1,13 @@
 """``enable``: install quantized collectives on every FSDP2 module of a model, and undo it.
 
-FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` act on one module, so
 ``enable`` walks ``model.modules()`` and installs one all-gather (and, if gradients are
-quantized, one reduce-scatter) per FSDP module, each with its own RNG bucket (the module's
-index in that walk, the same on every rank). Everything is validated before anything is
-installed, so a refused call leaves the model untouched.
+quantized, one reduce-scatter) per parameter group of every FSDP module, each with its own RNG
+bucket (the group's index in that walk, the same on every rank). A module has one group unless
+``shard_placement_fn`` gave some parameters a mesh of their own (MoE experts on an expert mesh):
+FSDP2's public ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` refuse such modules, so
+the collectives are installed on each group directly (``internals.set_comms``), each planned on
+its own group's mesh and node placement. Everything is validated before anything is installed,
+so a refused call leaves the model untouched.
 
 Reduction ops. FSDP passes its reduce-scatter AVG by default, and PREMUL_SUM(1/f) once a
 gradient divide factor ``f`` other than the world size is set; gloo rejects PREMUL_SUM
@@ -82,13 +85,19 @@ def _log_plan(plans: dict, run: QCommConfig) -> None:
 
 
 class _Install:
-    """One FSDP module: what we installed and what to put back."""
+    """One parameter group of an FSDP module: what we installed and what to put back. A
+    module has one group unless ``shard_placement_fn`` put some of its parameters on a mesh of
+    their own (MoE experts on the expert mesh): then each group is installed on its own, with
+    its own hop plan, RNG bucket, reference, change tracking and checkpoint entry, and is
+    labelled ``"<module> [group k/n: N params on R ranks]"``."""
 
-    def __init__(self, module: FSDPModule, group: Any, name: str, index: int) -> None:
+    def __init__(self, module: FSDPModule, group: Any, name: str, index: int,
+                 group_label: str = "") -> None:
         self.module = module
         self.group = group
         self.name = name
         self.index = index
+        self.group_label = group_label
         self.prev_all_gather, self.prev_reduce_scatter = fsdp.installed_comms(group)
         self.prev_force_sum = fsdp.force_sum(group)
         self.all_gather: Optional[QuantizedAllGather] = None
@@ -98,7 +107,8 @@ class _Install:
 
     @property
     def label(self) -> str:
-        return self.name or "<root>"
+        base = self.name or "<root>"
+        return f"{base} [{self.group_label}]" if self.group_label else base
 
     @property
     def reduction_hooks(self) -> dict[str, Any]:
@@ -271,12 +281,11 @@ class QCommHandle:
         self._check_enabled("disable")
         self._session.close()  # grad_overlap: drains, so no reduction still writes gradients
         for i in self._installs:
-            i.module.set_custom_all_gather(i.prev_all_gather)
-            i.module.set_custom_reduce_scatter(i.prev_reduce_scatter)
+            fsdp.set_comms(i.group, i.prev_all_gather, i.prev_reduce_scatter)
             if i.replica is not None:
                 hsdp.uninstall(i.replica)
             if i.force_sum:
-                i.module.set_force_sum_reduction_for_comms(i.prev_force_sum)
+                fsdp.set_force_sum(i.group, i.prev_force_sum)
             if i.all_gather is not None:
                 i.all_gather.release()
         self._session.release()
@@ -314,8 +323,47 @@ def _check_topology(installs: list[_Install], plans: dict[str, hop_plan.ModulePl
             raise ValueError(f"FSDP module {i.label!r}: {layout._irregular_message()}")
 
 
+def _group_label(group: Any, k: int, n: int) -> str:
+    """How a module's k-th of n parameter groups is named (empty when it is its only one)."""
+    if n == 1:
+        return ""
+    ranks = fsdp.shard_group(group).size()
+    return f"group {k + 1}/{n}: {len(fsdp.fsdp_params(group))} params on {ranks} ranks"
+
+
+def _checked(module: FSDPModule, group: Any, name: str, index: int, group_label: str,
+             seen: set[int]) -> Optional[_Install]:
+    """The install record of one parameter group, after refusing what fsdp_qcomm cannot handle
+    (naming the module); None for a group already seen (``fully_shard([a, b])``: one group
+    shared by several modules)."""
+    label = (name or "<root>") + (f" [{group_label}]" if group_label else "")
+    if fsdp.is_replicate_only(group):
+        raise ValueError(
+            f"module {label!r} is replicated without sharding (replicate(), or a mesh with "
+            "no shard dimension): FSDP all-reduces its gradients and never gathers its "
+            "weights, and fsdp_qcomm has no quantized collective for that. Shard it with "
+            "fully_shard (on a 2-D mesh for HSDP), or leave fsdp_qcomm off for this model"
+        )
+    if id(group) in seen:
+        return None
+    seen.add(id(group))
+    for comm in fsdp.installed_comms(group):
+        if _is_ours(comm):
+            raise RuntimeError(
+                f"fsdp_qcomm is already enabled on FSDP module {label!r}; call "
+                "handle.disable() on the earlier handle before enabling again"
+            )
+    if fsdp.uses_post_forward_mesh(group):
+        raise ValueError(
+            f"FSDP module {label!r} uses reshard_after_forward=<int> (reshard to a smaller "
+            "group after forward), which fsdp_qcomm does not support; use True or False"
+        )
+    return _Install(module, group, name, index, group_label)
+
+
 def _collect(model: nn.Module) -> list[_Install]:
-    """Every FSDP module under ``model`` with its single param group; refuses what we cannot
+    """Every parameter group of every FSDP module under ``model`` (several per module when
+    ``shard_placement_fn`` gave some parameters a mesh of their own); refuses what we cannot
     handle, naming the module."""
     installs: list[_Install] = []
     seen: set[int] = set()
@@ -324,39 +372,12 @@ def _collect(model: nn.Module) -> list[_Install]:
         if not isinstance(module, FSDPModule):
             continue
         found = True
-        label = name or "<root>"
         groups = fsdp.param_groups(module)
-        if len(groups) > 1:
-            raise ValueError(
-                f"FSDP module {label!r} has {len(groups)} parameter groups (per-parameter meshes "
-                "from shard_placement_fn); fsdp_qcomm installs one collective per module and "
-                "supports one group. Shard those parameters in a separate fully_shard call."
-            )
-        if not groups:
-            continue  # no parameters of its own: FSDP never gathers for it
-        group = groups[0]
-        if fsdp.is_replicate_only(group):
-            raise ValueError(
-                f"module {label!r} is replicated without sharding (replicate(), or a mesh with "
-                "no shard dimension): FSDP all-reduces its gradients and never gathers its "
-                "weights, and fsdp_qcomm has no quantized collective for that. Shard it with "
-                "fully_shard (on a 2-D mesh for HSDP), or leave fsdp_qcomm off for this model"
-            )
-        if id(group) in seen:  # fully_shard([a, b]): one group shared by several modules
-            continue
-        seen.add(id(group))
-        for comm in fsdp.installed_comms(group):
-            if _is_ours(comm):
-                raise RuntimeError(
-                    f"fsdp_qcomm is already enabled on FSDP module {label!r}; call "
-                    "handle.disable() on the earlier handle before enabling again"
-                )
-        if fsdp.uses_post_forward_mesh(group):
-            raise ValueError(
-                f"FSDP module {label!r} uses reshard_after_forward=<int> (reshard to a smaller "
-                "group after forward), which fsdp_qcomm does not support; use True or False"
-            )
-        installs.append(_Install(module, group, name, len(installs)))
+        for k, group in enumerate(groups):
+            install = _checked(module, group, name, len(installs), _group_label(
+                group, k, len(groups)), seen)
+            if install is not None:
+                installs.append(install)
     if not found:
         raise ValueError(
             f"no FSDP module found under {type(model).__name__}: call "
@@ -421,7 +442,8 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     for i in installs:
         plan = plans[i.label]
         gather_group = fsdp.shard_group(i.group)
-        i.all_gather = QuantizedAllGather(i.group, plan.weights, stats, i.index, i.name, names)
+        i.all_gather = QuantizedAllGather(i.group, plan.weights, stats, i.index,
+                                          i.label if i.group_label else i.name, names)
         i.all_gather.remote_peers = group_layout(gather_group, run.ranks_per_node).remote_peers
         if plan.node_reference:
             i.all_gather.topology = node_topology(gather_group, run.ranks_per_node)
@@ -446,15 +468,13 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
             i.replica = _build_replica(i, plan.replica, stats, placement, solo, queue)
             if i.reduce_scatter is not None:
                 i.reduce_scatter.replica = i.replica
-    for i in installs:
-        i.module.set_custom_all_gather(i.all_gather)
+    for i in installs:  # per group: FSDP's public setters refuse modules with several groups
+        fsdp.set_comms(i.group, i.all_gather, i.reduce_scatter)
         i.all_gather.attach()
-        if i.reduce_scatter is not None:
-            i.module.set_custom_reduce_scatter(i.reduce_scatter)
         if i.replica is not None:
             hsdp.install(i.replica)
         if i.force_sum:
-            i.module.set_force_sum_reduction_for_comms(True)
+            fsdp.set_force_sum(i.group, True)
     session = Session(model, installs, stats, queue, agreement_group, solo)
     for i in installs:
         i.all_gather.session = session

@@ -207,6 +207,25 @@ def installed_comms(group: ParamGroup) -> tuple[Any, Any]:
     return group._all_gather_comm, group._reduce_scatter_comm
 
 
+def set_comms(group: ParamGroup, all_gather: Any = None, reduce_scatter: Any = None) -> None:
+    """Install a custom all-gather and/or reduce-scatter on this one parameter group (None
+    leaves that collective as it is). FSDP2's public ``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter`` write the same attributes on every group of a module, and
+    refuse a module with several groups (``shard_placement_fn`` returning
+    ``ShardPlacementResult`` with meshes of their own, as MoE experts on their expert mesh):
+    one comm for groups on different meshes would be ambiguous. Each group gets its own here.
+    FSDP reads them at every unshard and reduce (``tests/test_fsdp_canaries.py``)."""
+    if all_gather is not None:
+        group._all_gather_comm = all_gather
+    if reduce_scatter is not None:
+        group._reduce_scatter_comm = reduce_scatter
+
+
+def set_force_sum(group: ParamGroup, value: bool) -> None:
+    """``set_force_sum_reduction_for_comms`` for this one group."""
+    group.force_sum_reduction_for_comms = bool(value)
+
+
 def all_reduce_hook(group: ParamGroup) -> Optional[Callable[[torch.Tensor], None]]:
     return group._all_reduce_hook
 
@@ -551,6 +570,8 @@ __all__ = [
     "reshards_after_forward",
     "sequence_number",
     "set_all_reduce_hook",
+    "set_comms",
+    "set_force_sum",
     "set_swap_record",
     "shard_group",
     "sharded_grad_dtype",
