@@ -255,6 +255,13 @@ class Reference:
     #: collectives ("weight", "grad", "replica") whose FSDP group spans nodes (empty when the
     #: node placement is unknown)
     crossing: frozenset = frozenset()
+    #: bytes FSDP2's own collectives would send to ranks on other nodes per step, with every
+    #: collective in fp32 and under MixedPrecisionPolicy(bf16, fp32) (bf16 gathers, fp32
+    #: reductions: torchtitan's default), by the library's convention (a gather sends the
+    #: shard to each remote member, a reduce-scatter the rows of remote members, an all-reduce
+    #: 2 (R - 1) / R of the buffer); 0 when the node placement is unknown
+    cross_node_fp32_bytes: float = 0.0
+    cross_node_bf16_fp32_bytes: float = 0.0
 
     def add(self, other: "Reference") -> "Reference":
         summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
@@ -322,6 +329,14 @@ def _spans_nodes(pg, rpn: Optional[int]) -> bool:
     return len({r // rpn for r in torch.distributed.get_process_group_ranks(pg)}) > 1
 
 
+def _remote_members(pg, rpn: Optional[int]) -> int:
+    """Members of ``pg`` on another node than this rank (0 when the placement is unknown)."""
+    if pg is None or rpn is None:
+        return 0
+    me = torch.distributed.get_rank() // rpn
+    return sum(1 for r in torch.distributed.get_process_group_ranks(pg) if r // rpn != me)
+
+
 def _group_reference(group, microbatches: int, once: bool = False,
                      rpn: Optional[int] = None) -> Reference:
     # the replica group FSDP would all-reduce over (fsdp_qcomm swaps in a group of one rank)
@@ -336,9 +351,18 @@ def _group_reference(group, microbatches: int, once: bool = False,
     # the group re-gathers in backward iff it reshards after forward
     gathers = microbatches * (2 if fsdp.reshards_after_forward(group) else 1)
     all_reduces = 1 if once or not fsdp.all_reduce_grads(group) else microbatches
+    remote = (_remote_members(fsdp.shard_group(group), rpn),
+              _remote_members(fsdp.reduce_scatter_group(group), rpn),
+              _remote_members(replica, rpn) if ref.replicas > 1 else 0)
     for fp in fsdp.fsdp_params(group):
         numel = fsdp.padded_shard_numel(fp)
         _, pdt, rdt = fsdp.param_dtypes(fp)
+        for attr, wsize, gsize in (("cross_node_fp32_bytes", 4, 4),
+                                   ("cross_node_bf16_fp32_bytes", 2, 4)):
+            cross = (gathers * numel * wsize * remote[0] + microbatches * numel * gsize * remote[1]
+                     + (2 * all_reduces * numel * gsize * remote[2] / ref.replicas
+                        if ref.replicas > 1 else 0.0))
+            setattr(ref, attr, getattr(ref, attr) + cross)
         ref.weight_elements += gathers * numel
         ref.weight_bytes += gathers * numel * _dtype_size(pdt)
         ref.grad_elements += microbatches * world * numel
@@ -396,6 +420,9 @@ class CommTracker:
         }
         if ref.replicas > 1:
             out["qcomm/ref_replica_bytes_per_step"] = ref.replica_bytes
+        if ref.crossing:
+            out["qcomm/ref_cross_node_fp32_bytes_per_step"] = ref.cross_node_fp32_bytes
+            out["qcomm/ref_cross_node_bf16_fp32_bytes_per_step"] = ref.cross_node_bf16_fp32_bytes
         for c in COLLECTIVES:
             if c.reference and ref.bytes_of(c) > 0:
                 out[f"qcomm/ref_{c.name}_crosses_nodes"] = float(c.reference in ref.crossing)

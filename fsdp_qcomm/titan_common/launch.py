@@ -86,6 +86,18 @@ def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
         p("=" * 72)
         return
     hist = [h for h in summary.get("history", []) if h["step"] > 1]  # step 1: first gather
+    cross = _mean([h.get("qcomm/total_cross_node_bytes_per_step") for h in hist])
+    ref32 = _mean([h.get("qcomm/ref_cross_node_fp32_bytes_per_step") for h in hist])
+    ref16 = _mean([h.get("qcomm/ref_cross_node_bf16_fp32_bytes_per_step") for h in hist])
+    last = hist[-1] if hist else {}
+    unmeasured = [c.name for c in COLLECTIVES if last.get(f"qcomm/ref_{c.name}_crosses_nodes")
+                  and f"qcomm/{c.name}_bytes_per_step" not in last]
+    if cross and ref32 and not unmeasured:
+        # what crosses the slow link is what the run is for: lead with it
+        p(f"node-crossing bytes per rank and step: {_fmt_bytes(cross)}, against FSDP2's "
+          f"{_fmt_bytes(ref32)} in fp32 ({ref32 / cross:.2f}x fewer) and "
+          f"{_fmt_bytes(ref16)} with bf16 parameters and fp32 reduction "
+          f"({ref16 / cross:.2f}x fewer)")
     p("bytes sent per rank and step (mean of the logged intervals after step 1) vs what")
     p("unquantized FSDP2 collectives would have been handed:")
     measured = {k[len("qcomm/"):-len("_baseline_bytes_per_step")] for h in hist for k in h
@@ -117,9 +129,10 @@ def print_summary(summary: dict, out: Optional[TextIO] = None) -> None:
     tot = _mean([h.get("qcomm/total_ratio_vs_unquantized") for h in hist])
     if tot is not None:
         p(f"  total ratio vs unquantized: {tot:.4f}")
-    cross = _mean([h.get("qcomm/total_cross_node_bytes_per_step") for h in hist])
     if cross is not None:
-        p(f"  sent to other nodes: {_fmt_bytes(cross)} per step")
+        p(f"  sent to other nodes: {_fmt_bytes(cross)} per step"
+          + (f" (FSDP2: {_fmt_bytes(ref32)} in fp32, {_fmt_bytes(ref16)} bf16/fp32)"
+             if ref32 else ""))
     cum = summary.get("measured_cumulative") or {}
     n = summary.get("training_steps") or 0
     sent = sum(v for k, v in cum.items() if k.endswith("_sent") and k[:-5] in measured)

@@ -294,6 +294,34 @@ def test_print_summary_names_every_collective(capsys):
     assert "sent 28 B vs 80 B (ratio 0.3500)" in out
 
 
+def test_print_summary_leads_with_node_crossing_bytes_against_fsdp2(capsys):
+    """The line that matters first: what crossed nodes against FSDP2's node-crossing bytes in
+    fp32 and with bf16 parameters; left out when a collective FSDP runs itself crosses nodes
+    unmeasured (the ratio would flatter the run)."""
+    from fsdp_qcomm.titan_common.launch import print_summary
+
+    step = {"step": 2, "loss": 8.0, "qcomm/weight_bytes_per_step": 10.0,
+            "qcomm/weight_baseline_bytes_per_step": 40.0,
+            "qcomm/total_cross_node_bytes_per_step": 100.0,
+            "qcomm/ref_cross_node_fp32_bytes_per_step": 1600.0,
+            "qcomm/ref_cross_node_bf16_fp32_bytes_per_step": 1200.0,
+            "qcomm/ref_weight_crosses_nodes": 1.0}
+    base = {"model": "m", "flavor": "f", "preset": "sdp4bit", "world_size": 4, "last_step": 2,
+            "wall_time_s": 1.0, "loss": [9.0, 8.0], "steps_logged": [1, 2], "installed": True,
+            "reference_bytes_per_step": {"weights": 40.0}, "training_steps": 2}
+    print_summary({**base, "history": [{"step": 1}, step]})
+    out = capsys.readouterr().out
+    lead = [ln for ln in out.splitlines() if ln.startswith("node-crossing bytes")]
+    assert lead == ["node-crossing bytes per rank and step: 100 B, against FSDP2's 1.56 KiB in "
+                    "fp32 (16.00x fewer) and 1.17 KiB with bf16 parameters and fp32 reduction "
+                    "(12.00x fewer)"], out
+    assert out.index("node-crossing bytes") < out.index("bytes sent per rank and step")
+    assert "sent to other nodes: 100 B per step (FSDP2: 1.56 KiB in fp32" in out
+    unmeasured = dict(step, **{"qcomm/ref_grad_crosses_nodes": 1.0})
+    print_summary({**base, "history": [{"step": 1}, unmeasured]})
+    assert "node-crossing bytes per rank" not in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- data
 def test_builtin_tokenizer_and_corpus():
     pytest.importorskip("tokenizers")
