@@ -22,3 +22,39 @@ def test_a_segfault_names_the_rank_and_its_stack():
     assert "failed on rank(s) [1]" in msg and "exited with code -11" in msg, msg
     assert "Fatal Python error: Segmentation fault" in msg, msg
     assert "in _crash_on_rank_1" in msg, msg  # the crashing frame, from faulthandler
+
+
+def _pid_and_modules(rank: int, world: int) -> tuple:
+    import os
+    import sys
+
+    # what the forkserver preloaded: present before this function imported anything
+    return os.getppid(), all(m in sys.modules for m in ("torch.distributed.fsdp",
+                                                        "torch._dynamo", "fsdp_qcomm"))
+
+
+def _fails_in_case(rank: int, world: int, case: str) -> str:
+    import torch.distributed as dist
+
+    if case == "bad" and rank == 0:
+        raise ValueError(f"case {case} fails on purpose")
+    dist.barrier()  # the peers block here until the launcher stops them
+    return case
+
+
+def test_groups_share_one_preloaded_server_and_a_failure_names_its_case_only():
+    """Every run_ranks call forks its ranks from one forkserver that imported FSDP2, DTensor,
+    torch._dynamo and fsdp_qcomm once (what makes a group of ranks start in ~0.3 s); a
+    failing case is reported with its own name and error, and the next case on the same
+    server runs clean: nothing of the failed group survives into it."""
+    first = run_ranks(_pid_and_modules, 2, timeout=120)
+    assert all(preloaded for _, preloaded in first), first
+    with pytest.raises(AssertionError) as e:
+        run_ranks(_fails_in_case, 2, "bad", timeout=120)
+    msg = str(e.value)
+    # rank 0's error first; its peer, whose barrier broke, may report too
+    assert "_fails_in_case failed on rank(s) [0" in msg and "case bad fails" in msg, msg
+    assert msg.index("--- rank 0 ---") < msg.index("case bad fails"), msg
+    assert run_ranks(_fails_in_case, 2, "good", timeout=120) == ["good", "good"]
+    again = run_ranks(_pid_and_modules, 2, timeout=120)
+    assert {p for p, _ in again} == {p for p, _ in first}  # the same server forked them

@@ -9,7 +9,9 @@ faster (``benchmarks/codec_bench.py``, ``benchmarks/hook_profile.py``) and bit-i
 Same entry points as ``torch_codec`` (learned levels included); cases the C code does not
 cover (bf16/fp16 scales, an ``out`` that is not fp32 with unit stride) and machines without a
 working C compiler use ``torch_codec``. ``FSDP_QCOMM_NATIVE=0`` turns the C path off;
-``FSDP_QCOMM_CACHE`` sets where the built library is kept (default ``~/.cache/fsdp_qcomm``).
+``FSDP_QCOMM_CACHE`` sets where the built library is kept (default ``~/.cache/fsdp_qcomm``);
+``FSDP_QCOMM_NATIVE_CFLAGS`` adds compiler flags (``-fsanitize=address,undefined`` for the
+sanitizer run of ``tests/test_codec_sanitizers.py``; the build is cached under its own name).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -59,8 +62,9 @@ def _build() -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     src = _SOURCE.read_bytes()
+    flags = [*_CFLAGS, *shlex.split(os.environ.get("FSDP_QCOMM_NATIVE_CFLAGS", ""))]
     tag = hashlib.sha256(
-        src + " ".join([cc, *_CFLAGS, platform.machine(), _cpu_id()]).encode()
+        src + " ".join([cc, *flags, platform.machine(), _cpu_id()]).encode()
     ).hexdigest()[:16]
     root = Path(os.environ.get("FSDP_QCOMM_CACHE") or Path.home() / ".cache" / "fsdp_qcomm")
     lib = root / f"cpu_native-{tag}.so"
@@ -71,7 +75,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_CFLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"],
                               capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"{cc} failed:\n{proc.stderr[-2000:]}")
