@@ -123,3 +123,21 @@ class CommStats:
             self._kinds.clear()
             self.steps = 0
             self._calls = self._calls_at_step = 0
+
+
+class TaggedStats:
+    """A ``CommStats`` whose records go under ``<kind>:<tag>``: the collectives of parameter
+    groups on another mesh than the model's own (MoE experts on their expert mesh) are counted
+    apart from the dense ones, and everything else (notes, steps, snapshots) is the shared
+    ``CommStats``'s."""
+
+    def __init__(self, stats: CommStats, tag: str) -> None:
+        self._stats = stats
+        self.tag = tag
+
+    def record(self, kind: str, **counts: int) -> None:
+        self._stats.record(f"{kind}:{self.tag}", **counts)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stats, name)
+

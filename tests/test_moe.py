@@ -180,6 +180,14 @@ def test_expert_and_dense_traffic_both_quantized_across_nodes(moe):
     assert "2 nodes of 2 rank(s)" in text and "2 nodes of 1 rank(s)" in text, text
 
 
+def test_expert_traffic_is_counted_apart_from_the_dense_traffic(moe):
+    kinds = moe[0]["sdp4bit"]["kinds"]
+    # the groups on another mesh than the model's own: kinds tagged with that mesh's dims
+    for kind in ("weight_allgather", "weight_allgather:outer", "grad_inter:outer"):
+        assert kinds.get(kind, {}).get("sent_bytes", 0) > 0, (kind, sorted(kinds))
+    assert "grad_intra" in kinds and "grad_intra:outer" not in kinds  # 1 rank per node there
+
+
 def test_baseline_preset_is_bit_identical_to_fsdp2(moe):
     for r in moe:
         assert r["baseline"]["losses"] == r["fsdp"]["losses"]
@@ -210,7 +218,7 @@ def test_experts_on_a_2d_hsdp_mesh_beside_flat_dense_parameters(moe):
     r = moe[0]["hsdp_sdp4bit"]
     text = " | ".join(r["notes"])
     assert "HSDP all-reduce across replicas: quantized 4-bit" in text, text
-    assert "grad_replica" in r["kinds"]
+    assert "grad_replica:outer,inner" in r["kinds"]  # the experts' mesh, counted apart
     base = moe[0]["hsdp_fsdp"]["losses"][-1]
     assert abs(r["losses"][-1] - base) < 0.03 * base
     w = [x["hsdp_sdp4bit"]["weights"] for x in moe]

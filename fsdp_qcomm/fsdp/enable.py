@@ -59,7 +59,7 @@ from ..collectives.topology import (
     resolve_placement,
 )
 from ..config import QCommConfig
-from ..stats import CommStats
+from ..stats import CommStats, TaggedStats
 from . import checkpoint, hop_plan, hsdp
 from . import internals as fsdp
 from .all_gather import QuantizedAllGather
@@ -159,8 +159,15 @@ class QCommHandle:
 
     @property
     def module_names(self) -> list[str]:
-        """FSDP modules the hooks are installed on, in RNG-bucket order ("" is the root)."""
-        return [i.name for i in self._installs]
+        """FSDP modules the hooks are installed on, in RNG-bucket order ("" is the root), each
+        once (a module with several parameter groups has an install per group)."""
+        return list(dict.fromkeys(i.name for i in self._installs))
+
+    @property
+    def group_labels(self) -> list[str]:
+        """Every parameter group the hooks are installed on, in RNG-bucket order: the module's
+        name, with ``[group k/n: ...]`` for modules of several groups (``docs/moe.md``)."""
+        return [i.label for i in self._installs]
 
     def stats(self) -> dict:
         """Bytes, calls, elements and bits per element per collective kind, a ``summary``
@@ -439,10 +446,12 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     agreement_group = _agreement_group(installs)
     # Build everything first (a failing constructor installs nothing), creating every process
     # group now, on every rank in the same order: never lazily inside the first backward.
+    tags = _mesh_tags(installs)
     for i in installs:
         plan = plans[i.label]
         gather_group = fsdp.shard_group(i.group)
-        i.all_gather = QuantizedAllGather(i.group, plan.weights, stats, i.index,
+        own = stats if tags[i.index] is None else TaggedStats(stats, tags[i.index])
+        i.all_gather = QuantizedAllGather(i.group, plan.weights, own, i.index,
                                           i.label if i.group_label else i.name, names)
         i.all_gather.remote_peers = group_layout(gather_group, run.ranks_per_node).remote_peers
         if plan.node_reference:
@@ -451,7 +460,7 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
         if replicas is not None and replicas.size() > 1:
             i.all_gather.replica_group = replicas
         if plan.reduce_scatter is not None:
-            i.reduce_scatter = _build_reduce_scatter(i, plan.reduce_scatter, stats, queue)
+            i.reduce_scatter = _build_reduce_scatter(i, plan.reduce_scatter, own, queue)
             # grad_overlap (CPU process groups): FSDP must not divide the output right after
             # the call (the reduction may still be running), so it keeps passing AVG /
             # PREMUL_SUM(1/f) to the hook. Elsewhere forced SUM: FSDP's AVG over the one-rank
@@ -465,7 +474,7 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
                 "(gradient divide factor set); forced SUM reduction, FSDP divides afterwards"
             )
         if plan.replica is not None:
-            i.replica = _build_replica(i, plan.replica, stats, placement, solo, queue)
+            i.replica = _build_replica(i, plan.replica, own, placement, solo, queue)
             if i.reduce_scatter is not None:
                 i.reduce_scatter.replica = i.replica
     for i in installs:  # per group: FSDP's public setters refuse modules with several groups
@@ -482,6 +491,30 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
             if hook is not None:
                 hook.owner = session  # FSDP holds the hooks, the hooks hold the session
     return QCommHandle(session, config, placement)
+
+
+def _mesh_key(i: _Install) -> tuple:
+    mesh = fsdp.sharded_params(i.group)[0].device_mesh
+    return tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.mesh_dim_names
+
+
+def _mesh_tags(installs: list[_Install]) -> list[Optional[str]]:
+    """Per install (by index): None for parameter groups on the model's own mesh (the one most
+    groups use), else a tag naming their mesh, under which their bytes are counted apart
+    (``stats.TaggedStats``: ``weight_allgather:<tag>``, ...): MoE experts on the
+    expert-data-parallel mesh show up separately from the dense weights. The tag is the mesh's
+    dimension names (``efsdp``), or its shape (``mesh2x2``)."""
+    keys = [_mesh_key(i) for i in installs]
+    # first of the most used meshes, in install order: the same choice on every rank
+    main = max(dict.fromkeys(keys), key=lambda k: (keys.count(k), len(k[0])))
+    out = []
+    for k in keys:
+        if k == main:
+            out.append(None)
+            continue
+        flat, shape, names = k
+        out.append(",".join(names) if names else "mesh" + "x".join(str(d) for d in shape))
+    return out
 
 
 def _agreement_group(installs: list[_Install]) -> Optional[dist.ProcessGroup]:

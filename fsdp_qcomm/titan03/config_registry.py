@@ -128,6 +128,45 @@ def debug_qw4() -> Config:
     return _with_scheme(debug_baseline(), "qw4")
 
 
+# --------------------------------------------------------------------------- an MoE model
+def _moe(scheme: str) -> Config:
+    """torchtitan's DeepSeek-V3 debug model (8 routed experts, 2 shared, 5 MoE layers, vocabulary
+    2048) with expert parallelism 2 on the 4 CPU ranks (2 "nodes" x 2, ``ranks_per_node=2``):
+    the experts of each MoE block are sharded over their own expert-data-parallel mesh
+    (``ShardPlacementResult``), the dense weights over all 4 ranks, and fsdp_qcomm installs
+    each group's collectives (docs/moe.md). The built-in corpus with its 2048-token tokenizer,
+    fp32 parameters (the grouped expert matmuls run in bf16, as torchtitan writes them), 20
+    steps of 4 x 128 tokens per rank."""
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    base = deepseek_v3_debugmodel()
+    config = Config.from_trainer_config(base, scheme, ranks_per_node=DEBUG.ranks_per_node)
+    config.hf_assets_path = "fsdp_qcomm:pystdlib_bpe2048"
+    config.dataloader = HuggingFaceTextDataLoader.Config(dataset="pystdlib")
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=2048)
+    config.training = TrainingConfig(local_batch_size=4, seq_len=128, steps=20,
+                                     mixed_precision_param="float32",
+                                     mixed_precision_reduce="float32", disable_cuda_graphs=True)
+    config.parallelism = ParallelismConfig(data_parallel_shard_degree=-1,
+                                           expert_parallel_degree=2)
+    config.activation_checkpoint = None
+    config.checkpoint = CheckpointManager.Config(enable=False)
+    config.metrics = QCommMetricsProcessor.Config(log_freq=5)
+    config.dump_folder = f"./outputs/debug_moe_{scheme}"
+    if shapes.debug_overlaps(scheme):
+        config.qcomm = QComm(preset=scheme, ranks_per_node=DEBUG.ranks_per_node,
+                             grad_overlap=True)
+    return config
+
+
+def debug_moe_baseline() -> Config:
+    return _moe("baseline")
+
+
+def debug_moe_sdp4bit() -> Config:
+    return _moe("sdp4bit")
+
+
 # --------------------------------------------------------------------------- GPT-3 sizes
 _AC = {"none": lambda: None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 
@@ -251,4 +290,7 @@ TOML_COUNTERPARTS: dict[str, str] = {
        for size in PAPER_SIZES for sch in PAPER_SCHEMES},
 }
 
-__all__ = ["TOML_COUNTERPARTS"]
+#: recipe functions of torchtitan 0.3 only (no TOML recipe of 0.2.2 mirrors them)
+ONLY_03: tuple[str, ...] = ("debug_moe_baseline", "debug_moe_sdp4bit")
+
+__all__ = ["ONLY_03", "TOML_COUNTERPARTS"]

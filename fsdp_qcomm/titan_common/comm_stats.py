@@ -145,10 +145,18 @@ _warned_kinds: set[str] = set()
 
 
 def collective_of(kind: str) -> Collective:
-    """The collective a stats kind belongs to; an unknown kind is a collective of its own."""
+    """The collective a stats kind belongs to; an unknown kind is a collective of its own. A
+    kind tagged with a mesh (``weight_allgather:efsdp``: a parameter group on another mesh than
+    the model's, as MoE experts; ``stats.TaggedStats``) belongs to the tagged copy of its
+    collective (``weight:efsdp``, console tag ``W:efsdp``), figured like it and apart from it."""
     c = _BY_KIND.get(kind)
     if c is not None:
         return c
+    base, _, tag = kind.partition(":")
+    if tag and base in _BY_KIND:
+        c = _BY_KIND[base]
+        return dataclasses.replace(c, name=f"{c.name}:{tag}", tag=f"{c.tag}:{tag}",
+                                   kinds=tuple(f"{k}:{tag}" for k in c.kinds))
     if kind not in _warned_kinds:
         _warned_kinds.add(kind)
         logger.warning(
@@ -160,8 +168,16 @@ def collective_of(kind: str) -> Collective:
 
 
 def collective_named(name: str) -> Collective:
-    """The collective whose figures are ``qcomm/<name>_*`` (an unknown kind's own name)."""
-    return next((c for c in COLLECTIVES if c.name == name), None) or collective_of(name)
+    """The collective whose figures are ``qcomm/<name>_*`` (an unknown kind's own name, or a
+    mesh-tagged copy of a known collective)."""
+    c = next((c for c in COLLECTIVES if c.name == name), None)
+    if c is not None:
+        return c
+    base, _, tag = name.partition(":")
+    known = next((c for c in COLLECTIVES if c.name == base), None)
+    if tag and known is not None:
+        return collective_of(f"{known.kinds[0]}:{tag}")
+    return collective_of(name)
 
 
 def _counter(value: Any) -> Optional[float]:

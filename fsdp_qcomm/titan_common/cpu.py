@@ -1,6 +1,6 @@
 """Run torchtitan on CPU-only hosts (gloo), without editing torchtitan (0.2.2 and 0.3 alike).
 
-Two things stop stock torchtitan on a machine without an accelerator:
+Three things stop stock torchtitan on a machine without an accelerator:
 
 1. ``torchtitan.tools.utils`` picks ``device_type = _get_available_device_type() or "cuda"``
    at import time, and several modules copy that value (and ``device_module = torch.cuda``)
@@ -20,6 +20,15 @@ Two things stop stock torchtitan on a machine without an accelerator:
    modules, and every module with a quantized reduce-scatter, to
    ``set_force_sum_reduction_for_comms(True)``: FSDP then passes ``ReduceOp.SUM`` and divides
    by the factor 1.0, the same sum PREMUL_SUM(1.0) computes. Nothing here repeats that.
+
+3. torchtitan 0.3's MoE token dispatch (expert parallelism) exchanges tokens with
+   ``dist.all_to_all`` on lists of unequal tensors (each rank sends each expert group the tokens
+   routed to it); gloo's list all-to-all takes equal sizes only ("ProcessGroupGloo::alltoall:
+   invalid tensor size"), though its ``all_to_all_single`` takes split sizes.
+   :func:`patch_torchtitan_for_cpu` installs :func:`uneven_all_to_all` in its place: on gloo
+   groups with unequal tensors it runs one ``all_to_all_single`` of the flattened tensors with
+   the per-peer split sizes and copies the received pieces into the output list (the same
+   values; elsewhere it calls the original).
 
 Memory figures on CPU: ``memory_stats`` reports the process's peak resident set size
 (``ru_maxrss``, which cannot be reset) as both "active" and "reserved" peak, and the host's
@@ -120,6 +129,65 @@ def cpu_fallback_needed() -> bool:
     return _get_available_device_type() is None
 
 
+class _CopyBackWork(torch.distributed.Work):
+    """The ``Work`` of an async ``uneven_all_to_all``: waits, then writes the output list."""
+
+    def __init__(self, inner: Any, finish: Any) -> None:
+        super().__init__()
+        self._inner, self._finish = inner, finish
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._inner is not None:
+            inner, self._inner = self._inner, None
+            inner.wait()
+            self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner is None
+
+
+def uneven_all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    """``dist.all_to_all`` that also takes unequal tensors on gloo (see the module docstring)."""
+    import torch.distributed as dist
+
+    orig = _ORIGINALS["all_to_all"]
+    pg = group if group is not None else dist.group.WORLD
+    even = len({tuple(t.shape) for t in (*input_tensor_list, *output_tensor_list)}) == 1
+    if even or dist.get_backend(pg) != "gloo":
+        return orig(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+    ref = input_tensor_list[0]
+    send = torch.cat([t.reshape(-1) for t in input_tensor_list]) if input_tensor_list else \
+        ref.new_empty(0)
+    recv = send.new_empty(sum(t.numel() for t in output_tensor_list))
+    work = dist.all_to_all_single(
+        recv, send, output_split_sizes=[t.numel() for t in output_tensor_list],
+        input_split_sizes=[t.numel() for t in input_tensor_list], group=group,
+        async_op=async_op)
+
+    def finish() -> None:
+        off = 0
+        for t in output_tensor_list:
+            t.copy_(recv[off:off + t.numel()].view(t.shape))
+            off += t.numel()
+
+    if async_op:
+        return _CopyBackWork(work, finish)
+    finish()
+    return None
+
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+def _patch_uneven_all_to_all() -> None:
+    import torch.distributed as dist
+
+    if dist.all_to_all is not uneven_all_to_all:
+        _ORIGINALS.setdefault("all_to_all", dist.all_to_all)
+        dist.all_to_all = uneven_all_to_all
+
+
 def patch_torchtitan_for_cpu() -> bool:
     """Rebind torchtitan's device globals to the CPU; returns True if it patched anything.
 
@@ -127,6 +195,7 @@ def patch_torchtitan_for_cpu() -> bool:
     """
     if not cpu_fallback_needed():
         return False
+    _patch_uneven_all_to_all()
     from torchtitan.tools import utils
 
     originals = (utils.device_type, utils.device_module)

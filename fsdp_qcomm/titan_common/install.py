@@ -54,9 +54,12 @@ def install_qcomm(
             logger.info(f"qcomm: {att.note}")
         else:
             att.handle = enable(part, config)
+            groups = len(att.handle.group_labels)
             logger.info(
                 f"qcomm: preset {preset!r} overrides {overrides or {}}: installed on "
                 f"{len(att.handle.module_names)} of {n_fsdp} FSDP modules"
+                + (f" ({groups} parameter groups)" if groups != len(att.handle.module_names)
+                   else "")
             )
         setattr(part, ATTACHMENT_ATTR, att)
         attachments.append(att)

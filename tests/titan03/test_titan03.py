@@ -131,7 +131,7 @@ def test_every_toml_recipe_has_a_recipe_function_and_back():
     # torchtitan's list of the module's configs: the public lower-case callables
     functions = {n for n in dir(config_registry) if not n.startswith("_") and n[0].islower()
                  and callable(getattr(config_registry, n))}
-    assert functions == set(mapping.values())
+    assert functions == set(mapping.values()) | set(config_registry.ONLY_03)
     readme = (REPO_ROOT / "recipes" / "README.md").read_text()
     for toml, fn in mapping.items():  # the mapping table of recipes/README.md
         assert f"| `{toml}` | `{fn}` |" in readme, toml
@@ -404,3 +404,30 @@ def test_diloco_enable_is_refused_naming_what_failed(capsys):
     with pytest.raises(SystemExit):
         parse("debug_sdp4bit", "--diloco.enable")
     assert "not wired for torchtitan 0.3" in capsys.readouterr().err.replace("\n", " ")
+
+
+@pytest.mark.long
+def test_moe_with_expert_parallelism_trains_through_sdp4bit(tmp_path):
+    """torchtitan's DeepSeek-V3 debug model with expert parallelism 2 on 4 CPU ranks (2 "nodes"
+    x 2), sdp4bit: its parallelize gives each MoE block's experts their own mesh (two parameter
+    groups per block), enable quantizes both groups' node-crossing hops, the ``qcomm:`` line
+    shows the expert traffic apart (``W:<mesh>``, ``G:<mesh>``), and the loss falls. The token
+    dispatch's uneven all-to-all runs through ``titan_common.cpu.uneven_all_to_all`` (gloo's
+    list all-to-all takes equal tensors only)."""
+    dump = tmp_path / "out"
+    proc = torchrun("debug_moe_sdp4bit", dump, "--training.steps", "4", "--metrics.log_freq",
+                    "1", nproc=4, timeout=900)
+    s = read_summary(dump)
+    assert s["installed"] and s["world_size"] == 4 and s["steps_logged"] == [1, 2, 3, 4]
+    assert s["loss"][-1] < s["loss"][0], s["loss"]
+    notes = " | ".join(s["notes"])
+    assert "[group 2/2: 3 params on 2 ranks]" in notes, notes  # the experts' groups
+    assert "weight all-gather: qwd 4-bit, full reference (one rank per node): 2 nodes of 1" in \
+        notes and "node-sharded reference" in notes, notes  # experts; dense weights
+    last = s["history"][-1]
+    tagged = sorted(k for k in last if k.startswith("qcomm/weight:") and k.endswith(
+        "_bytes_per_step") and "baseline" not in k)
+    assert tagged and last[tagged[0]] > 0, sorted(last)
+    assert last["qcomm/weight_bytes_per_step"] > 0 and last["qcomm/grad_bytes_per_step"] > 0
+    out = proc.stdout + proc.stderr
+    assert " W:" in out and " G:" in out, out[-3000:]

@@ -294,6 +294,28 @@ def test_print_summary_names_every_collective(capsys):
     assert "sent 28 B vs 80 B (ratio 0.3500)" in out
 
 
+def test_mesh_tagged_kinds_are_their_collectives_counted_apart():
+    """MoE experts on their own mesh record ``<kind>:<tag>`` (``stats.TaggedStats``): the
+    figures and the console line show them beside the dense collective, with its semantics
+    (the two gradient hops share one baseline), and without the unknown-kind warning."""
+    c = comm_stats.collective_of("grad_inter:efsdp")
+    assert (c.name, c.tag, c.kinds) == ("grad:efsdp", "G:efsdp",
+                                        ("grad_intra:efsdp", "grad_inter:efsdp"))
+    assert c.shared_baseline and c.reference == "grad"
+    assert comm_stats.collective_named("weight:efsdp").kinds == ("weight_allgather:efsdp",)
+    h = _Handle()
+    part = _part(h)
+    t = comm_stats.CommTracker()
+    t.reference = comm_stats.Reference(weight_bytes=800, weight_elements=200)
+    t.figures(0, 0, [part], 1)
+    h.s = {"weight_allgather": _kind(2, 100, 200, 200, 800),
+           "weight_allgather:efsdp": _kind(2, 60, 120, 120, 480), "notes": []}
+    f = t.figures(2, 2, [part], 1)
+    assert f["qcomm/weight_bytes_per_step"] == 50 and f["qcomm/weight:efsdp_bytes_per_step"] == 30
+    line = comm_stats.format_figures(f)
+    assert "W 50B/step of 400B" in line and "W:efsdp 30B/step of 240B" in line, line
+
+
 def test_print_summary_leads_with_node_crossing_bytes_against_fsdp2(capsys):
     """The line that matters first: what crossed nodes against FSDP2's node-crossing bytes in
     fp32 and with bf16 parameters; left out when a collective FSDP runs itself crosses nodes
