@@ -64,6 +64,22 @@ def _sanitized_run(tmp_path, modules: list[str], extra: list[str]) -> None:
     assert "__asan_" in nm and "__ubsan_" in nm, "the C codec was built without the sanitizers"
 
 
+def test_extra_compiler_flags_get_a_build_of_their_own(tmp_path, monkeypatch):
+    """``FSDP_QCOMM_NATIVE_CFLAGS`` reaches the compiler and names its own cached library, so
+    a sanitizer build never serves a plain run (or the reverse)."""
+    from fsdp_qcomm.codec import cpu_native
+
+    monkeypatch.setenv("FSDP_QCOMM_CACHE", str(tmp_path))
+    plain = cpu_native._build()
+    monkeypatch.setenv("FSDP_QCOMM_NATIVE_CFLAGS", "-DFQ_EXTRA_FLAG_TEST=1 -O2")
+    flagged = cpu_native._build()
+    assert plain != flagged and plain.exists() and flagged.exists()
+    monkeypatch.setenv("FSDP_QCOMM_NATIVE_CFLAGS", "-fno-such-flag-xyz")
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_native._build()  # a flag the compiler refuses: its error, not a silent plain build
+
+
+@pytest.mark.long
 def test_codec_is_clean_under_asan_and_ubsan(tmp_path):
     """The C codec's exactness tests (every width, group size, Hadamard, learned levels,
     NaN/Inf and signed-zero groups, strided and bf16 inputs) under both sanitizers."""

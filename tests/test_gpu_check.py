@@ -9,14 +9,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_dry_run(tmp_path):
+def _dry_run(tmp_path, *extra: str):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out",
-                           str(out)], env=env, capture_output=True, text=True, timeout=900)
+                           str(out), *extra], env=env, capture_output=True, text=True,
+                          timeout=900)
+    return proc, out
+
+
+def test_gpu_check_dry_run_of_the_fsdp_steps(tmp_path):
+    """The quick tier: the script's environment step and its FSDP2 runs with enable() for
+    each preset (the steps that exercise the package's hooks end to end)."""
+    proc, out = _dry_run(tmp_path, "--only", "environment,fsdp_hooks")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    steps = json.loads(out.read_text())["steps"]
+    assert list(steps) == ["environment", "fsdp_hooks"]
+    assert all(s["status"] == "ok" for s in steps.values()), steps
+    hooks = steps["fsdp_hooks"]["result"]["presets"]
+    assert hooks["sdp4bit"]["modes"]["qwd_diff"] > 0
+    assert hooks["baseline"]["kinds"]["weight_allgather"]["bits_per_element"] == 32.0
+
+
+@pytest.mark.long
+def test_gpu_check_dry_run(tmp_path):
+    proc, out = _dry_run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     steps = res["steps"]
