@@ -14,8 +14,10 @@ human-readable ``<folder>/COMMANDS.md`` from it:
   mean 1-min load average sampled every ``SAMPLE_S`` seconds during the run, ``cpu_count`` and
   the CPUs this process may use;
 * ``status``: "running" until the process exits, then "ended without an exception" (the exit
-  status itself is not seen from ``atexit``) or "exception: <type>: <msg>"; an entry left at
-  "running" with no end was killed (a signal, a timeout, the machine).
+  status itself is not seen from ``atexit``) or "exception: <type>: <msg>"; ``end`` and
+  ``loadavg_end`` read ``RUNNING`` until then, so a file committed mid-run (a campaign commits
+  as it goes) is complete, and an entry still at "running" when its process is gone was killed
+  (a signal, a timeout, the machine).
 
 The entry is written at the start (so an interrupted run still leaves its command behind) and
 completed at interpreter exit. Several invocations sharing a folder (a sweep split over
@@ -60,6 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 FILE = "provenance.json"
 COMMANDS = "COMMANDS.md"
 NOT_RECORDED = "not recorded at the time"
+RUNNING = "running: not ended when this file was written"
 SAMPLE_S = 15.0
 #: environment variables that change what a benchmark does or how fast it runs
 ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "FSDP_QCOMM_NATIVE",
@@ -304,6 +307,7 @@ def record(folder: str | Path, *, prefix: str = "", argv: Optional[Sequence[str]
         **git_state(),
         "host": platform.node(),
         "start": _now(), "loadavg_start": _load(),
+        "end": RUNNING, "loadavg_end": RUNNING,
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),

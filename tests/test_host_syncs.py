@@ -52,6 +52,8 @@ ALLOWED = {
         "change codes decide which collectives every rank runs; off: no read",
     ("fsdp_qcomm/fsdp/enable.py", "_agreement_group"):
         "enable() only: the ranks of the modules' device meshes",
+    ("fsdp_qcomm/fsdp/enable.py", "_mesh_key"):
+        "enable() only: a DeviceMesh's rank layout, a CPU tensor, names each group's mesh",
 }
 #: the one place a training step may read the device on the host, once per root forward
 AGREEMENT = "(agree)"
