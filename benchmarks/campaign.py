@@ -298,7 +298,7 @@ def main(argv=None) -> int:
             raise CampaignError(f"--only {a.only!r}: the campaign's workloads are "
                                 f"{sorted(workloads)}")
         kinds = {name: _Kind(w, extra_rows) for name, w in workloads.items()
-                 if a.only in (None, name)}
+                 if a.only in (None, name) and w.rows}  # a workload no job names yet: idle
         for k in kinds.values():
             k.check_rows()
         jobs = [j for j in jobs if j.workload in kinds]
