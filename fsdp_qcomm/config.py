@@ -135,6 +135,9 @@ class QCommConfig:
     whose bytes cross nodes (hop 2 of two levels, HSDP's all-reduce across replicas, a single
     hop over several nodes), "all" at every quantized gradient hop, "none" off. Costs fp32
     memory per rank (``handle.stats()["summary"]["error_feedback_bytes"]``, ``docs/``).
+    ``grad_error_feedback_decay`` (in (0, 1], default 1: classic error feedback): keep that
+    fraction of each step's residual and drop the rest, which trades part of the bias
+    correction for less per-step noise (what AdamW's second moment takes in; ``docs/lowbit.md``).
 
     ``weight_reuse_unchanged``: a forward weight gather whose weights nothing changed since the
     module's previous gather (no optimizer step, no other write: gradient-accumulation
@@ -195,6 +198,7 @@ class QCommConfig:
     grad_pipeline_chunks: int = 1
     grad_overlap: bool = False
     grad_error_feedback: ErrorFeedback = "none"
+    grad_error_feedback_decay: float = 1.0
 
     scale_dtype: str = "float32"
     ranks_per_node: Optional[int] = None
@@ -298,6 +302,7 @@ class QCommConfig:
         self._check_levels()
         _check_choice(owner, "grad_error_feedback", self.grad_error_feedback,
                       ("none", "inter", "all"))
+        self._check_feedback_decay()
         if self.grad_error_feedback != "none" and self.grad_scheme in ("none", "bf16"):
             raise ValueError(
                 "QCommConfig.grad_error_feedback needs a quantized gradient scheme (nothing is "
@@ -308,6 +313,19 @@ class QCommConfig:
             raise ValueError(
                 "QCommConfig.grad_hadamard=True needs a quantized gradient scheme; set "
                 f"grad_scheme='one_level' or 'two_level' (got {self.grad_scheme!r})"
+            )
+
+    def _check_feedback_decay(self) -> None:
+        d = self.grad_error_feedback_decay
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
+            raise ValueError(
+                f"QCommConfig.grad_error_feedback_decay={d!r} must be a number in (0, 1]: the "
+                "fraction of each step's residual kept (1.0: classic error feedback)"
+            )
+        if d != 1 and self.grad_error_feedback == "none":
+            raise ValueError(
+                f"QCommConfig.grad_error_feedback_decay={d!r} has no effect without error "
+                "feedback; set grad_error_feedback='inter' or 'all', or leave the decay at 1.0"
             )
 
     def _check_levels(self) -> None:

@@ -17,11 +17,14 @@ from typing import Any, Literal
 from fsdp_qcomm.config import QCommConfig
 
 #: other values of the fields whose type does not say which values are valid
-CHOICES = {"scale_dtype": ("bfloat16", "float16"), "bit_budget": (3.0, 5.5)}
+CHOICES = {"scale_dtype": ("bfloat16", "float16"), "bit_budget": (3.0, 5.5),
+           "grad_error_feedback_decay": (0.5,)}
 #: (preset, overrides) tried for each value, the ones that quantize most first
 BASES: tuple[tuple[str, dict], ...] = (
     ("sdp4bit", {}), ("qsdp", {}), ("zeropp", {}), ("qw4", {}), ("qwd", {}), ("tlq", {}),
     ("tlq_hs", {}), ("baseline", {}),
+    # where the error-feedback options take effect (tried last: only fields no other base takes)
+    ("sdp4bit", {"grad_error_feedback": "inter"}),
 )
 #: QSDP with learned levels on both sides: where the ``levels_*`` fields take effect
 LEARNED = ("qsdp", {"weight_levels": "learned", "grad_levels": "learned"})

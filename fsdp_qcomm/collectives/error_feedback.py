@@ -22,6 +22,16 @@ Sites (``FeedbackState`` keys; pipeline spans use views of one buffer per site):
 * ``"requant"``: the partial sums a rank re-encodes for the next hop (hop 2 of the two-level
   reduce-scatter, the reduced row HSDP's replica all-reduce gathers).
 
+Decay (``FeedbackState.decay``, ``QCommConfig.grad_error_feedback_decay``): keep ``decay``
+times the residual, dropping the rest of each step's error as no feedback would. Why: what
+one step delivers is off by ``e_{t-1} - e_t``, about twice the variance of one rounding (far
+more at 2 bits with stochastic rounding, whose error is as large as the values it rounds,
+so the residual grows to several times the gradient: ``docs/lowbit.md``), and AdamW's second moment
+takes that per-step noise in, shrinking its steps, while its first moment already averages the
+noise over ~10 steps. A decay ``g`` cuts the per-step error to about ``1 + g^2`` roundings'
+variance and the residual's growth loop by ``g^2`` (it stays bounded unless the rounding error
+exceeds ``1 / g`` times what is rounded), and still carries ``g`` of each step's loss onward.
+
 Non-finite values: where the new residual is not finite (a quantization group that held
 NaN/Inf), the previous residual is kept, so one bad step (skipped by the optimizer or a grad
 scaler) cannot poison every later step; the finite groups of that step keep at most one
@@ -55,10 +65,17 @@ from ..codec.wire import hadamard_len
 class FeedbackState:
     """The residuals of one module's gradient hops on this rank: one fp32 buffer per site,
     created (zero) on first use with the shape its collective computes (``*_feedback_shapes``),
-    so a checkpoint template can be built before the first step."""
+    so a checkpoint template can be built before the first step.
 
-    def __init__(self) -> None:
+    ``decay`` (``QCommConfig.grad_error_feedback_decay``, in (0, 1]): the fraction of each
+    call's residual kept for the next call (``open_residuals`` applies it when the call is
+    done); 1 is classic error feedback."""
+
+    def __init__(self, decay: float = 1.0) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise ValueError(f"FeedbackState decay must be a number in (0, 1], got {decay!r}")
         self.residuals: dict[str, torch.Tensor] = {}
+        self.decay = float(decay)
 
     def buffer(self, site: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The residual of ``site``; a zero one when missing or of another shape or device
@@ -198,24 +215,39 @@ def _nothing() -> None:
     return None
 
 
+def _decayer(res: dict[str, torch.Tensor], decay: float) -> Callable[[], None]:
+    """What scales the residuals a call just updated by ``decay`` (nothing at 1): only the
+    values the call held, so a residual the call did not use is kept as it was."""
+    if decay == 1.0:
+        return _nothing
+
+    def apply() -> None:
+        for buf in res.values():
+            buf.mul_(decay)
+
+    return apply
+
+
 def open_residuals(
     feedback: Feedback, sites: Sites, m: int, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     """The residual buffer of each site of a call over ``m`` values (``sites(n)``: the
     collective's sites for ``n`` values), and the function to call once the call has updated
-    them: with a ``MappedFeedback`` it writes them back to the full layout (values the call
-    does not hold keep their residuals). A plain ``FeedbackState`` is used as it is."""
+    them: it scales them by the state's ``decay`` and, with a ``MappedFeedback``, writes them
+    back to the full layout (values the call does not hold keep their residuals). A plain
+    ``FeedbackState`` is used as it is."""
     if feedback is None:
         return {}, _nothing
     if isinstance(feedback, FeedbackState):
-        return {s: feedback.buffer(s, g.shape, device) for s, g in sites(m).items()}, _nothing
+        res = {s: feedback.buffer(s, g.shape, device) for s, g in sites(m).items()}
+        return res, _decayer(res, feedback.decay)
     state, layout, scale = feedback.state, feedback.layout, feedback.scale
     if layout.size != m:
         raise ValueError(f"the feedback layout holds {layout.size} values, the call {m}")
     full_sites = sites(layout.full)
     full = {s: state.buffer(s, g.shape, device) for s, g in full_sites.items()}
     if layout.identity and scale is None:
-        return full, _nothing
+        return full, _decayer(full, state.decay)
     if scale is not None:
         scale = scale.to(device=device, dtype=torch.float32)
     call_sites = sites(m)
@@ -232,7 +264,10 @@ def open_residuals(
             pos.mul_(scale)
         res[s] = g.native(pos)
 
+    decay = _decayer(res, state.decay)
+
     def write_back() -> None:
+        decay()
         for s, g in call_sites.items():
             fs, buf = full_sites[s], full[s]
             if layout.identity:

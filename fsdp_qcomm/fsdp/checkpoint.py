@@ -73,10 +73,12 @@ CONFIG_FIELDS = (
 #: (``grad_overlap``), whether unchanged weights are re-sent, how much of the qWD reference a
 #: rank keeps (each rank saves its own shard either way, and either kind is rebuilt from the
 #: shards), the guards (their period, whether weight writes are agreed on), the node size
-#: (compared as placement) and the budget (compared through the widths it chose)
+#: (compared as placement), the budget (compared through the widths it chose) and the
+#: error-feedback decay (a saved residual is valid under any decay: the next step applies
+#: this run's; checkpoints saved before the field existed stay loadable)
 NOT_SAVED_FIELDS = ("weight_reuse_unchanged", "weight_reference", "grad_overlap",
                     "consistency_check_every", "verify_weight_writes", "ranks_per_node",
-                    "bit_budget")
+                    "bit_budget", "grad_error_feedback_decay")
 
 _KEY = re.compile(r"^rank(\d+)_of_(\d+)$")
 

@@ -580,6 +580,7 @@ def _build_replica(
         overlap_group=private_group(replicas) if run.grad_overlap else None,
         error_feedback=run.grad_error_feedback == "all" or (
             run.grad_error_feedback == "inter" and remote > 0),
+        feedback_decay=run.grad_error_feedback_decay,
         solo=solo, queue=queue,
         wire_dtype=WIRE_DTYPE if run.grad_scheme == "bf16" else None,
     )

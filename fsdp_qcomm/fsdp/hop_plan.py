@@ -53,7 +53,8 @@ class ModulePlan:
 _PLAIN_WEIGHTS = dict(weight_scheme="none", weight_levels="uniform", weight_hadamard=False,
                       bit_budget=None)
 _PLAIN_GRADS = dict(grad_scheme="none", grad_levels="uniform", grad_hadamard=False,
-                    grad_error_feedback="none", bit_budget=None)
+                    grad_error_feedback="none", grad_error_feedback_decay=1.0,
+                    bit_budget=None)
 
 
 def _where(layout: NodeLayout) -> str:

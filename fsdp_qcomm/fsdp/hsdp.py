@@ -143,6 +143,7 @@ class ReplicaAllReduce:
         label: str = "",
         overlap_group: Optional[ProcessGroup] = None,
         error_feedback: bool = False,
+        feedback_decay: float = 1.0,
         solo: Optional[SoloGroup] = None,
         queue: Optional[ReductionQueue] = None,
         wire_dtype: Optional[torch.dtype] = None,
@@ -165,7 +166,8 @@ class ReplicaAllReduce:
         self.label = label or "<root>"
         self.overlap_group = overlap_group
         self.call_count = 0
-        self.feedback = FeedbackState() if error_feedback and spec is not None else None
+        self.feedback = (FeedbackState(feedback_decay)
+                         if error_feedback and spec is not None else None)
         self.grad_scale: Optional[ScaleSource] = None  # QCommHandle.attach_grad_scaler
 
     @property

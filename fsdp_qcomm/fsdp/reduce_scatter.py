@@ -90,7 +90,8 @@ class QuantizedReduceScatter(ReduceScatter):
         # its all-reduce, so a hook replaced after ``enable`` stops the backward on every rank
         self.replica: Optional[Any] = None
         self.call_count = 0
-        self.feedback = FeedbackState() if config.grad_error_feedback != "none" else None
+        self.feedback = (FeedbackState(config.grad_error_feedback_decay)
+                         if config.grad_error_feedback != "none" else None)
         self.grad_scale: Optional[ScaleSource] = None
         self.levels = None
         if config.grad_levels == "learned":
