@@ -242,6 +242,11 @@ def test_verdict_thresholds_are_the_named_constants():
     on_zero = _seeds.Spread(3, 0.6, 0.0, 0.6)
     assert _seeds.verdict(on_zero) == _seeds.UNDECIDED
     assert _seeds.verdict(None) == _seeds.UNDECIDED
+    # another tolerance is a parameter (DiLoCo's +1.0%), not a second copy of the rule
+    wider = _seeds.Spread(3, 0.5, 0.0, 0.5)  # [+0.00, +1.00]
+    assert _seeds.verdict(wider) == _seeds.UNDECIDED
+    assert _seeds.verdict(wider, claim_pct=1.0) == _seeds.within(1.0) == "within +1.0%"
+    assert _seeds.verdict(_seeds.Spread(3, 1.5, 0.0, 0.3), claim_pct=1.0) == _seeds.WORSE
     assert _seeds.fmt_interval(_seeds.Spread(3, 0.4, 0.0, 0.1)) == "[+0.30, +0.50]%"
     assert _seeds.fmt_interval(_seeds.spread([1.0])) == "1 seed"
 
