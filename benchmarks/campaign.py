@@ -12,7 +12,10 @@ A campaign file (TOML) has three parts:
   loop), ``out`` (the results folder: its ``runs/`` store), and ``args``, the kind's own
   command-line arguments (model, data, steps, evaluation), which fix the store's setup;
 * ``[rows.LABEL]``: rows the campaign adds to its kind's registry (``preset``, ``overrides``,
-  ``hsdp`` for accuracy rows; ``preset``/``overrides``/``diloco`` for DiLoCo rows);
+  ``hsdp`` for accuracy rows; ``preset``/``overrides`` for per-step HSDP rows of the DiLoCo
+  kind, ``diloco`` for its DiLoCo rows: ``DiLoCoConfig`` fields, e.g. ``diloco = {
+  sync_every = 32, bits = 4, outer_lr = 0.5, outer_momentum = 0.9 }``), each checked against
+  its config before anything trains;
 * ``[[jobs]]``: ``workload``, ``rows`` and ``seeds`` (a list, or ``"FIRST-LAST"``), and a
   ``note`` saying why. Jobs run in file order, seed by seed, every row of a seed before the
   next seed: a paired gap needs the baseline and the row of the same seed, so an interrupted
@@ -212,8 +215,6 @@ class _Kind:
             self.train = accuracy._train_all
             self.store = RunStore(w.out, accuracy._setup(a))
         else:
-            from dataclasses import asdict
-
             import diloco
 
             defs = _diloco_rows(relevant)
@@ -227,7 +228,7 @@ class _Kind:
             except SystemExit as e:
                 raise CampaignError(f"workload {w.name}: its args do not parse") from e
             a.row_defs = {k: defs[k] for k in w.rows}
-            self.a, self._row = a, lambda label: asdict(a.row_defs[label])
+            self.a, self._row = a, lambda label: diloco._row(label, a.row_defs)
             self.train = diloco._train_all
             self.store = RunStore(w.out, diloco.setup_of(a))
 
