@@ -77,6 +77,15 @@ class Row:
     overrides: dict[str, Any] = field(default_factory=dict)
     diloco: Optional[dict[str, Any]] = None
 
+    def config(self, seed: int):
+        """The ``DiLoCoConfig`` a DiLoCo row trains with under ``seed`` (its ``diloco`` fields:
+        a campaign's outer_lr, outer_momentum, ... reach the run through here)."""
+        from fsdp_qcomm.diloco import DiLoCoConfig
+
+        if self.diloco is None:
+            raise ValueError("a per-step HSDP row has no DiLoCoConfig")
+        return DiLoCoConfig.from_dict({**self.diloco, "seed": seed})
+
     def describe(self) -> str:
         if self.diloco is not None:
             d = self.diloco
@@ -128,12 +137,10 @@ def _row(label: str, defs: Optional[dict[str, Row]] = None) -> dict[str, Any]:
         raise ValueError("a row is per-step HSDP (preset, overrides: QCommConfig fields) or "
                          "DiLoCo (diloco: DiLoCoConfig fields), not both or neither")
     if dl:
-        from fsdp_qcomm.diloco import DiLoCoConfig
-
         if "seed" in row.diloco:
             raise ValueError("a DiLoCo row's seed is the run's seed; remove 'seed' from its "
                              "diloco fields")
-        DiLoCoConfig.from_dict(dict(row.diloco))
+        row.config(0)
     else:
         from fsdp_qcomm import QCommConfig
 
@@ -208,7 +215,7 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
     from accuracy import Evaluations, _lr
 
     import fsdp_qcomm
-    from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
+    from fsdp_qcomm.diloco import DiLoCo
 
     row = rows_of(a)[label]
     t0 = time.perf_counter()
@@ -222,7 +229,7 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
         handle = fsdp_qcomm.enable(model, cfg)
     else:
         model = build_fsdp_gpt(shape, seed, mesh["shard"])
-        diloco = DiLoCo(model, DiLoCoConfig(seed=seed, **row.diloco), replicas=mesh)
+        diloco = DiLoCo(model, row.config(seed), replicas=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     train = []
     evals = Evaluations(a, data, shape, rank, world, timing)
