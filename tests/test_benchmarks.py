@@ -362,6 +362,32 @@ def test_frontier_reuses_a_run_only_when_it_is_the_same_computation(tmp_path):
     assert mine.load("baseline", 1235, accuracy._row("baseline"))["same_as_seed"] == 1234
 
 
+def test_diloco_report_scores_like_accuracy_and_judges_at_one_percent(tmp_path):
+    import diloco
+
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    a = diloco._args(["--data", str(data), "--steps", "64", "--eval-every", "32", "--eval-full",
+                      "--full-last", "2", "--tail", "2", "--out", str(tmp_path / "out"),
+                      "--budget-row", "DiLoCo H32 4b"])
+    store = _seeds.RunStore(tmp_path / "out", diloco.setup_of(a))
+    assert store.setup["eval_full"] and store.setup["full_last"] == 2
+    gaps = {"DiLoCo H32 4b": (0.6, 0.7, 0.8), "DiLoCo H8 4b": (3.0, 3.5, 4.0)}
+    for i, seed in enumerate((1, 2, 3)):
+        for label, g in (("HSDP", None), *gaps.items()):
+            v = 2.0 * (1 + (g[i] if g else 0.0) / 100)
+            store.save(label, seed, diloco._row(label), {
+                "train": [3.0] * 64, "val": [[32, 9.0], [64, 9.0]], "final_val": 9.0,
+                "val_full": [[32, v], [64, v]], "cross_node_bytes_per_step": 100.0,
+                "seconds": 1.0, "timing": {"train_s": 6.4}, "params": 1000, "vocab": 20})
+    md = diloco.write_report(a, store)
+    rows = {ln.split(" | ")[0][2:]: ln for ln in md.splitlines() if ln.startswith("| ")}
+    # scored on the whole split (the sampled 9.0 is not read): H32 +0.70% [+0.45, +0.95]
+    assert "| +0.70% ± 0.10% | [+0.45, +0.95]% | within +1.0% |" in rows["DiLoCo H32 4b"]
+    assert "| worse |" in rows["DiLoCo H8 4b"] and rows["HSDP"].endswith("| 0.100 |")
+    assert "mean of the last 2 evaluations on the whole held-out split" in md
+
+
 def test_diloco_benchmark_gives_accuracy_its_schedule_arguments():
     """benchmarks/diloco.py trains with accuracy.py's learning-rate schedule and evaluation:
     its parsed arguments carry every field those read (a field added to accuracy.py once made
