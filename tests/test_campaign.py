@@ -199,6 +199,41 @@ def test_pending_runs_train_once_each_with_provenance_and_tables(tmp_path, data)
     assert (stored / "SDP4Bit__seed5.json").stat().st_mtime_ns == mtime
 
 
+def test_a_diloco_campaign_trains_scores_and_stores_its_runs(tmp_path, data):
+    """diloco.py's loop through the campaign runner (4 ranks as 2 x 2): accuracy.py's
+    evaluations on the replicas' shared weights (only the scored ones here), the last after
+    finish() (Streaming's in-flight fragment merged), each run's provenance and timing, and
+    the table's +1.0% verdict column."""
+    out = tmp_path / "out"
+    args = json.dumps(["--data", str(data), "--dim", "16", "--layers", "1", "--heads", "2",
+                       "--seq", "16", "--batch", "2", "--steps", "8", "--warmup", "2",
+                       "--eval-every", "4", "--eval-batches", "1", "--eval-full",
+                       "--full-last", "2", "--tail", "2", "--scored-evals-only",
+                       "--budget-row", "Streaming H4 F2 d1"])
+    c = _campaign(tmp_path, f"""
+        [workloads.d]
+        kind = "diloco"
+        out = "{out}"
+        args = {args}
+        [rows."Streaming H4 F2 d1"]
+        diloco = {{ sync_every = 4, bits = 4, fragments = 2, delay = 1, outer_lr = 0.5 }}
+        [[jobs]]
+        workload = "d"
+        rows = ["HSDP", "Streaming H4 F2 d1"]
+        seeds = [5]
+        """)
+    assert campaign.main([str(c)]) == 0
+    stored = _seeds.RunStore(out, {}).dir
+    rec = json.loads((stored / "Streaming_H4_F2_d1__seed5.json").read_text())["record"]
+    assert rec["provenance"]["git_commit"] and rec["timing"]["train_s"] > 0
+    assert [s for s, _ in rec["val"]] == [4, 8] and [s for s, _ in rec["val_full"]] == [4, 8]
+    # syncs after steps 2, 4, 6 and 8; the last one's merge (due after step 9) by finish()
+    assert rec["outer_steps"] == 4
+    table = (out / "table.md").read_text()
+    assert "| Streaming H4 F2 d1 | DiLoCo H=4, 4-bit outer, 2 fragments, delay 1, outer lr " \
+        "0.5 | 1 |" in table and "verdict (+1.0%)" in table
+
+
 def _train_rows(rank: int, world: int, a, rows: list[str]) -> list[dict]:
     import accuracy as acc
     from _model import GPTShape
