@@ -41,9 +41,16 @@ _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
 CLAIM_PCT = 0.5
 #: a gap is "worse" when the lower bound of its 95% interval is above this (percent)
 WORSE_ABOVE_PCT = 0.0
-WITHIN = f"within +{CLAIM_PCT}%"
 WORSE = "worse"
 UNDECIDED = "undecided"
+
+
+def within(claim_pct: float = CLAIM_PCT) -> str:
+    """The verdict's word for a gap whose upper bound is at most ``claim_pct`` percent."""
+    return f"within +{claim_pct}%"
+
+
+WITHIN = within()
 
 
 def seed_list(first: int, n: int) -> list[int]:
@@ -119,16 +126,17 @@ def interval(s: Spread) -> tuple[float, float]:
     return s.mean - s.ci95, s.mean + s.ci95
 
 
-def verdict(s: Optional[Spread]) -> str:
-    """``WITHIN`` (upper bound <= ``CLAIM_PCT``), else ``WORSE`` (lower bound >
+def verdict(s: Optional[Spread], claim_pct: float = CLAIM_PCT) -> str:
+    """``within(claim_pct)`` (upper bound <= ``claim_pct``, ``CLAIM_PCT`` = +0.5% unless a
+    benchmark asks another tolerance: DiLoCo's is +1.0%), else ``WORSE`` (lower bound >
     ``WORSE_ABOVE_PCT``), else ``UNDECIDED`` (also for one seed or no gap). An interval inside
-    (0, +0.5%] is "within +0.5%": the claim is about the tolerance; ``interval`` shows it is
-    above 0."""
+    (0, claim] is "within": the claim is about the tolerance; ``interval`` shows it is above
+    0."""
     if s is None or s.n < 2 or not math.isfinite(s.ci95):
         return UNDECIDED
     lo, hi = interval(s)
-    if hi <= CLAIM_PCT:
-        return WITHIN
+    if hi <= claim_pct:
+        return within(claim_pct)
     if lo > WORSE_ABOVE_PCT:
         return WORSE
     return UNDECIDED
@@ -242,5 +250,5 @@ class RunStore:
 
 __all__ = ["CLAIM_PCT", "UNDECIDED", "WITHIN", "WORSE", "WORSE_ABOVE_PCT", "RunStore",
            "SetupMismatch", "Spread", "file_digest", "fmt_interval", "fmt_spread", "fmt_verdict",
-           "interval", "ordering", "paired_gap_pct", "seed_list", "spread", "verdict"]
+           "interval", "ordering", "paired_gap_pct", "seed_list", "spread", "verdict", "within"]
 

@@ -3,7 +3,8 @@
 ``install()`` wraps the ``torch.distributed`` collectives FSDP2 and fsdp_qcomm call
 (``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``, ...) and the
 fsdp_qcomm hooks (``QuantizedAllGather``, ``QuantizedReduceScatter``, HSDP's
-``ReplicaAllReduce``: their ``__call__``). Time is
+``ReplicaAllReduce``: their ``__call__``; DiLoCo's outer all-reduce, ``outer_all_reduce``, when
+it runs on the training thread). Time is
 counted while the caller is blocked: in the call itself and, for an async collective, in
 ``wait()`` of the returned work (wrapped in a real ``dist.Work`` subclass, since FSDP waits only
 on those). So "communication" is the *exposed* communication time, overlap excluded:
@@ -120,8 +121,13 @@ def _add_hook(dt: float) -> None:
     TOTALS.hook += dt
 
 
-def _wrap_hook(fn: Callable) -> Callable:
+def _wrap_hook(fn: Callable, main_thread_only: bool = False) -> Callable:
+    """``main_thread_only``: a call from another thread (DiLoCo's overlap thread) blocks no
+    training step and is not counted (its collectives show as ``<name>/background``)."""
+
     def timed(*args: Any, **kwargs: Any):
+        if main_thread_only and threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
         t0 = time.perf_counter()
         TOTALS._depth += 1
         try:
@@ -150,4 +156,11 @@ def install() -> Totals:
     for cls in (QuantizedAllGather, QuantizedReduceScatter, ReplicaAllReduce):
         if not getattr(cls.__call__, "_qcomm_timed", False):
             cls.__call__ = _wrap_hook(cls.__call__)
+    # DiLoCo's outer all-reduce (encode, exchange, decode): looked up in its engine's module at
+    # each launch, so wrapping the module attribute times every sync
+    from fsdp_qcomm.diloco import engine as diloco_engine
+
+    if not getattr(diloco_engine.outer_all_reduce, "_qcomm_timed", False):
+        diloco_engine.outer_all_reduce = _wrap_hook(diloco_engine.outer_all_reduce,
+                                                    main_thread_only=True)
     return TOTALS

@@ -99,6 +99,39 @@ _SETUP_ARGS_NEW = {"fix": [], "eval_full": False, "full_last": 0, "lr_final": 0.
 SEED_PARTS = ("init", "data", "quant")
 
 
+def add_scoring_args(ap: argparse.ArgumentParser) -> None:
+    """The evaluation and scoring options (``--eval-full``, ``--full-last``,
+    ``--scored-evals-only``, ``--tail``), shared with ``diloco.py``; ``check_scoring_args``
+    checks them after parsing."""
+    ap.add_argument("--eval-full", action="store_true",
+                    help="also evaluate on the whole held-out split (non-overlapping windows) "
+                         "at every evaluation (the last --full-last ones); the table then "
+                         "scores runs on it")
+    ap.add_argument("--full-last", type=int, default=0, metavar="N",
+                    help="with --eval-full: only the last N evaluations use the whole split "
+                         "(0: all); it costs about 20 training steps of the default model")
+    ap.add_argument("--scored-evals-only", action="store_true",
+                    help="with --eval-full --full-last N: evaluate only at the last N "
+                         "evaluation steps, the ones the score reads; the sampled evaluations "
+                         "in between draw the loss curve only, and leaving them out changes no "
+                         "bit of the training (tests/test_benchmarks.py), so runs with and "
+                         "without share a store")
+    ap.add_argument("--tail", type=int, default=1,
+                    help="score of a run: the mean of its last TAIL evaluations (1: the final "
+                         "one); a report setting, not stored with the runs")
+
+
+def check_scoring_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse combinations of ``add_scoring_args``'s options that cannot be meant."""
+    if a.tail < 1:
+        ap.error(f"--tail {a.tail} must be >= 1")
+    if a.full_last and not a.eval_full:
+        ap.error("--full-last needs --eval-full")
+    if a.scored_evals_only and not (a.eval_full and a.full_last):
+        ap.error("--scored-evals-only needs --eval-full and --full-last N (the evaluations "
+                 "the score reads)")
+
+
 def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None, help="text or JSONL file (default: tinyshakespeare)")
@@ -121,22 +154,7 @@ def _args(argv=None) -> argparse.Namespace:
                          "others following the run's seed: " + ", ".join(SEED_PARTS) +
                          " (initial weights, training batches, the quantizers' random bits); "
                          "for variance experiments")
-    ap.add_argument("--eval-full", action="store_true",
-                    help="also evaluate on the whole held-out split (non-overlapping windows) "
-                         "at every evaluation (the last --full-last ones); the table then "
-                         "scores runs on it")
-    ap.add_argument("--full-last", type=int, default=0, metavar="N",
-                    help="with --eval-full: only the last N evaluations use the whole split "
-                         "(0: all); it costs about 20 training steps of the default model")
-    ap.add_argument("--scored-evals-only", action="store_true",
-                    help="with --eval-full --full-last N: evaluate only at the last N "
-                         "evaluation steps, the ones the score reads; the sampled evaluations "
-                         "in between draw the loss curve only, and leaving them out changes no "
-                         "bit of the training (tests/test_benchmarks.py), so runs with and "
-                         "without share a store")
-    ap.add_argument("--tail", type=int, default=1,
-                    help="score of a run: the mean of its last TAIL evaluations (1: the final "
-                         "one); a report setting, not stored with the runs")
+    add_scoring_args(ap)
     ap.add_argument("--lr-final", type=float, default=0.1,
                     help="the cosine schedule ends at this fraction of --lr")
     ap.add_argument("--bpe", type=int, default=0, metavar="VOCAB",
@@ -161,16 +179,10 @@ def _args(argv=None) -> argparse.Namespace:
         ap.error(f"--world {a.world} is not a multiple of --ranks-per-node {a.ranks_per_node}")
     if a.seeds < 1:
         ap.error(f"--seeds {a.seeds} must be >= 1")
-    if a.tail < 1:
-        ap.error(f"--tail {a.tail} must be >= 1")
+    check_scoring_args(ap, a)
     a.fix = sorted({x.strip() for x in a.fix.split(",") if x.strip()})
     if set(a.fix) - set(SEED_PARTS):
         ap.error(f"--fix {a.fix}: choose from {', '.join(SEED_PARTS)}")
-    if a.full_last and not a.eval_full:
-        ap.error("--full-last needs --eval-full")
-    if a.scored_evals_only and not (a.eval_full and a.full_last):
-        ap.error("--scored-evals-only needs --eval-full and --full-last N (the evaluations "
-                 "the score reads)")
     if a.bpe and a.data:
         ap.error("--bpe and --data exclude each other")
     return a
@@ -250,11 +262,58 @@ def _full_val_loss(model, data, a, rank: int, world: int, seq: int):
     dist.all_reduce(per)
     return per.mean().item(), per
 
+
 def _evaluates(step: int, a: argparse.Namespace) -> tuple[bool, bool]:
     """(sampled, whole split): which evaluations run after ``step`` steps."""
     at = step % a.eval_every == 0 or step == a.steps
     full = at and a.eval_full and (not a.full_last or _evals_left(step, a) < a.full_last)
     return (full if a.scored_evals_only else at), full
+
+
+class Evaluations:
+    """A run's evaluations after its training steps (``_evaluates``: the sampled held-out
+    batches and the whole held-out split), their curves, and their seconds added to ``timing``
+    (``eval_sampled_s``, ``eval_full_s``). ``diloco.py`` runs them on the weights the replicas
+    share."""
+
+    def __init__(self, a: argparse.Namespace, data, shape, rank: int, world: int,
+                 timing: dict[str, float]) -> None:
+        self.a, self.data, self.shape, self.rank, self.world = a, data, shape, rank, world
+        self.timing = timing
+        self.val: list = []
+        self.full: list = []
+        self.windows = None
+
+    def due(self, step: int) -> bool:
+        """Whether any evaluation runs after ``step`` steps."""
+        return any(_evaluates(step, self.a))
+
+    def run(self, step: int, model) -> str:
+        """The evaluations due after ``step`` steps; returns their part of the log line."""
+        sampled, whole = _evaluates(step, self.a)
+        t2 = time.perf_counter()
+        if sampled:
+            self.val.append((step, _val_loss(model, self.data, self.a, self.rank, self.shape)))
+        t3 = time.perf_counter()
+        self.timing["eval_sampled_s"] += t3 - t2
+        text = f" val {self.val[-1][1]:.4f}" if self.val else ""
+        if whole:
+            loss_full, self.windows = _full_val_loss(model, self.data, self.a, self.rank,
+                                                     self.world, self.shape.seq)
+            self.full.append((step, loss_full))
+            text += f" full {loss_full:.4f}"
+        self.timing["eval_full_s"] += time.perf_counter() - t3
+        return text
+
+    def record(self) -> dict[str, Any]:
+        """A run record's evaluation fields: ``val``, ``final_val`` and, with ``--eval-full``,
+        ``val_full`` and the last whole-split evaluation's loss per held-out window (what the
+        eval-set-size experiment resamples: results/accuracy_variance)."""
+        rec: dict[str, Any] = {"val": self.val, "final_val": self.val[-1][1]}
+        if self.a.eval_full:
+            rec.update(val_full=self.full,
+                       val_full_windows=[round(v, 5) for v in self.windows.tolist()])
+        return rec
 
 
 def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label: str,
@@ -282,7 +341,8 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
         )
         handle = fsdp_qcomm.enable(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    train_curve, val_curve, full_curve, windows = [], [], [], None
+    train_curve = []
+    evals = Evaluations(a, data, shape, rank, world, timing)
     timing["setup_s"] = time.perf_counter() - t0
     for step in range(a.steps):
         t1 = time.perf_counter()
@@ -296,31 +356,15 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
         lt = loss.detach().clone()
         dist.all_reduce(lt)
         train_curve.append(lt.item() / world)
-        t2 = time.perf_counter()
-        timing["train_s"] += t2 - t1
-        sampled, whole = _evaluates(step + 1, a)
-        if sampled:
-            val_curve.append((step + 1, _val_loss(model, data, a, rank, shape)))
-        t3 = time.perf_counter()
-        timing["eval_sampled_s"] += t3 - t2
-        full = ""
-        if whole:
-            loss_full, windows = _full_val_loss(model, data, a, rank, world, shape.seq)
-            full_curve.append((step + 1, loss_full))
-            full = f" full {loss_full:.4f}"
-        timing["eval_full_s"] += time.perf_counter() - t3
-        if sampled or whole:
+        timing["train_s"] += time.perf_counter() - t1
+        if evals.due(step + 1):
+            shown = evals.run(step + 1, model)
             if rank == 0:
                 print(f"  [{label} seed {seed}] step {step + 1}/{a.steps}: train "
-                      f"{train_curve[-1]:.4f} val {val_curve[-1][1]:.4f}{full} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    rec = {"train": train_curve, "val": val_curve, "final_val": val_curve[-1][1],
-           "seconds": time.perf_counter() - t0, "seeds": seeds,
-           "timing": {k: round(v, 2) for k, v in timing.items()}}
-    if a.eval_full:
-        # the final evaluation's loss per held-out window: what the eval-set-size experiment
-        # resamples (results/accuracy_variance)
-        rec.update(val_full=full_curve, val_full_windows=[round(v, 5) for v in windows.tolist()])
+                      f"{train_curve[-1]:.4f}{shown} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+    rec = {"train": train_curve, **evals.record(), "seconds": time.perf_counter() - t0,
+           "seeds": seeds, "timing": {k: round(v, 2) for k, v in timing.items()}}
     if handle is not None:
         rec["stats"] = {k: v for k, v in handle.stats().items() if k != "notes"}
         rec["gather_modes"] = handle.gather_modes()

@@ -12,11 +12,15 @@ A campaign file (TOML) has three parts:
   loop), ``out`` (the results folder: its ``runs/`` store), and ``args``, the kind's own
   command-line arguments (model, data, steps, evaluation), which fix the store's setup;
 * ``[rows.LABEL]``: rows the campaign adds to its kind's registry (``preset``, ``overrides``,
-  ``hsdp`` for accuracy rows; ``preset``/``overrides``/``diloco`` for DiLoCo rows);
+  ``hsdp`` for accuracy rows; ``preset``/``overrides`` for per-step HSDP rows of the DiLoCo
+  kind, ``diloco`` for its DiLoCo rows: ``DiLoCoConfig`` fields, e.g. ``diloco = {
+  sync_every = 32, bits = 4, outer_lr = 0.5, outer_momentum = 0.9 }``), each checked against
+  its config before anything trains;
 * ``[[jobs]]``: ``workload``, ``rows`` and ``seeds`` (a list, or ``"FIRST-LAST"``), and a
   ``note`` saying why. Jobs run in file order, seed by seed, every row of a seed before the
   next seed: a paired gap needs the baseline and the row of the same seed, so an interrupted
-  campaign leaves complete pairs behind.
+  campaign leaves complete pairs behind. A (row, seed) an earlier job names is listed and
+  counted once, under the earlier job (a sweep's runs that a later verdict job reuses).
 
 A job whose run is stored (same setup, same row definition: ``_seeds.RunStore``) is skipped,
 so the runner resumes where it stopped, and a campaign can grow by editing its file. Each run
@@ -128,6 +132,7 @@ def load(path: Path) -> tuple[dict[str, Workload], dict[str, dict], list[Job]]:
                                    list(args))
     rows = dict(doc.get("rows", {}))
     jobs: list[Job] = []
+    seen: set[tuple[str, str, int]] = set()
     for i, j in enumerate(doc.get("jobs", [])):
         where = f"{path}: jobs[{i}]"
         bad = set(j) - {"workload", "rows", "seeds", "note"}
@@ -142,6 +147,9 @@ def load(path: Path) -> tuple[dict[str, Workload], dict[str, dict], list[Job]]:
         w = workloads[j["workload"]]
         for seed in _seeds(j.get("seeds"), where):
             for label in labels:
+                if (w.name, label, seed) in seen:  # an earlier job's run: listed, trained once
+                    continue
+                seen.add((w.name, label, seed))
                 jobs.append(Job(w.name, label, seed, j.get("note", "")))
                 if label not in w.rows:
                     w.rows.append(label)
@@ -212,8 +220,6 @@ class _Kind:
             self.train = accuracy._train_all
             self.store = RunStore(w.out, accuracy._setup(a))
         else:
-            from dataclasses import asdict
-
             import diloco
 
             defs = _diloco_rows(relevant)
@@ -227,7 +233,7 @@ class _Kind:
             except SystemExit as e:
                 raise CampaignError(f"workload {w.name}: its args do not parse") from e
             a.row_defs = {k: defs[k] for k in w.rows}
-            self.a, self._row = a, lambda label: asdict(a.row_defs[label])
+            self.a, self._row = a, lambda label: diloco._row(label, a.row_defs)
             self.train = diloco._train_all
             self.store = RunStore(w.out, diloco.setup_of(a))
 
@@ -311,7 +317,7 @@ def main(argv=None) -> int:
     if a.plan:
         for j in jobs:
             mark = "todo  " if j in pending else "stored"
-            print(f"  {mark} {j.workload:12s} {j.row:24s} seed {j.seed}"
+            print(f"  {mark} {j.workload:12s} {j.row:28s} seed {j.seed}"
                   + (f"  ({j.note})" if j.note else ""))
         return 0
     for name, k in kinds.items():

@@ -20,11 +20,19 @@ records, per scheme:
   close to the larger bound; their sum is not a bound (earlier tables printed it as a
   "compute+bytes floor", and most rows ran below it).
 
+DiLoCo rows (``--schemes diloco-set``: HSDP in fp32 and with sdp4bit, DiLoCo H=8 and H=32 with
+4-bit outer gradients, Streaming DiLoCo H=32 with 2 fragments and delay 1) shard each node by
+itself and sync the nodes every H inner steps (``fsdp_qcomm.diloco``, the rows of
+``benchmarks/diloco.py``). They time ``--diloco-steps`` steps (whole outer periods, default 64:
+2 outer steps at H=32), and each figure per step is the median over outer periods of the
+period's mean: the outer sync counted once per H steps, as its bytes are.
+
 Everything it creates (two namespaces, one veth pair, their qdiscs) carries this process's
 id and is removed on exit, error or Ctrl-C. Needs root, ``ip`` and ``tc``.
 
     sudo OMP_NUM_THREADS=1 python benchmarks/cluster_speed.py [--rates 1gbit[,100mbit,10gbit]]
         [--schemes baseline,sdp4bit,zeropp,qsdp] [--steps 5] [--warmup 2] [--batch 1]
+        [--diloco-steps 64]
 
 Writes ``results/cluster_speed/{table.md, results.json, breakdown.png}``.
 ``python benchmarks/cluster_speed.py --retable results/cluster_speed/results.json`` rewrites
@@ -72,14 +80,45 @@ SCHEMES = {"baseline": (None, "flat"), "fsdp2_bf16": (FSDP2_BF16_FP32, "flat"),
            "hsdp_fsdp2_bf16_bf16": (FSDP2_BF16_BF16, "hsdp"), "hsdp_bf16": ("bf16", "hsdp"),
            "hsdp_baseline_thread": ("baseline", "hsdp"),
            "hsdp_sdp4bit": ("sdp4bit", "hsdp"), "hsdp_lowbit": ("lowbit", "hsdp")}
+#: DiLoCo rows (issue 28): each node is one replica group (FSDP2 over its own ranks, no per-step
+#: node-crossing collective) and the replicas sync every H inner steps through
+#: ``fsdp_qcomm.diloco``; each is ``benchmarks/diloco.py``'s row of that label (its
+#: ``DiLoCoConfig`` fields, the package's outer optimizer defaults), compared with the HSDP rows.
+DILOCO = {"diloco_h8": "DiLoCo H8 4b", "diloco_h32": "DiLoCo H32 4b",
+          "streaming_h32_f2d1": "Streaming H32 F2 d1 4b"}
+SCHEMES.update({label: (None, "diloco") for label in DILOCO})
 DEFAULT_SCHEMES = "baseline,sdp4bit,zeropp,qsdp"
 HSDP_SCHEMES = "hsdp,hsdp_baseline_thread,hsdp_sdp4bit,sdp4bit"
+#: DiLoCo next to per-step HSDP in fp32 and with sdp4bit (issue 28)
+DILOCO_SCHEMES = "hsdp,hsdp_sdp4bit," + ",".join(DILOCO)
 #: what users run instead (issue 29): FSDP2 in fp32, bf16/fp32, bf16/bf16, then the presets
 USER_SCHEMES = ("baseline,fsdp2_bf16,fsdp2_bf16_bf16,bf16,sdp4bit,lowbit,hsdp,hsdp_fsdp2_bf16,"
                 "hsdp_fsdp2_bf16_bf16,hsdp_bf16,hsdp_sdp4bit,hsdp_lowbit")
 #: the FSDP2 baselines each row's speedup is given against, per mesh
 REFERENCES = {"flat": ("baseline", "fsdp2_bf16", "fsdp2_bf16_bf16"),
               "hsdp": ("hsdp", "hsdp_fsdp2_bf16", "hsdp_fsdp2_bf16_bf16")}
+REFERENCES["diloco"] = REFERENCES["hsdp"]  # the per-step training DiLoCo replaces
+
+
+def diloco_row(label: str):
+    """A DiLoCo row's ``diloco.Row`` (``DILOCO``: ``diloco.py``'s row of that label); its
+    ``config(seed)`` is the ``DiLoCoConfig`` the row runs."""
+    import diloco
+
+    return diloco.ROWS[DILOCO[label]]
+
+
+def diloco_fields(label: str) -> dict:
+    """The ``DiLoCoConfig`` fields a DiLoCo row sets."""
+    return dict(diloco_row(label).diloco)
+
+
+def _timed_window_ok(warmup: int, fields: dict) -> bool:
+    """Whether no outer all-reduce launched in the warm-up is still to be merged when the timed
+    steps start (its bytes would be split across the window's edge)."""
+    period = fields["sync_every"] // fields.get("fragments", 1)
+    delay = fields.get("delay", 0)
+    return not any(t % period == 0 for t in range(max(1, warmup - delay + 1), warmup + 1))
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -88,8 +127,12 @@ def _args(argv=None) -> argparse.Namespace:
                     help="comma-separated tc rates, e.g. 100mbit,1gbit,10gbit (default 1gbit)")
     ap.add_argument("--schemes", default=DEFAULT_SCHEMES,
                     help=f"comma-separated subset of {', '.join(SCHEMES)}; 'hsdp-set' = "
-                         f"{HSDP_SCHEMES}; 'user-set' = {USER_SCHEMES}")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per scheme")
+                         f"{HSDP_SCHEMES}; 'user-set' = {USER_SCHEMES}; 'diloco-set' = "
+                         f"{DILOCO_SCHEMES}")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per per-step scheme")
+    ap.add_argument("--diloco-steps", type=int, default=64,
+                    help="timed steps per DiLoCo row: whole outer periods, a multiple of every "
+                         "DiLoCo row's H (default 64: 2 outer steps at H=32, 8 at H=8)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per scheme")
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--layers", type=int, default=6)
@@ -113,10 +156,19 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json-out", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.schemes = [s.strip() for s in a.schemes.replace("hsdp-set", HSDP_SCHEMES)
-                 .replace("user-set", USER_SCHEMES).split(",") if s.strip()]
+                 .replace("user-set", USER_SCHEMES).replace("diloco-set", DILOCO_SCHEMES)
+                 .split(",") if s.strip()]
     bad = [s for s in a.schemes if s not in SCHEMES]
     if bad:
         ap.error(f"unknown scheme(s) {bad}; choose from {list(SCHEMES)}")
+    for label in (s for s in a.schemes if s in DILOCO):
+        f = diloco_fields(label)
+        if a.diloco_steps < f["sync_every"] or a.diloco_steps % f["sync_every"]:
+            ap.error(f"--diloco-steps {a.diloco_steps}: {label} syncs every {f['sync_every']} "
+                     "steps; time whole outer periods (a positive multiple of it)")
+        if not _timed_window_ok(a.warmup, f):
+            ap.error(f"--warmup {a.warmup}: {label}'s outer all-reduce launched in the warm-up "
+                     "is merged inside the timed steps; pick another --warmup")
     a.rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     for r in a.rates:
         _rate_bps(r, ap.error)
@@ -151,6 +203,7 @@ def _worker(a: argparse.Namespace) -> None:
     from _timing import install
 
     import fsdp_qcomm
+    from fsdp_qcomm.diloco import DiLoCo
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -162,8 +215,16 @@ def _worker(a: argparse.Namespace) -> None:
     results = {"params": shape.params(), "world": world, "ranks_per_node": rpn, "schemes": {}}
     for label in a.schemes:
         preset, layout = SCHEMES[label]
-        model = build_fsdp_gpt(shape, a.seed, hsdp_mesh(rpn) if layout == "hsdp" else None)
-        handle = None
+        handle = dl = None
+        timed, period = a.steps, 1
+        if layout == "diloco":  # one replica group per node, synced every H inner steps
+            fields = diloco_fields(label)
+            timed, period = a.diloco_steps, fields["sync_every"]
+            mesh = hsdp_mesh(rpn)
+            model = build_fsdp_gpt(shape, a.seed, mesh["shard"])
+            dl = DiLoCo(model, diloco_row(label).config(a.seed), replicas=mesh)
+        else:
+            model = build_fsdp_gpt(shape, a.seed, hsdp_mesh(rpn) if layout == "hsdp" else None)
         # nodes emulated on one host: the node size must be explicit (topology)
         if isinstance(preset, dict):  # an emulated FSDP2 baseline: its own grad_overlap
             cfg = fsdp_qcomm.QCommConfig(**preset, ranks_per_node=rpn, seed=a.seed)
@@ -177,14 +238,17 @@ def _worker(a: argparse.Namespace) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         g = torch.Generator().manual_seed(a.seed * 1000 + rank)
         steps, comm_in, comm_out, hook, comm_by, cpu = [], [], [], [], [], []
-        before, pg0 = None, {}
-        for step in range(a.warmup + a.steps):
+        before, pg0, outer0 = None, {}, 0
+        for step in range(a.warmup + timed):
             if step == a.warmup:
                 dist.barrier()
                 before = _veth_bytes(a.ifname) if local == 0 else (0, 0)
                 pg0 = dict(totals.bytes_outside)
                 if handle is not None:
                     handle.reset_stats()
+                if dl is not None:
+                    dl.reset_stats()
+                    outer0 = dl.outer_steps
             s0 = totals.snapshot()
             c0 = time.process_time()  # CPU seconds of all this rank's threads
             t0 = time.perf_counter()
@@ -193,6 +257,8 @@ def _worker(a: argparse.Namespace) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if dl is not None:
+                dl.step()  # launches and merges the outer all-reduces after this inner step
             dt = time.perf_counter() - t0
             dc = time.process_time() - c0
             s1 = totals.snapshot()
@@ -204,8 +270,18 @@ def _worker(a: argparse.Namespace) -> None:
                 hook.append(s1["hook"] - s0["hook"])
                 comm_by.append({k: v - s0["comm_by"].get(k, 0.0)
                                 for k, v in s1["comm_by"].items()})
+        if dl is not None:
+            # an all-reduce launched in the window and still in flight: its bytes are the
+            # window's (merged here, untimed; none is, when the window is whole periods)
+            dl.finish()
         dist.barrier()
         after = _veth_bytes(a.ifname) if local == 0 else (0, 0)
+        if dl is not None:
+            stats = {k: v for k, v in dl.stats().items() if k not in ("notes", "summary")}
+        elif handle is not None:
+            stats = {k: v for k, v in handle.stats().items() if k not in ("notes", "summary")}
+        else:
+            stats = None
         mine = {
             "rank": rank, "steps": steps, "comm_in_hook": comm_in, "comm_outside": comm_out,
             "hook": hook, "comm_by": comm_by, "cpu": cpu, "pg_bytes_outside": {
@@ -213,17 +289,20 @@ def _worker(a: argparse.Namespace) -> None:
                 if k in ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
                          "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")},
             "veth_tx": after[0] - before[0], "veth_rx": after[1] - before[1],
-            "stats": ({k: v for k, v in handle.stats().items() if k not in ("notes", "summary")}
-                      if handle is not None else None),
+            "stats": stats,
             "gather_modes": handle.gather_modes() if handle is not None else None,
+            "outer_steps": None if dl is None else dl.outer_steps - outer0,
             "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
             "numel": sum(p.numel() for p in model.parameters()),
         }
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
         if rank == 0:
-            results["schemes"][label] = _summarize(everyone, a.steps)
+            results["schemes"][label] = _summarize(everyone, timed, period)
             r = results["schemes"][label]
+            if dl is not None:
+                print(f"  {label}: H={period}, {r['outer_steps']} outer steps in {timed} timed "
+                      f"steps, median inner step {r['median_inner_step_s']:.3f} s", flush=True)
             print(f"  {label}: median step {r['median_step_s']:.3f} s (comm "
                   f"{r['comm_s']:.3f}, quant {r['quant_s']:.3f}, rest {r['rest_s']:.3f}); link "
                   f"{r['link_bytes_per_step'] / 1e6:.2f} MB/step; CPU all ranks "
@@ -231,6 +310,8 @@ def _worker(a: argparse.Namespace) -> None:
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["comm_by_s"].items()), flush=True)
         if handle is not None:
             handle.disable()
+        if dl is not None:
+            dl.close()
         del model, opt
     if rank == 0:
         Path(a.json_out).write_text(json.dumps(results, indent=1))
@@ -240,13 +321,24 @@ def _worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _summarize(ranks: list[dict], n: int) -> dict:
+def _per_period(xs: list[float], period: int) -> list[float]:
+    """Means of consecutive runs of ``period`` values (``period`` 1: the values themselves)."""
+    return [statistics.fmean(xs[i:i + period]) for i in range(0, len(xs), period)]
+
+
+def _summarize(ranks: list[dict], n: int, period: int = 1) -> dict:
+    """One row from every rank's record of ``n`` timed steps. ``period``: a DiLoCo row's H
+    (``n`` is a multiple of it): its per-step figures are medians over outer periods of the
+    period's mean, so each counts its outer sync once, amortized over H steps (a median over
+    single steps would leave the syncs out); per-step rows have ``period`` 1, a median over
+    steps."""
     med = statistics.median
     # The step is as slow as its slowest rank: take the per-step max over ranks.
     step = [max(r["steps"][i] for r in ranks) for i in range(n)]
-    mean = lambda key: statistics.fmean(med(r[key]) for r in ranks)  # noqa: E731
+    per = lambda xs: med(_per_period(xs, period))  # noqa: E731
+    mean = lambda key: statistics.fmean(per(r[key]) for r in ranks)  # noqa: E731
     comm_in, comm_out, hook = mean("comm_in_hook"), mean("comm_outside"), mean("hook")
-    m = med(step)
+    m = per(step)
     stats: dict = {}
     for r in ranks:
         for kind, v in (r["stats"] or {}).items():
@@ -255,10 +347,13 @@ def _summarize(ranks: list[dict], n: int) -> dict:
                                         "cross_node_bytes": 0})
             for f in s:
                 s[f] += v.get(f, 0)
+    extra = {} if period == 1 else {
+        "period_steps": period, "median_inner_step_s": med(step),
+        "outer_steps": ranks[0].get("outer_steps")}
     return {
         "median_step_s": m, "step_s": step,
         "comm_s": comm_in + comm_out, "quant_s": hook - comm_in,
-        "rest_s": max(0.0, statistics.fmean(med(r["steps"]) for r in ranks) - hook - comm_out),
+        "rest_s": max(0.0, statistics.fmean(per(r["steps"]) for r in ranks) - hook - comm_out),
         "link_bytes_per_step": sum(r["veth_tx"] for r in ranks) / n,
         # the link is full duplex: the busier direction bounds the time on it
         "link_busier_direction_bytes_per_step": max(r["veth_tx"] for r in ranks) / n,
@@ -270,12 +365,13 @@ def _summarize(ranks: list[dict], n: int) -> dict:
             for k in sorted({k for r in ranks for k in r["pg_bytes_outside"]})},
         # CPU seconds all ranks spent per step (median), and that over the cores: a step cannot
         # be shorter than cpu_all_ranks_s / cores, whatever the link does.
-        "cpu_all_ranks_s": sum(med(r["cpu"]) for r in ranks),
+        "cpu_all_ranks_s": sum(per(r["cpu"]) for r in ranks),
         "comm_by_s": {  # mean over ranks of each rank's median blocked time per collective
-            k: statistics.fmean(med([c.get(k, 0.0) for c in r["comm_by"]]) for r in ranks)
+            k: statistics.fmean(per([c.get(k, 0.0) for c in r["comm_by"]]) for r in ranks)
             for k in sorted({k for r in ranks for c in r["comm_by"] for k in c})},
         "gather_modes": ranks[0]["gather_modes"],
         "numel": ranks[0]["numel"], "shard_numel": [r["shard_numel"] for r in ranks],
+        **extra,
     }
 
 
@@ -340,6 +436,7 @@ def _run_rate(cl: _Cluster, a: argparse.Namespace, rate: str, json_out: Path) ->
     cl.shape(rate)
     procs = []
     fwd = ["--schemes", ",".join(a.schemes), "--steps", str(a.steps), "--warmup", str(a.warmup),
+           "--diloco-steps", str(a.diloco_steps),
            "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
            "--seq", str(a.seq), "--vocab", str(a.vocab), "--batch", str(a.batch),
            "--seed", str(a.seed), "--grad-overlap" if a.grad_overlap else "--no-grad-overlap"]
@@ -401,7 +498,11 @@ def _tables(res: dict) -> str:
             busier = s.get("link_busier_direction_bytes_per_step", s["link_bytes_per_step"] / 2)
             link_s = 8 * busier / _rate_bps(rate)
             floor = max(cpu / cores, link_s)  # both are lower bounds; their sum is not
-            out.append(f"| {label} | {s['median_step_s']:.3f} | {sp} | {s['comm_s']:.3f} | "
+            name = label
+            if "period_steps" in s:  # DiLoCo: its H, the syncs timed, the inner step alone
+                name += (f" (H={s['period_steps']}, {s['outer_steps']} outer steps timed; "
+                         f"median inner step {s['median_inner_step_s']:.3f} s)")
+            out.append(f"| {name} | {s['median_step_s']:.3f} | {sp} | {s['comm_s']:.3f} | "
                        f"{s['quant_s']:.3f} | {s['rest_s']:.3f} | {100 * share:.0f}% | "
                        f"{s['link_bytes_per_step'] / 1e6:.2f} | {ratio} | {cpu:.3f} | "
                        f"{cpu / cores:.3f} | {link_s:.3f} | {floor:.3f} | "
@@ -458,6 +559,15 @@ def _markdown(res: dict, retabled: bool = False) -> str:
             f"cores they share; link floor = bytes per step of the link's busier direction over "
             f"the link rate; floor = the larger of the two, a lower bound on the step (CPU work "
             f"and transfers overlap, so their sum is not one)."
+            + (f" DiLoCo rows (one replica group per node, synced every H inner steps; "
+               f"{a.get('diloco_steps')} timed steps after the same warm-up, whole outer "
+               f"periods): each per-step figure is the median over outer periods of the "
+               f"period's mean, so the outer sync is counted once per H steps; their speedup and "
+               f"link bytes are against the HSDP baselines; quant = time in the outer "
+               f"all-reduce minus its blocked communication (on the training thread only: "
+               f"Streaming DiLoCo's runs on its overlap thread)."
+               if any("period_steps" in s for r in res["rates"].values()
+                      for s in r["schemes"].values()) else "")
             + (" Tables rewritten from results.json by `--retable` after the run; every "
                "measured value is the run's." if retabled else "")
             + f"\n\n{_tables(res)}\n"

@@ -5,22 +5,32 @@ AdamW with warm-up and cosine decay) on 4 gloo ranks as 2 nodes x 2. Per-step ro
 (shard inside a node, replicate across nodes) with the replica all-reduce in fp32
 (``baseline`` with ``grad_overlap``: FSDP2's own math, bytes counted), ``sdp4bit`` or
 ``lowbit``. DiLoCo rows shard each node by itself (a replica group per node) and sync the
-replicas every ``H`` inner steps through ``fsdp_qcomm.diloco`` (outer SGD-Nesterov lr 0.7,
-momentum 0.9; 2 or 4-bit outer gradients, Hadamard, with or without error feedback).
+replicas every ``H`` inner steps through ``fsdp_qcomm.diloco`` (outer SGD-Nesterov, by default
+lr 0.7 and momentum 0.9; 2 or 4-bit outer gradients, Hadamard, with or without error
+feedback).
 Validation loss is computed with the weights the replicas share (DiLoCo: the start-of-round
 weights, ``DiLoCo.global_weights()``), on the same held-out batches for every row and seed.
 
-Per row: final validation loss (mean ± sd over ``--seeds``), the gap to the HSDP row paired by
-seed with its 95% interval, node-crossing bytes per (inner) step per rank from the package's
-counters (``handle.stats()`` / ``DiLoCo.stats()``), how many times fewer than HSDP + sdp4bit,
-and the loss at equal node-crossing bytes (``--budget-row``'s total: each row's last
-evaluation whose cumulative bytes stay within it). Every (row, seed) run is stored in
-``OUT/runs/`` as it finishes (resumable, splittable with ``--rows`` / ``--seed``).
+Per row: the score (accuracy.py's scoring options: the mean of the last ``--tail``
+evaluations, on the whole held-out split with ``--eval-full [--full-last N]``; the final
+sampled evaluation by default), mean ± sd over the seeds, the gap to the HSDP row paired by seed
+with its 95% interval and a verdict at DiLoCo's tolerance: "within +1.0%" (upper bound at most
++1.0%), "worse" (lower bound above 0) or "undecided" (``_seeds.verdict``, ``CLAIM_PCT``);
+node-crossing bytes per (inner) step per rank from the package's counters (``handle.stats()``
+/ ``DiLoCo.stats()``), how many times fewer than HSDP + sdp4bit, the loss at equal
+node-crossing bytes (``--budget-row``'s total: each row's last sampled evaluation whose
+cumulative bytes stay within it), and the training seconds per step on this machine's shared
+CPU (the step time on a network-bound cluster is ``cluster_speed.py``'s). Every (row, seed)
+run is stored in ``OUT/runs/`` as it finishes, with its own provenance (resumable, splittable
+with ``--rows`` / ``--seed``); ``benchmarks/campaign.py`` runs campaigns of them
+(``benchmarks/campaigns/diloco.toml``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/diloco.py --steps 300 --eval-every 25 \\
-        [--seeds N] [--rows A,B] [--out results/diloco] [--report-only]
+        [--eval-full --full-last 3 --tail 3 [--scored-evals-only]] [--seeds N] [--rows A,B] \\
+        [--out results/diloco] [--report-only]
 
-Uses the accuracy method of ``main`` (final loss, paired gap, Student's t interval).
+A row's ``diloco`` fields are ``DiLoCoConfig``'s (``outer_lr``, ``outer_momentum``, ...: a
+campaign file's ``[rows.LABEL]`` sets them); the run's seed is its ``seed``.
 """
 
 from __future__ import annotations
@@ -43,12 +53,19 @@ from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
     file_digest,
+    fmt_interval,
     fmt_spread,
-    fmt_verdict,
     paired_gap_pct,
     seed_list,
     spread,
+    verdict,
+    within,
 )
+
+#: DiLoCo's tolerance (issue 28): "within +1.0%" when the upper bound of the paired 95% interval
+#: of the gap to HSDP is at most this (percent); the per-step schemes' is +0.5%
+#: (``_seeds.CLAIM_PCT``)
+CLAIM_PCT = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,13 +77,28 @@ class Row:
     overrides: dict[str, Any] = field(default_factory=dict)
     diloco: Optional[dict[str, Any]] = None
 
+    def config(self, seed: int):
+        """The ``DiLoCoConfig`` a DiLoCo row trains with under ``seed`` (its ``diloco`` fields:
+        a campaign's outer_lr, outer_momentum, ... reach the run through here)."""
+        from fsdp_qcomm.diloco import DiLoCoConfig
+
+        if self.diloco is None:
+            raise ValueError("a per-step HSDP row has no DiLoCoConfig")
+        return DiLoCoConfig.from_dict({**self.diloco, "seed": seed})
+
     def describe(self) -> str:
         if self.diloco is not None:
             d = self.diloco
-            text = f"DiLoCo H={d['sync_every']}, {d.get('bits', 4)}-bit outer"
+            bits = d.get("bits", 4)
+            text = f"DiLoCo H={d['sync_every']}, " + ("fp32" if bits is None else f"{bits}-bit") \
+                + " outer"
             if d.get("fragments", 1) > 1:
                 text += f", {d['fragments']} fragments, delay {d.get('delay', 0)}"
-            return text + (", EF" if d.get("error_feedback") else "")
+            text += ", EF" if d.get("error_feedback") else ""
+            for key, name in (("outer_lr", "outer lr"), ("outer_momentum", "momentum")):
+                if key in d:
+                    text += f", {name} {d[key]:g}"
+            return text
         text = f"HSDP, {self.preset}"
         if self.overrides:
             text += " " + ", ".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
@@ -90,6 +122,30 @@ REFERENCE = "HSDP sdp4bit"  # the per-step row whose bytes the DiLoCo rows are c
 
 _SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "lr_final", "warmup",
                "eval_every", "eval_batches", "val_seed", "world", "ranks_per_node")
+# added later: part of the setup only when not at their default, so stores made before they
+# existed (results/diloco_100) stay valid
+_SETUP_ARGS_NEW = {"eval_full": False, "full_last": 0}
+
+
+def _row(label: str, defs: Optional[dict[str, Row]] = None) -> dict[str, Any]:
+    """A row's definition as stored with its runs, checked first: its ``QCommConfig`` (preset
+    and overrides) or its ``DiLoCoConfig`` fields must build (a campaign file's typo fails
+    before anything trains, naming the field)."""
+    row = (defs or ROWS)[label]
+    per_step, dl = row.preset is not None, row.diloco is not None
+    if per_step == dl or (dl and row.overrides):
+        raise ValueError("a row is per-step HSDP (preset, overrides: QCommConfig fields) or "
+                         "DiLoCo (diloco: DiLoCoConfig fields), not both or neither")
+    if dl:
+        if "seed" in row.diloco:
+            raise ValueError("a DiLoCo row's seed is the run's seed; remove 'seed' from its "
+                             "diloco fields")
+        row.config(0)
+    else:
+        from fsdp_qcomm import QCommConfig
+
+        QCommConfig.preset(row.preset, **row.overrides)
+    return asdict(row)
 
 
 def rows_of(a: argparse.Namespace) -> dict[str, Row]:
@@ -103,11 +159,14 @@ def setup_of(a: argparse.Namespace) -> dict[str, Any]:
     from _model import CharData
 
     setup = {k: getattr(a, k) for k in _SETUP_ARGS}
+    setup.update({k: getattr(a, k) for k, v in _SETUP_ARGS_NEW.items() if getattr(a, k) != v})
     setup["data"] = file_digest(CharData(a.data).path)
     return setup
 
 
 def _args(argv=None) -> argparse.Namespace:
+    from accuracy import add_scoring_args, check_scoring_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None)
     ap.add_argument("--steps", type=int, default=300)
@@ -122,6 +181,7 @@ def _args(argv=None) -> argparse.Namespace:
                     help="cosine decay to this fraction of --lr (benchmarks/accuracy.py's)")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=8)
+    add_scoring_args(ap)  # accuracy.py's: --eval-full, --full-last, --scored-evals-only, --tail
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--val-seed", type=int, default=1234)
@@ -138,21 +198,28 @@ def _args(argv=None) -> argparse.Namespace:
     bad = [s for s in a.rows if s not in ROWS]
     if bad:
         ap.error(f"unknown row(s) {bad}; choose from {list(ROWS)}")
+    check_scoring_args(ap, a)
     return a
 
 
 def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> dict:
+    """One row under one seed. Evaluations (``accuracy.Evaluations``, on ``--eval-every``'s
+    schedule and the scoring options) run on the weights the replicas share (DiLoCo: the
+    start-of-round weights, ``DiLoCo.global_weights()``); the last one after ``finish()``, so
+    an all-reduce still in flight (Streaming DiLoCo's delay) is merged into the final model.
+    ``timing`` splits the wall time as accuracy.py's records do."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from _model import build_fsdp_gpt, hsdp_mesh
-    from accuracy import _lr, _val_loss
+    from accuracy import Evaluations, _lr
 
     import fsdp_qcomm
-    from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
+    from fsdp_qcomm.diloco import DiLoCo
 
     row = rows_of(a)[label]
     t0 = time.perf_counter()
+    timing = {"setup_s": 0.0, "train_s": 0.0, "eval_sampled_s": 0.0, "eval_full_s": 0.0}
     mesh = hsdp_mesh(a.ranks_per_node)
     handle = diloco = None
     if row.diloco is None:
@@ -162,10 +229,13 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
         handle = fsdp_qcomm.enable(model, cfg)
     else:
         model = build_fsdp_gpt(shape, seed, mesh["shard"])
-        diloco = DiLoCo(model, DiLoCoConfig(seed=seed, **row.diloco), replicas=mesh)
+        diloco = DiLoCo(model, row.config(seed), replicas=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    train, val = [], []
+    train = []
+    evals = Evaluations(a, data, shape, rank, world, timing)
+    timing["setup_s"] = time.perf_counter() - t0
     for step in range(a.steps):
+        t1 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = _lr(step, a)
         x, y = data.batch("train", a.batch, a.seq, seed, step, rank)
@@ -175,21 +245,22 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
         opt.zero_grad(set_to_none=True)
         if diloco is not None:
             diloco.step()
+            if step + 1 == a.steps:
+                diloco.finish()  # the end of training: merge an all-reduce still in flight
         lt = loss.detach().clone()
         dist.all_reduce(lt)
         train.append(lt.item() / world)
-        if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
+        timing["train_s"] += time.perf_counter() - t1
+        if evals.due(step + 1):
             if diloco is not None:
                 with diloco.global_weights():
-                    val.append((step + 1, _val_loss(model, data, a, rank, shape)))
+                    shown = evals.run(step + 1, model)
             else:
-                val.append((step + 1, _val_loss(model, data, a, rank, shape)))
+                shown = evals.run(step + 1, model)
             if rank == 0:
                 print(f"  [{label} seed {seed}] step {step + 1}/{a.steps}: train "
-                      f"{train[-1]:.4f} val {val[-1][1]:.4f} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                      f"{train[-1]:.4f}{shown} ({time.perf_counter() - t0:.0f} s)", flush=True)
     if diloco is not None:
-        diloco.finish()
         st = diloco.stats()
         s = st["summary"]
         per_step = s["outer_cross_node_bytes_per_inner_step"]
@@ -208,10 +279,10 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
     lo, hi = b.clone(), b.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    return {"train": train, "val": val, "final_val": val[-1][1],
-            "cross_node_bytes_per_step": per_step,
+    return {"train": train, **evals.record(), "cross_node_bytes_per_step": per_step,
             "cross_node_bytes_per_step_range": [lo.item(), hi.item()],
-            "seconds": time.perf_counter() - t0, **extra}
+            "seconds": time.perf_counter() - t0,
+            "timing": {k: round(v, 2) for k, v in timing.items()}, **extra}
 
 
 def _train_all(rank: int, world: int, a, store: RunStore, todo: list) -> None:
@@ -220,10 +291,13 @@ def _train_all(rank: int, world: int, a, store: RunStore, todo: list) -> None:
     data = CharData(a.data)
     shape = GPTShape(data.vocab, a.dim, a.layers, a.heads, a.seq)
     for label, seed in todo:
+        clock = _provenance.RunClock() if rank == 0 else None
         rec = _train_one(rank, world, a, data, shape, label, seed)
         rec["params"], rec["vocab"] = shape.params(), data.vocab
+        if clock is not None:
+            rec["provenance"] = clock.done()
         if rank == 0:
-            store.save(label, seed, asdict(rows_of(a)[label]), rec)
+            store.save(label, seed, _row(label, rows_of(a)), rec)
             print(f"{label} seed {seed}: final val loss {rec['final_val']:.5f}, "
                   f"{rec['cross_node_bytes_per_step']:.0f} node-crossing bytes/step in "
                   f"{rec['seconds']:.0f} s", flush=True)
@@ -240,7 +314,15 @@ def _loss_within(run: dict, budget: float) -> Optional[tuple[int, float]]:
 
 
 def _report(a, stored: dict) -> tuple[str, dict]:
-    base = {s: r["final_val"] for s, r in stored.get(BASELINE, {}).get("runs", {}).items()}
+    """The table and the per-row summary. A run's score is accuracy.py's (``score``: the mean
+    of its last ``--tail`` evaluations, on the whole held-out split when every run has it);
+    the gap to HSDP is paired by seed, and its 95% interval gives the verdict at DiLoCo's
+    tolerance (``CLAIM_PCT``, +1.0%: ``_seeds.verdict``)."""
+    from accuracy import score, score_name
+
+    full = all("val_full" in r for e in stored.values() for r in e["runs"].values())
+    base = {s: score(r, a.tail, full)
+            for s, r in stored.get(BASELINE, {}).get("runs", {}).items()}
     ref = stored.get(REFERENCE, {}).get("runs", {})
     ref_bytes = next(iter(ref.values()))["cross_node_bytes_per_step"] if ref else None
     budget_runs = stored.get(a.budget_row, {}).get("runs", {})
@@ -249,16 +331,17 @@ def _report(a, stored: dict) -> tuple[str, dict]:
         r0 = next(iter(budget_runs.values()))
         budget = r0["cross_node_bytes_per_step"] * a.steps
     lines = [
-        "| row | setting | seeds | final val loss (mean ± sd) | vs HSDP, paired | 95% interval "
-        "| node-crossing bytes / step / rank | fewer than HSDP + sdp4bit | val loss at equal "
-        "bytes (step) |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        f"| row | setting | seeds | score (mean ± sd) | vs HSDP, paired (mean ± sd) | 95% "
+        f"interval | verdict (+{CLAIM_PCT}%) | node-crossing bytes / step / rank | fewer than "
+        "HSDP + sdp4bit | val loss at equal bytes (step) | train s / step (shared CPU) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     summary = {}
-    rows = rows_of(a)
-    for label in [k for k in rows if k in stored]:
+    known = rows_of(a)
+    for label in [k for k in known if k in stored] + sorted(k for k in stored if k not in known):
         runs = stored[label]["runs"]
-        final = {s: r["final_val"] for s, r in sorted(runs.items())}
+        final = {s: score(r, a.tail, full) for s, r in sorted(runs.items())}
         gap = None if label == BASELINE else paired_gap_pct(final, base)
+        word = None if label == BASELINE else verdict(gap, CLAIM_PCT)
         per = [r["cross_node_bytes_per_step"] for r in runs.values()]
         fewer = ref_bytes / per[0] if ref_bytes and per[0] else None
         eq = None
@@ -266,23 +349,31 @@ def _report(a, stored: dict) -> tuple[str, dict]:
             pts = [_loss_within(r, budget) for r in runs.values()]
             if all(p is not None for p in pts):
                 eq = (sum(p[1] for p in pts) / len(pts), pts[0][0])
+        timed = [r["timing"]["train_s"] / a.steps for r in runs.values() if "timing" in r]
+        per_step_s = sum(timed) / len(timed) if timed else None
         summary[label] = {"row": stored[label]["row"], "seeds": sorted(final),
-                          "final_val": final, "final_val_spread": spread(
-                              list(final.values())).as_dict(),
+                          "score": score_name(a.tail, full), "final_val": final,
+                          "final_val_spread": spread(list(final.values())).as_dict(),
                           "gap_pct_vs_hsdp": None if gap is None else gap.as_dict(),
-                          "cross_node_bytes_per_step": per[0],
-                          "times_fewer_than_sdp4bit": fewer, "loss_at_equal_bytes": eq}
-        row = rows[label]
+                          "verdict": word, "cross_node_bytes_per_step": per[0],
+                          "times_fewer_than_sdp4bit": fewer, "loss_at_equal_bytes": eq,
+                          "train_s_per_step": per_step_s}
+        row = Row(**stored[label]["row"])
         lines.append(
             f"| {label} | {row.describe()} | {len(final)} | "
             f"{fmt_spread(spread(list(final.values())))} | "
             f"{'-' if gap is None else fmt_spread(gap, 2, '%')} | "
-            f"{'-' if gap is None else fmt_verdict(gap)} | {per[0]:,.0f} | "
+            f"{'-' if gap is None else fmt_interval(gap)} | {word or '-'} | {per[0]:,.0f} | "
             f"{'-' if fewer is None else f'{fewer:.1f}x'} | "
-            f"{'before the first evaluation' if eq is None else f'{eq[0]:.4f} ({eq[1]})'} |")
-    head = (f"Equal bytes: the node-crossing bytes {a.budget_row!r} sends in {a.steps} steps "
+            f"{'before the first evaluation' if eq is None else f'{eq[0]:.4f} ({eq[1]})'} | "
+            f"{'-' if per_step_s is None else f'{per_step_s:.3f}'} |")
+    head = (f"Score of a run: {score_name(a.tail, full)}. Verdict: \"{within(CLAIM_PCT)}\" when "
+            f"the upper bound of the paired 95% interval of the gap to HSDP is at most "
+            f"+{CLAIM_PCT}%, \"worse\" when its lower bound is above 0, else \"undecided\" "
+            "(_seeds.verdict).\n\n"
+            f"Equal bytes: the node-crossing bytes {a.budget_row!r} sends in {a.steps} steps "
             f"({'-' if budget is None else f'{budget:,.0f}'} per rank); each row's last "
-            "evaluation within that total.")
+            "sampled evaluation within that total.")
     return "\n".join(lines) + "\n\n" + head + "\n", summary
 
 
@@ -318,7 +409,7 @@ def main(argv=None) -> int:
     try:
         todo = [] if a.report_only else [
             (label, s) for s in seed_list(a.seed, a.seeds) for label in a.rows
-            if a.fresh or store.load(label, s, asdict(ROWS[label])) is None]
+            if a.fresh or store.load(label, s, _row(label)) is None]
         store.all()
     except SetupMismatch as e:
         print(f"diloco: {e}", file=sys.stderr)

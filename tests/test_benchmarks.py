@@ -54,6 +54,58 @@ def test_cluster_rows_give_speedup_and_bytes_against_each_fsdp2_baseline_measure
     assert set(cluster_speed.USER_SCHEMES.split(",")) <= set(cluster_speed.SCHEMES)
 
 
+def test_cluster_diloco_rows_build_their_configs_and_time_whole_outer_periods():
+    from fsdp_qcomm.diloco import DiLoCoConfig
+
+    a = cluster_speed._args(["--schemes", "diloco-set"])
+    assert a.schemes == ["hsdp", "hsdp_sdp4bit", "diloco_h8", "diloco_h32", "streaming_h32_f2d1"]
+    cfg = {label: cluster_speed.diloco_row(label).config(a.seed) for label in cluster_speed.DILOCO}
+    assert all(isinstance(c, DiLoCoConfig) and c.seed == a.seed for c in cfg.values())
+    assert (cfg["diloco_h8"].sync_every, cfg["diloco_h32"].sync_every) == (8, 32)
+    s = cfg["streaming_h32_f2d1"]
+    assert (s.sync_every, s.fragments, s.delay, s.bits) == (32, 2, 1, 4)
+    for label, c in cfg.items():
+        assert cluster_speed.SCHEMES[label][1] == "diloco"
+        # the default window is whole outer periods, at least 2 outer steps of every row
+        assert a.diloco_steps % c.sync_every == 0 and a.diloco_steps // c.sync_every >= 2
+    with pytest.raises(SystemExit):  # 48 steps are 1.5 outer periods of H=32
+        cluster_speed._args(["--schemes", "diloco_h32", "--diloco-steps", "48"])
+    with pytest.raises(SystemExit):  # launched after warm-up step 16, merged inside the window
+        cluster_speed._args(["--schemes", "streaming_h32_f2d1", "--warmup", "16"])
+
+
+def test_cluster_diloco_row_counts_its_outer_sync_once_per_period():
+    def rank(steps, cpu):
+        n = len(steps)
+        return {"steps": steps, "cpu": cpu, "comm_in_hook": [0.0] * n,
+                "comm_outside": [0.0] * n, "hook": [0.0] * n, "comm_by": [{}] * n,
+                "stats": {"outer_allreduce": {"calls": 1, "sent_bytes": 800}},
+                "veth_tx": 8e6, "veth_rx": 8e6, "pg_bytes_outside": {}, "gather_modes": None,
+                "numel": 10, "shard_numel": 5, "outer_steps": 2}
+
+    # H = 8, two outer periods: the sync step is the slow one
+    ranks = [rank(([0.1] * 7 + [0.9]) * 2, ([0.05] * 7 + [0.25]) * 2) for _ in range(4)]
+    s = cluster_speed._summarize(ranks, 16, period=8)
+    assert s["median_step_s"] == pytest.approx(0.2)  # (7 x 0.1 + 0.9) / 8: the sync amortized
+    assert s["median_inner_step_s"] == pytest.approx(0.1)
+    assert (s["period_steps"], s["outer_steps"]) == (8, 2)
+    assert s["cpu_all_ranks_s"] == pytest.approx(4 * 0.075)
+    assert s["stats_per_step_all_ranks"]["outer_allreduce"]["sent_bytes"] == 4 * 800 / 16
+    # a per-step row (period 1) is the median over steps, as before: the sync left out
+    assert cluster_speed._summarize(ranks, 16)["median_step_s"] == pytest.approx(0.1)
+    hsdp = {"median_step_s": 0.4, "comm_s": 0.1, "quant_s": 0.0, "rest_s": 0.3,
+            "link_bytes_per_step": 8e7, "link_busier_direction_bytes_per_step": 4e7,
+            "cpu_all_ranks_s": 0.8}
+    table = cluster_speed._tables({"cores": 2, "rates": {"1gbit": {"schemes": {
+        "hsdp": hsdp, "diloco_h8": s}}}})
+    line = next(ln for ln in table.splitlines() if ln.startswith("| diloco_h8"))
+    assert "(H=8, 2 outer steps timed; median inner step 0.100 s) | 0.200 | 2.00x / - / - |" \
+        in line  # against the HSDP baselines
+    # link: 4 x 8 MB over 16 steps, 0.025 of HSDP's; floor: CPU 0.3 / 2 cores > link 0.004 s
+    assert "| 2.00 | 0.025 / - / - |" in line
+    assert line.endswith("| 0.300 | 0.150 | 0.004 | 0.150 | 1.33 |"), line
+
+
 def test_missing_data_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="--data"):
         _model.CharData(str(tmp_path / "nope.txt"))
@@ -242,6 +294,11 @@ def test_verdict_thresholds_are_the_named_constants():
     on_zero = _seeds.Spread(3, 0.6, 0.0, 0.6)
     assert _seeds.verdict(on_zero) == _seeds.UNDECIDED
     assert _seeds.verdict(None) == _seeds.UNDECIDED
+    # another tolerance is a parameter (DiLoCo's +1.0%), not a second copy of the rule
+    wider = _seeds.Spread(3, 0.5, 0.0, 0.5)  # [+0.00, +1.00]
+    assert _seeds.verdict(wider) == _seeds.UNDECIDED
+    assert _seeds.verdict(wider, claim_pct=1.0) == _seeds.within(1.0) == "within +1.0%"
+    assert _seeds.verdict(_seeds.Spread(3, 1.5, 0.0, 0.3), claim_pct=1.0) == _seeds.WORSE
     assert _seeds.fmt_interval(_seeds.Spread(3, 0.4, 0.0, 0.1)) == "[+0.30, +0.50]%"
     assert _seeds.fmt_interval(_seeds.spread([1.0])) == "1 seed"
 
@@ -303,6 +360,32 @@ def test_frontier_reuses_a_run_only_when_it_is_the_same_computation(tmp_path):
     # the unquantized row of seed 1235 is the same computation as seed 1234's: not retrained
     assert accuracy._pending(fixed, mine) == [("SDP4Bit", 1235)]
     assert mine.load("baseline", 1235, accuracy._row("baseline"))["same_as_seed"] == 1234
+
+
+def test_diloco_report_scores_like_accuracy_and_judges_at_one_percent(tmp_path):
+    import diloco
+
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    a = diloco._args(["--data", str(data), "--steps", "64", "--eval-every", "32", "--eval-full",
+                      "--full-last", "2", "--tail", "2", "--out", str(tmp_path / "out"),
+                      "--budget-row", "DiLoCo H32 4b"])
+    store = _seeds.RunStore(tmp_path / "out", diloco.setup_of(a))
+    assert store.setup["eval_full"] and store.setup["full_last"] == 2
+    gaps = {"DiLoCo H32 4b": (0.6, 0.7, 0.8), "DiLoCo H8 4b": (3.0, 3.5, 4.0)}
+    for i, seed in enumerate((1, 2, 3)):
+        for label, g in (("HSDP", None), *gaps.items()):
+            v = 2.0 * (1 + (g[i] if g else 0.0) / 100)
+            store.save(label, seed, diloco._row(label), {
+                "train": [3.0] * 64, "val": [[32, 9.0], [64, 9.0]], "final_val": 9.0,
+                "val_full": [[32, v], [64, v]], "cross_node_bytes_per_step": 100.0,
+                "seconds": 1.0, "timing": {"train_s": 6.4}, "params": 1000, "vocab": 20})
+    md = diloco.write_report(a, store)
+    rows = {ln.split(" | ")[0][2:]: ln for ln in md.splitlines() if ln.startswith("| ")}
+    # scored on the whole split (the sampled 9.0 is not read): H32 +0.70% [+0.45, +0.95]
+    assert "| +0.70% ± 0.10% | [+0.45, +0.95]% | within +1.0% |" in rows["DiLoCo H32 4b"]
+    assert "| worse |" in rows["DiLoCo H8 4b"] and rows["HSDP"].endswith("| 0.100 |")
+    assert "mean of the last 2 evaluations on the whole held-out split" in md
 
 
 def test_diloco_benchmark_gives_accuracy_its_schedule_arguments():

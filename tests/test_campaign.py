@@ -89,6 +89,86 @@ def test_jobs_run_seed_by_seed_and_bad_files_name_the_fix(tmp_path, data):
             "redefines a built-in row")
 
 
+def _diloco_campaign(tmp_path: Path, data: Path) -> Path:
+    """benchmarks/campaigns/diloco.toml with its store and its data under tmp_path: the test
+    reads no results folder and needs no tinyshakespeare."""
+    text = (BENCH / "campaigns" / "diloco.toml").read_text()
+    text = text.replace('out = "results/diloco_640"', f'out = "{tmp_path / "out"}"')
+    text = text.replace('args = ["--steps"', f'args = ["--data", "{data}", "--steps"')
+    assert str(tmp_path / "out") in text and str(data) in text
+    p = tmp_path / "diloco.toml"
+    p.write_text(text)
+    return p
+
+
+def test_the_diloco_campaign_parses_and_plans_without_training(tmp_path, data, capsys):
+    c = _diloco_campaign(tmp_path, data)
+    workloads, rows, jobs = campaign.load(c)
+    # the verdict job names the sweep's seeds of HSDP and of the lr 0.7 rows again: once each
+    assert len(jobs) == len(set(jobs)) == 56
+    # (a) the sweep and the momentum check come first (--max-runs 22), then (b) the verdicts
+    assert all(j.note.startswith("(a)") for j in jobs[:22])
+    assert all(j.note.startswith("(b)") for j in jobs[22:])
+    assert {j.seed for j in jobs[:22]} == {1234, 1235}
+    assert {j.seed for j in jobs[22:]} == set(range(1234, 1239))
+    kind = campaign._Kind(workloads["dl640"], rows)
+    kind.check_rows()
+    a = kind.a
+    # H = 32 makes at least 20 outer steps; every evaluation follows an outer step of every H;
+    # scored like the accuracy workload: the mean of the last 3 whole-split evaluations
+    assert a.steps // 32 >= 20 and a.steps % 32 == 0 and a.eval_every % 32 == 0
+    assert (a.eval_full, a.full_last, a.tail) == (True, 3, 3)
+    assert a.budget_row in a.row_defs
+    lrs = {a.row_defs[r].config(0).outer_lr for r in a.row_defs if r.startswith("DiLoCo H32 4b")}
+    assert lrs == {0.3, 0.5, 0.7, 1.0}
+    assert campaign.main([str(c), "--plan"]) == 0
+    assert "56 job(s), 0 stored, 56 to train" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # planned: nothing trained, nothing written
+
+
+def test_diloco_rows_of_a_campaign_carry_their_outer_settings_to_the_config(tmp_path, data):
+    import diloco
+
+    head = f"""
+        [workloads.d]
+        kind = "diloco"
+        out = "{tmp_path / 'out'}"
+        args = ["--data", "{data}", "--steps", "64", "--eval-every", "32"]
+        """
+    jobs = """
+        [[jobs]]
+        workload = "d"
+        rows = ["HSDP", "{label}"]
+        seeds = [3]
+        """
+    good = _campaign(tmp_path, head + """
+        [rows."H16 lr0.5 m0.8"]
+        diloco = { sync_every = 16, bits = 4, outer_lr = 0.5, outer_momentum = 0.8 }
+        """ + jobs.replace("{label}", "H16 lr0.5 m0.8"))
+    w, r, _ = campaign.load(good)
+    kind = campaign._Kind(w["d"], r)
+    kind.check_rows()
+    row = diloco.rows_of(kind.a)["H16 lr0.5 m0.8"]  # what the ranks read (a travels to them)
+    cfg = row.config(3)
+    assert (cfg.sync_every, cfg.bits, cfg.outer_lr, cfg.outer_momentum, cfg.seed) == \
+        (16, 4, 0.5, 0.8, 3)
+    assert kind.row("H16 lr0.5 m0.8")["diloco"]["outer_lr"] == 0.5  # stored with its runs
+    assert row.describe() == "DiLoCo H=16, 4-bit outer, outer lr 0.5, momentum 0.8"
+
+    def refused(fields: str, label: str, match: str) -> None:
+        bad = _campaign(tmp_path, head + f'[rows."{label}"]\ndiloco = {{ {fields} }}\n'
+                        + jobs.replace("{label}", label))
+        with pytest.raises(campaign.CampaignError, match=match):
+            w, r, _ = campaign.load(bad)
+            campaign._Kind(w["d"], r).check_rows()
+
+    # before anything trains: a typo, the run's seed set by the row, a config that cannot be
+    refused("sync_every = 16, outer_lrr = 0.5", "typo", r"unknown DiLoCoConfig field\(s\) "
+            r"\['outer_lrr'\]")
+    refused("sync_every = 16, seed = 1", "seeded", "seed is the run's seed")
+    refused("sync_every = 16, outer_momentum = 1.0", "m1", "outer_momentum=1.0 must be in")
+
+
 def test_pending_runs_train_once_each_with_provenance_and_tables(tmp_path, data):
     out = tmp_path / "out"
     args = json.dumps([*TINY, "--data", str(data), "--scored-evals-only"])
@@ -117,6 +197,41 @@ def test_pending_runs_train_once_each_with_provenance_and_tables(tmp_path, data)
     mtime = (stored / "SDP4Bit__seed5.json").stat().st_mtime_ns
     assert campaign.main([str(c)]) == 0  # resumed: nothing left to train
     assert (stored / "SDP4Bit__seed5.json").stat().st_mtime_ns == mtime
+
+
+def test_a_diloco_campaign_trains_scores_and_stores_its_runs(tmp_path, data):
+    """diloco.py's loop through the campaign runner (4 ranks as 2 x 2): accuracy.py's
+    evaluations on the replicas' shared weights (only the scored ones here), the last after
+    finish() (Streaming's in-flight fragment merged), each run's provenance and timing, and
+    the table's +1.0% verdict column."""
+    out = tmp_path / "out"
+    args = json.dumps(["--data", str(data), "--dim", "16", "--layers", "1", "--heads", "2",
+                       "--seq", "16", "--batch", "2", "--steps", "8", "--warmup", "2",
+                       "--eval-every", "4", "--eval-batches", "1", "--eval-full",
+                       "--full-last", "2", "--tail", "2", "--scored-evals-only",
+                       "--budget-row", "Streaming H4 F2 d1"])
+    c = _campaign(tmp_path, f"""
+        [workloads.d]
+        kind = "diloco"
+        out = "{out}"
+        args = {args}
+        [rows."Streaming H4 F2 d1"]
+        diloco = {{ sync_every = 4, bits = 4, fragments = 2, delay = 1, outer_lr = 0.5 }}
+        [[jobs]]
+        workload = "d"
+        rows = ["HSDP", "Streaming H4 F2 d1"]
+        seeds = [5]
+        """)
+    assert campaign.main([str(c)]) == 0
+    stored = _seeds.RunStore(out, {}).dir
+    rec = json.loads((stored / "Streaming_H4_F2_d1__seed5.json").read_text())["record"]
+    assert rec["provenance"]["git_commit"] and rec["timing"]["train_s"] > 0
+    assert [s for s, _ in rec["val"]] == [4, 8] and [s for s, _ in rec["val_full"]] == [4, 8]
+    # syncs after steps 2, 4, 6 and 8; the last one's merge (due after step 9) by finish()
+    assert rec["outer_steps"] == 4
+    table = (out / "table.md").read_text()
+    assert "| Streaming H4 F2 d1 | DiLoCo H=4, 4-bit outer, 2 fragments, delay 1, outer lr " \
+        "0.5 | 1 |" in table and "verdict (+1.0%)" in table
 
 
 def _train_rows(rank: int, world: int, a, rows: list[str]) -> list[dict]:
