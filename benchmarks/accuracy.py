@@ -161,14 +161,18 @@ def _args(argv=None) -> argparse.Namespace:
                     help="with --experts: P expert sets, set e on the ranks in position e of "
                          "each group of P inside a node, sharded over those ranks (their own "
                          "FSDP mesh); P must divide --ranks-per-node")
-    ap.add_argument("--schemes", default=",".join(SCHEMES),
-                    help="comma-separated subset of: " + ", ".join(SCHEMES))
+    ap.add_argument("--schemes", default=None,
+                    help="comma-separated subset of: " + ", ".join(SCHEMES) + " (default: all; "
+                         "with --expert-parallel, all but the HSDP rows)")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "accuracy"))
     ap.add_argument("--fresh", action="store_true",
                     help="recompute the requested runs even if --out holds them")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: rebuild the table from the runs stored in --out")
     a = ap.parse_args(argv)
+    if a.schemes is None:
+        a.schemes = ",".join(k for k, v in SCHEMES.items() if not (v.hsdp
+                                                                  and a.expert_parallel > 1))
     a.schemes = [s.strip() for s in a.schemes.split(",") if s.strip()]
     bad = [s for s in a.schemes if s not in SCHEMES]
     if bad:
@@ -396,10 +400,12 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
 #: what the traffic record calls the parameter groups: those on the model's own mesh, and the
 #: stats tag of the MoE experts' mesh (``_model.EXPERT_DIM``); a group on another mesh keeps its tag
 GROUPS = {"": "dense", "edp": "expert"}
-#: the record's kinds of traffic, by ``comm_stats`` collective: the weight gather (both hops of a
-#: node-sharded qWD reference), the gradient reduction (HSDP's replica all-reduce included), and
-#: what neither is (agreement codes, level tables)
-TRAFFIC_KINDS = {"weight": "weight", "weight_intra": "weight", "grad": "grad", "replica": "grad"}
+#: the record's kinds of traffic, by ``comm_stats`` collective: the weight gather, the second hop
+#: of a node-sharded qWD reference's gather (fp32 slices inside a node; FSDP2 has no such hop),
+#: the gradient reduction (HSDP's replica all-reduce included), and what none is (agreement
+#: codes, level tables)
+TRAFFIC_KINDS = {"weight": "weight", "weight_intra": "weight_intra", "grad": "grad",
+                 "replica": "grad"}
 
 
 def _counters(handle) -> dict[str, dict[str, int]]:
@@ -497,7 +503,10 @@ TRAFFIC_ROWS = {("dense", "weight"): "dense weight gather",
                 ("dense", "grad"): "dense gradient reduction",
                 ("expert", "weight"): "expert weight gather",
                 ("expert", "grad"): "expert gradient reduction"}
-_OTHER = "other (agreement codes, level tables)"
+#: labels of the kinds beyond TRAFFIC_ROWS' (after the group's name)
+_KIND_LABELS = {"weight_intra": "weight gather's hop inside a node (fp32 slices of the "
+                                "node-sharded qWD reference)",
+                "other": "other (agreement codes, level tables)"}
 _EMPTY = {"sent": 0.0, "baseline": 0.0, "cross_node": 0.0}
 
 
@@ -546,7 +555,7 @@ def traffic_table(a: argparse.Namespace, label: str, row: Scheme,
     lines = [f"| traffic | FSDP2 fp32 bytes/step | {label} bytes/step | ratio | FSDP2 fp32 "
              f"node-crossing | {label} node-crossing | ratio |", "|---|---|---|---|---|---|---|"]
     rows = dict(TRAFFIC_ROWS)
-    rows.update({k: f"{k[0]} {_OTHER if k[1] == 'other' else k[1]}" for k in sorted(mean)
+    rows.update({k: f"{k[0]} {_KIND_LABELS.get(k[1], k[1])}" for k in sorted(mean)
                  if k not in rows})
     total = dict(_EMPTY, fsdp2_cross=0.0)
     for key, name in rows.items():
@@ -589,8 +598,8 @@ def traffic_md(a: argparse.Namespace, stored: dict[str, Any]) -> Optional[str]:
         "Rank 0's counters (the ranks of a group send alike), per training step, counting the "
         "steps that follow no evaluation (an evaluation's forwards gather too; under qWD they "
         "send the weight change the next training forward would have). Bytes/step: what the "
-        "hooks hand to the process group (the dense weight gather includes the node-sharded qWD "
-        "reference's fp32 hop inside a node); node-crossing: the part addressed to other nodes. "
+        "hooks hand to the process group (a gather's input, a reduce-scatter's rows); "
+        "node-crossing: the part addressed to other nodes, what the slow link carries. "
         "FSDP2 fp32: what FSDP2's own collective is handed for the same calls (the hooks' "
         "`baseline_bytes`); the baseline row runs FSDP2's collectives without hooks, so it "
         "counts nothing itself. FSDP2's node-crossing bytes by the library's convention (a "
