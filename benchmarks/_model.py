@@ -100,7 +100,7 @@ class _Experts(nn.Module):
 
 class _MoE(nn.Module):
     """Top-k routing over this rank's experts: softmax of a linear router, the k largest gates
-    renormalized to sum to 1, the others 0 (``topk`` breaks ties by index: deterministic). Every
+    renormalized to sum to 1, the others 0 (deterministic: ``topk`` on CPU). Every
     expert runs on every token (a tiny model on CPU: simpler than gathering tokens per expert,
     the same result); only the routed ones count in the output and get gradients."""
 
