@@ -24,6 +24,14 @@ Rows are ``SCHEMES`` entries: a label, a ``QCommConfig`` preset (None: FSDP's ow
 field overrides and the mesh (``hsdp=True``: shard inside a node, replicate across nodes,
 ``_model.hsdp_mesh``). Adding a row is one line, e.g.
 ``"SDP4Bit HSDP 2x2": Scheme("sdp4bit", hsdp=True)``.
+
+``--experts E --expert-parallel P`` trains the mixture-of-experts flavour of the model
+(``_model``: E experts per rank in every block; with P > 1 the rank in position e of each group
+of P holds expert set e, sharded over the ranks of that set, the dense weights over all ranks).
+Each rank evaluates with its own experts and every score is the mean over the ranks, so each
+expert set counts equally. Every hooked run records the bytes per training step of each kind of
+traffic, dense and expert groups apart (``traffic``); ``DIR/bytes.md`` tabulates them for MoE
+stores (``write_traffic``).
 """
 
 from __future__ import annotations
@@ -94,7 +102,8 @@ _SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "warmup"
                "eval_batches", "val_seed", "world", "ranks_per_node")
 # added later: part of the setup only when not at their default, so stores made before they
 # existed stay valid
-_SETUP_ARGS_NEW = {"fix": [], "eval_full": False, "full_last": 0, "lr_final": 0.1, "bpe": 0}
+_SETUP_ARGS_NEW = {"fix": [], "eval_full": False, "full_last": 0, "lr_final": 0.1, "bpe": 0,
+                   "experts": 0, "expert_parallel": 1}
 #: the parts of a run that its seed sets, each of which ``--fix`` can hold at ``--seed``
 SEED_PARTS = ("init", "data", "quant")
 
@@ -163,14 +172,25 @@ def _args(argv=None) -> argparse.Namespace:
                          "characters")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--ranks-per-node", type=int, default=2)
-    ap.add_argument("--schemes", default=",".join(SCHEMES),
-                    help="comma-separated subset of: " + ", ".join(SCHEMES))
+    ap.add_argument("--experts", type=int, default=0, metavar="E",
+                    help="mixture of experts: E experts per rank in every block, top-2 routed, "
+                         "hidden 4*dim/E each (0: the dense MLP)")
+    ap.add_argument("--expert-parallel", type=int, default=1, metavar="P",
+                    help="with --experts: P expert sets, set e on the ranks in position e of "
+                         "each group of P inside a node, sharded over those ranks (their own "
+                         "FSDP mesh); P must divide --ranks-per-node")
+    ap.add_argument("--schemes", default=None,
+                    help="comma-separated subset of: " + ", ".join(SCHEMES) + " (default: all; "
+                         "with --expert-parallel, all but the HSDP rows)")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "accuracy"))
     ap.add_argument("--fresh", action="store_true",
                     help="recompute the requested runs even if --out holds them")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: rebuild the table from the runs stored in --out")
     a = ap.parse_args(argv)
+    if a.schemes is None:
+        a.schemes = ",".join(k for k, v in SCHEMES.items() if not (v.hsdp
+                                                                  and a.expert_parallel > 1))
     a.schemes = [s.strip() for s in a.schemes.split(",") if s.strip()]
     bad = [s for s in a.schemes if s not in SCHEMES]
     if bad:
@@ -185,7 +205,39 @@ def _args(argv=None) -> argparse.Namespace:
         ap.error(f"--fix {a.fix}: choose from {', '.join(SEED_PARTS)}")
     if a.bpe and a.data:
         ap.error("--bpe and --data exclude each other")
+    _check_experts(ap, a)
     return a
+
+
+def _check_experts(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The MoE options make a model and a layout that exist, before any rank starts."""
+    if a.experts < 0 or a.expert_parallel < 1:
+        ap.error(f"--experts {a.experts} must be >= 0 and --expert-parallel "
+                 f"{a.expert_parallel} >= 1")
+    if a.experts and (4 * a.dim) % a.experts:
+        ap.error(f"--experts {a.experts} must divide 4 * --dim = {4 * a.dim} (each expert's "
+                 "hidden width)")
+    if a.expert_parallel > 1:
+        if not a.experts:
+            ap.error("--expert-parallel needs --experts")
+        from _model import check_expert_layout
+
+        try:
+            check_expert_layout(a.world, a.ranks_per_node, a.expert_parallel)
+        except ValueError as e:
+            ap.error(str(e))
+        hsdp = [s for s in a.schemes if SCHEMES[s].hsdp]
+        if hsdp:
+            ap.error(f"rows {hsdp} use an HSDP mesh, which --expert-parallel does not combine "
+                     "with (the dense weights shard over every rank)")
+
+
+def shape_of(a: argparse.Namespace, vocab: int):
+    """The run's model shape (``_model.GPTShape``)."""
+    from _model import GPTShape
+
+    return GPTShape(vocab, a.dim, a.layers, a.heads, a.seq, experts=a.experts,
+                    expert_parallel=a.expert_parallel)
 
 
 def load_data(a: argparse.Namespace):
@@ -218,7 +270,8 @@ def _lr(step: int, a: argparse.Namespace) -> float:
 
 def _val_loss(model, data, a, rank: int, shape) -> float:
     """Mean loss on ``eval_batches`` held-out batches per rank, the same batches for every
-    scheme and seed (``--val-seed``): seeds vary the training, not the yardstick."""
+    scheme and seed (``--val-seed``): seeds vary the training, not the yardstick. The mean is
+    over every rank: with experts, each rank's own expert set, every set on as many ranks."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -239,28 +292,34 @@ def _evals_left(step: int, a: argparse.Namespace) -> int:
     return sum(1 for s in later if s % a.eval_every == 0 or s == a.steps)
 
 
-def _full_val_loss(model, data, a, rank: int, world: int, seq: int):
-    """Mean loss over every non-overlapping window of the held-out split (rank r takes windows
-    r, r + world, ...), and the per-window losses (the same tensor on every rank)."""
+def _full_val_loss(model, data, a, rank: int, world: int, seq: int, expert_sets: int = 1):
+    """Mean loss over every non-overlapping window of the held-out split, and the per-window
+    losses (the same tensor on every rank). Rank r takes windows r, r + world, ...; with
+    ``expert_sets`` P > 1 (expert parallelism: rank r holds set r % P) every set evaluates the
+    whole split, over its world / P ranks, and both are means over the sets (each on as many
+    ranks): the model of every rank scored on every window."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     n = data.val_windows(seq)
-    per = torch.zeros(n, dtype=torch.float64)
-    mine = list(range(rank, n, world))
+    members = world // expert_sets
+    per = torch.zeros(expert_sets, n, dtype=torch.float64)
+    mine = list(range(rank // expert_sets, n, members))
     step = 64
     with torch.no_grad():
-        for i in range(0, -(-n // world), step):
+        for i in range(0, -(-n // members), step):
             # every rank runs the same number of forwards (FSDP gathers are collective)
             idx = mine[i:i + step] or [0]
             x, y = data.val_window(idx, seq)
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
             if mine[i:i + step]:
-                per[idx] = loss.view(len(idx), seq).mean(1).double()
+                per[rank % expert_sets, idx] = loss.view(len(idx), seq).mean(1).double()
     dist.all_reduce(per)
-    return per.mean().item(), per
+    if expert_sets == 1:  # the dense runs' computation, bit for bit
+        return per[0].mean().item(), per[0]
+    return per.mean().item(), per.mean(0)
 
 
 def _evaluates(step: int, a: argparse.Namespace) -> tuple[bool, bool]:
@@ -283,6 +342,8 @@ class Evaluations:
         self.val: list = []
         self.full: list = []
         self.windows = None
+        # expert parallelism: every expert set scores the whole split (_full_val_loss)
+        self.expert_sets = shape.expert_parallel if getattr(shape, "experts", 0) else 1
 
     def due(self, step: int) -> bool:
         """Whether any evaluation runs after ``step`` steps."""
@@ -299,7 +360,8 @@ class Evaluations:
         text = f" val {self.val[-1][1]:.4f}" if self.val else ""
         if whole:
             loss_full, self.windows = _full_val_loss(model, self.data, self.a, self.rank,
-                                                     self.world, self.shape.seq)
+                                                     self.world, self.shape.seq,
+                                                     self.expert_sets)
             self.full.append((step, loss_full))
             text += f" full {loss_full:.4f}"
         self.timing["eval_full_s"] += time.perf_counter() - t3
@@ -333,13 +395,15 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
     t0 = time.perf_counter()
     timing = {"setup_s": 0.0, "train_s": 0.0, "eval_sampled_s": 0.0, "eval_full_s": 0.0}
     model = build_fsdp_gpt(shape, seeds["init"],
-                           hsdp_mesh(a.ranks_per_node) if row.hsdp else None)
-    handle = None
+                           hsdp_mesh(a.ranks_per_node) if row.hsdp else None,
+                           ranks_per_node=a.ranks_per_node)
+    handle = traffic = None
     if row.preset is not None:
         cfg = fsdp_qcomm.QCommConfig.preset(
             row.preset, ranks_per_node=a.ranks_per_node, seed=seeds["quant"], **row.overrides
         )
         handle = fsdp_qcomm.enable(model, cfg)
+        traffic = StepTraffic(handle)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     train_curve = []
     evals = Evaluations(a, data, shape, rank, world, timing)
@@ -356,8 +420,12 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
         lt = loss.detach().clone()
         dist.all_reduce(lt)
         train_curve.append(lt.item() / world)
+        if traffic is not None:
+            traffic.step_done()
         timing["train_s"] += time.perf_counter() - t1
         if evals.due(step + 1):
+            if traffic is not None:
+                traffic.evaluated()
             shown = evals.run(step + 1, model)
             if rank == 0:
                 print(f"  [{label} seed {seed}] step {step + 1}/{a.steps}: train "
@@ -368,18 +436,86 @@ def _train_one(rank: int, world: int, a: argparse.Namespace, data, shape, label:
     if handle is not None:
         rec["stats"] = {k: v for k, v in handle.stats().items() if k != "notes"}
         rec["gather_modes"] = handle.gather_modes()
+        rec["traffic"] = traffic.record()
         handle.disable()
     return rec
+
+
+# ---- bytes per training step, per kind of traffic ------------------------------------------------
+#: what the traffic record calls the parameter groups: those on the model's own mesh, and the
+#: stats tag of the MoE experts' mesh (``_model.EXPERT_DIM``); a group on another mesh keeps its tag
+GROUPS = {"": "dense", "edp": "expert"}
+#: the record's kinds of traffic, by ``comm_stats`` collective: the weight gather, the second hop
+#: of a node-sharded qWD reference's gather (fp32 slices inside a node; FSDP2 has no such hop),
+#: the gradient reduction (HSDP's replica all-reduce included), and what none is (agreement
+#: codes, level tables)
+TRAFFIC_KINDS = {"weight": "weight", "weight_intra": "weight_intra", "grad": "grad",
+                 "replica": "grad"}
+
+
+def _counters(handle) -> dict[str, dict[str, int]]:
+    """The integer counters of ``handle.stats()``, per stats kind."""
+    from fsdp_qcomm.titan_common.comm_stats import NOT_KINDS
+
+    return {kind: {f: v for f, v in entry.items() if type(v) is int}
+            for kind, entry in handle.stats().items() if kind not in NOT_KINDS}
+
+
+class StepTraffic:
+    """The handle's counters summed over the training steps that follow no evaluation. An
+    evaluation's forwards gather too, and under qWD they send the weight change the next
+    training forward would have sent, so the evaluations and the step right after each are left
+    out: what is left is what a training step costs."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.last = _counters(handle)
+        self.clean = True
+        self.steps = 0
+        self.total: dict[str, dict[str, int]] = {}
+
+    def step_done(self) -> None:
+        now = _counters(self.handle)
+        if self.clean:
+            for kind, fields in now.items():
+                mine, before = self.total.setdefault(kind, {}), self.last.get(kind, {})
+                for f, v in fields.items():
+                    mine[f] = mine.get(f, 0) + v - before.get(f, 0)
+            self.steps += 1
+        self.last, self.clean = now, True
+
+    def evaluated(self) -> None:
+        self.clean = False
+
+    def record(self) -> dict[str, Any]:
+        """``{"steps": n, GROUP: {KIND: {"sent", "baseline", "cross_node"}}}``: bytes per
+        counted step this rank handed to the process group, what FSDP2's own collective would
+        have been handed for the same calls (fp32 here: ``baseline_bytes``), and the bytes sent
+        to other nodes. Groups: ``GROUPS``; kinds: ``TRAFFIC_KINDS``, else ``other``."""
+        from fsdp_qcomm.titan_common.comm_stats import collective_named, split_stats
+
+        out: dict[str, Any] = {"steps": self.steps}
+        for name, c in split_stats(self.total).items():
+            if name.startswith("kind:"):
+                continue
+            base, _, tag = name.partition(":")
+            kind = out.setdefault(GROUPS.get(tag, tag), {}).setdefault(
+                TRAFFIC_KINDS.get(base, "other"), {"sent": 0.0, "baseline": 0.0,
+                                                   "cross_node": 0.0})
+            per = 1 / max(1, self.steps)
+            kind["sent"] += c.get("sent", 0.0) * per
+            kind["cross_node"] += c.get("cross_node_bytes", 0.0) * per
+            if collective_named(name).counts_baseline:
+                kind["baseline"] += c.get("baseline", 0.0) * per
+        return out
 
 
 def _train_all(rank: int, world: int, a: argparse.Namespace, store: RunStore,
                todo: list) -> None:
     """Runs on every rank: each pending (scheme, seed) in turn; rank 0 stores each result as
     soon as it is done, so an interrupted sweep loses at most the run in progress."""
-    from _model import GPTShape
-
     data = load_data(a)
-    shape = GPTShape(data.vocab, a.dim, a.layers, a.heads, a.seq)
+    shape = shape_of(a, data.vocab)
     done: dict[tuple, dict] = {}
     for label, seed in todo:
         key = _effective(a, label, seed)
@@ -394,6 +530,8 @@ def _train_all(rank: int, world: int, a: argparse.Namespace, store: RunStore,
             done[key] = rec
         rec = {k: v for k, v in rec.items() if k != "_seed"}
         rec["params"], rec["vocab"] = shape.params(), data.vocab
+        if shape.experts:
+            rec["params_all_experts"] = shape.params_all_experts()
         if rank == 0:
             store.save(label, seed, _row(label, getattr(a, "row_defs", None)), rec)
             left = len(todo) - todo.index((label, seed)) - 1
@@ -403,6 +541,127 @@ def _train_all(rank: int, world: int, a: argparse.Namespace, store: RunStore,
                      if "same_as_seed" in rec else f" in {rec['seconds']:.0f} s")
                   + f"; {left} run(s) left, about {left * rec['seconds'] / 60:.0f} min",
                   flush=True)
+
+
+#: the rows of the bytes table: (group, kind of traffic) -> label
+TRAFFIC_ROWS = {("dense", "weight"): "dense weight gather",
+                ("dense", "grad"): "dense gradient reduction",
+                ("expert", "weight"): "expert weight gather",
+                ("expert", "grad"): "expert gradient reduction"}
+#: labels of the kinds beyond TRAFFIC_ROWS' (after the group's name)
+_KIND_LABELS = {"weight_intra": "weight gather's hop inside a node (fp32 slices of the "
+                                "node-sharded qWD reference)",
+                "other": "other (agreement codes, level tables)"}
+_EMPTY = {"sent": 0.0, "baseline": 0.0, "cross_node": 0.0}
+
+
+def _traffic_mean(runs: dict[int, dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (group, kind): the mean over a row's runs of their bytes per step."""
+    recs = [r["traffic"] for r in runs.values() if "traffic" in r]
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for t in recs:
+        for group, kinds in t.items():
+            if group == "steps":
+                continue
+            for kind, v in kinds.items():
+                mine = out.setdefault((group, kind), dict(_EMPTY))
+                for f in mine:
+                    mine[f] += v[f] / len(recs)
+    return out
+
+
+def _fsdp2_cross(a: argparse.Namespace, row: Scheme, group: str, kind: str,
+                 baseline: float) -> float:
+    """What FSDP2's own fp32 collective sends to other nodes, by the library's convention (a
+    gather sends the shard to each remote member, a reduce-scatter the remote members' rows),
+    for rank 0 of a flat layout (the dense group: every rank; the expert group: rank 0's set,
+    ``_model.expert_groups``). NaN where that does not apply (HSDP, another group)."""
+    from _model import expert_groups
+
+    if row.hsdp or group not in ("dense", "expert"):
+        return float("nan")
+    ranks = (list(range(a.world)) if group == "dense"
+             else expert_groups(a.world, a.ranks_per_node, a.expert_parallel)[0])
+    remote = sum(1 for r in ranks if r // a.ranks_per_node != 0)
+    if kind == "weight":
+        return baseline * remote
+    return baseline * remote / len(ranks) if kind == "grad" else 0.0
+
+
+def _ratio(x: float, base: float) -> str:
+    return f"{x / base:.3f}" if base else "-"
+
+
+def traffic_table(a: argparse.Namespace, label: str, row: Scheme,
+                  runs: dict[int, dict[str, Any]]) -> str:
+    """One hooked row's bytes per training step and rank, per kind of traffic, against FSDP2's
+    fp32 collectives for the same calls (``StepTraffic.record``)."""
+    mean = _traffic_mean(runs)
+    lines = [f"| traffic | FSDP2 fp32 bytes/step | {label} bytes/step | ratio | FSDP2 fp32 "
+             f"node-crossing | {label} node-crossing | ratio |", "|---|---|---|---|---|---|---|"]
+    rows = dict(TRAFFIC_ROWS)
+    rows.update({k: f"{k[0]} {_KIND_LABELS.get(k[1], k[1])}" for k in sorted(mean)
+                 if k not in rows})
+    total = dict(_EMPTY, fsdp2_cross=0.0)
+    for key, name in rows.items():
+        v = mean.get(key, _EMPTY)
+        cross = _fsdp2_cross(a, row, *key, v["baseline"])
+        for f in _EMPTY:
+            total[f] += v[f]
+        total["fsdp2_cross"] += cross
+        lines.append(_traffic_line(name, v, cross))
+    lines.append(_traffic_line("**total**", total, total["fsdp2_cross"]))
+    return "\n".join(lines)
+
+
+def _traffic_line(name: str, v: dict[str, float], fsdp2_cross: float) -> str:
+    known = fsdp2_cross == fsdp2_cross  # NaN: no convention for this layout
+    return (f"| {name} | {v['baseline']:,.0f} | {v['sent']:,.0f} | "
+            f"{_ratio(v['sent'], v['baseline'])} | "
+            f"{f'{fsdp2_cross:,.0f}' if known else '-'} | {v['cross_node']:,.0f} | "
+            f"{_ratio(v['cross_node'], fsdp2_cross) if known else '-'} |")
+
+
+def traffic_md(a: argparse.Namespace, stored: dict[str, Any]) -> Optional[str]:
+    """The bytes tables of every stored row whose runs carry ``traffic``, with the setup
+    paragraph of ``describe_setup``; None when none does."""
+    hooked = {label: e for label, e in stored.items()
+              if any("traffic" in r for r in e["runs"].values())}
+    if not hooked:
+        return None
+    first = next(iter(next(iter(stored.values()))["runs"].values()))
+    parts = [f"# Bytes per training step and rank, by kind of traffic\n\n"
+             f"{describe_setup(a, first)}\n"]
+    for label, e in hooked.items():
+        runs, row = e["runs"], scheme_of(e["row"])
+        steps = [r["traffic"]["steps"] for r in runs.values() if "traffic" in r]
+        counted = f"{min(steps)}" if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}"
+        parts.append(f"## {label} ({row.describe()}), mean of {len(steps)} run(s), "
+                     f"{counted} steps counted each\n\n"
+                     f"{traffic_table(a, label, row, runs)}\n")
+    parts.append(
+        "Rank 0's counters (the ranks of a group send alike), per training step, counting the "
+        "steps that follow no evaluation (an evaluation's forwards gather too; under qWD they "
+        "send the weight change the next training forward would have). Bytes/step: what the "
+        "hooks hand to the process group (a gather's input, a reduce-scatter's rows); "
+        "node-crossing: the part addressed to other nodes, what the slow link carries. "
+        "FSDP2 fp32: what FSDP2's own collective is handed for the same calls (the hooks' "
+        "`baseline_bytes`); the baseline row runs FSDP2's collectives without hooks, so it "
+        "counts nothing itself. FSDP2's node-crossing bytes by the library's convention (a "
+        "gather sends the shard to each remote member of its group, a reduce-scatter the remote "
+        "members' rows). Dense groups shard over all ranks; expert groups over the ranks of one "
+        "expert set (`_model.expert_groups`).\n")
+    return "\n".join(parts)
+
+
+def write_traffic(a: argparse.Namespace, store: RunStore) -> Optional[str]:
+    """``DIR/bytes.md`` for an MoE store (``traffic_md``); returns it (None: not written)."""
+    if not a.experts:
+        return None
+    md = traffic_md(a, store.all())
+    if md is not None:
+        (Path(a.out) / "bytes.md").write_text(md)
+    return md
 
 
 def _effective(a: argparse.Namespace, label: str, seed: int) -> tuple:
@@ -585,11 +844,32 @@ def describe_setup(a: argparse.Namespace, first: dict[str, Any]) -> str:
                 if a.eval_full else "")
              + f", every {a.eval_every} steps, the same for every run")
     fixed = (f"; {', '.join(a.fix)} held at seed {a.seed} for every run" if a.fix else "")
-    return (f"model: {first['params'] / 1e6:.2f}M params (dim {a.dim}, {a.layers} layers, "
-            f"{a.heads} heads, vocab {first['vocab']}), {data}, seq {a.seq}, batch "
+    return (f"model: {first['params'] / 1e6:.2f}M params{' per rank' if a.experts else ''} "
+            f"(dim {a.dim}, {a.layers} layers, "
+            f"{a.heads} heads, vocab {first['vocab']}{_describe_experts(a, first)}), {data}, "
+            f"seq {a.seq}, batch "
             f"{a.batch}/rank, AdamW lr {a.lr} cosine to {a.lr_final:g}x, {a.steps} steps, "
             f"{a.world} ranks as {a.world // a.ranks_per_node} nodes x {a.ranks_per_node}; "
             f"evaluation: {evals}{fixed}")
+
+
+def _describe_experts(a: argparse.Namespace, first: dict[str, Any]) -> str:
+    """The MoE part of ``describe_setup`` (empty for the dense model)."""
+    if not a.experts:
+        return ""
+    from _model import ROUTE_TOP_K
+
+    text = (f"; MoE: {a.experts} experts per rank in every block, top-"
+            f"{min(ROUTE_TOP_K, a.experts)} routed, hidden {4 * a.dim // a.experts}")
+    if a.expert_parallel > 1:
+        total = first.get("params_all_experts")
+        text += (f", expert parallelism {a.expert_parallel} (set e on the ranks in position e "
+                 "of each group of "
+                 f"{a.expert_parallel} inside a node, sharded over them; no token dispatch: "
+                 "each rank routes its own tokens)"
+                 + (f", {total / 1e6:.2f}M params over all expert sets" if total else "")
+                 + "; each rank evaluates with its own set, every score averages the sets")
+    return text
 
 
 def report_md(title: str, a: argparse.Namespace, stored: dict, summary: dict, table: str,
@@ -644,6 +924,7 @@ def main(argv=None) -> int:
     md = report_md("SDP4Bit Table 1, small-scale reproduction", a, stored, summary,
                    _table(summary), len(todo), wall, store)
     (out_dir / "table.md").write_text(md)
+    write_traffic(a, store)
     res = {"setup": store.setup, "schemes": summary, "runs": stored,
            "args": {k: v for k, v in vars(a).items()}}
     (out_dir / "results.json").write_text(json.dumps(res, indent=1))

@@ -262,7 +262,8 @@ def _plot(front: dict[str, Any], path: Path, title: str) -> bool:
 def write_report(a: argparse.Namespace, store: RunStore, trained: int = 0,
                  wall: float = 0.0) -> Optional[str]:
     """Rebuild ``table.md``, ``results.json`` and ``frontier.png`` in ``a.out`` from every run
-    stored there; returns the table's markdown (None: nothing stored)."""
+    stored there (and ``bytes.md`` for an MoE store: ``accuracy.write_traffic``); returns the
+    table's markdown (None: nothing stored)."""
     out_dir = Path(a.out)
     stored = store.all()
     if not stored:
@@ -276,6 +277,7 @@ def write_report(a: argparse.Namespace, store: RunStore, trained: int = 0,
            "table's bits are measured). Goal: mean bits <= 3.0 with the gap's upper bound "
            "within +0.5%.\n")
     (out_dir / "table.md").write_text(md)
+    accuracy.write_traffic(a, store)  # MoE stores: bytes.md, per kind of traffic
     (out_dir / "results.json").write_text(json.dumps(
         {"setup": store.setup, "rows": front, "args": vars(a)}, indent=1, default=str))
     _plot(front, out_dir / "frontier.png",
