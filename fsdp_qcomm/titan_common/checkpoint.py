@@ -164,7 +164,11 @@ class DiLoCoState(Stateful):
                 f"the checkpoint's {DILOCO_KEY!r} entry lacks {missing} (this rank is in "
                 f"replica group {key[len('replica'):]}); resume with the same replica groups, "
                 f"or pass {EXCLUDE_DILOCO} to start the outer state fresh")
-        self._engine().load_state_dict(state_dict["engine"])
+        try:
+            self._engine().load_state_dict(state_dict["engine"])
+        except ValueError as e:  # another layout or config, named by the engine
+            raise ValueError(f"{e}; or pass {EXCLUDE_DILOCO} to start the outer state "
+                             "fresh") from None
         self._loaded = state_dict[key]
         if not self._loading:
             self.finish_load()
