@@ -12,12 +12,18 @@ saves and loads, next to ``model``, ``optimizer``, ``lr_scheduler``, ``dataloade
 Checkpoints written without the entry (older fsdp_qcomm, or no hooks installed) lack the key;
 load them with ``--checkpoint.exclude_from_loading qcomm``: the handles then start fresh and
 the first gathers send full precision, as before.
+
+With ``[diloco] enable`` (torchtitan 0.2.2) a second entry, ``"diloco"`` (:class:`DiLoCoState`),
+holds DiLoCo's outer state and each replica group's own weights and inner optimizer state, so a
+resumed run continues the round and the outer momentum bit for bit. Checkpoints written without
+it load with ``--checkpoint.exclude_from_loading diloco`` (the outer state starts fresh).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .comm_stats import attachment_of
@@ -62,4 +68,208 @@ def add_handles_state(states: dict[str, Any], model_parts) -> Optional[HandlesSt
     return entry
 
 
-__all__ = ["HandlesState", "STATE_KEY", "add_handles_state", "handles_of"]
+DILOCO_KEY = "diloco"
+#: what to pass to load a checkpoint written without the "diloco" entry
+EXCLUDE_DILOCO = f"--checkpoint.exclude_from_loading {DILOCO_KEY}"
+
+
+class DiLoCoState(Stateful):
+    """DiLoCo's state in a torchtitan checkpoint, under ``"diloco"``: what a resumed run needs
+    to continue the round exactly as the run that never stopped.
+
+    ``state_dict()`` holds two parts:
+
+    * ``"engine"``: ``DiLoCo.state_dict()`` (``diloco/engine.py``): the start-of-round
+      weights, the outer optimizer state (momentum), the inner/outer step counters (the round
+      position), a merge still pending, under ``group_rank{g}`` (what every replica holds alike
+      at shard index ``g``: DCP keeps one copy, which is the same on every replica), and with
+      error feedback this rank's residuals under ``residuals.replica{r}.group_rank{g}`` (its
+      own). Per shard rank, not per replica group: the start-of-round weights are laid out
+      like the rank's FSDP shard.
+    * ``"replica{r}"``: replica group ``r``'s own model and inner optimizer state
+      (``get_model_state_dict`` of the model part, and the optimizers container's
+      ``state_dict()``: DTensors sharded over the group's ``dp_shard`` ranks). torchtitan's
+      ``"model"`` and ``"optimizer"`` entries cannot hold them: mid-round the replica groups'
+      weights and Adam moments differ, but their keys and shard offsets are the same in every
+      group, so DCP writes one group's copy of each shard and loads it into all. This part
+      costs one more model and inner optimizer state per replica group in the checkpoint
+      (torchtitan's entries stay as they are: model-only loads and exports read them).
+
+    Ordering. torchtitan 0.2.2 builds the optimizers (``install_diloco`` attaches the
+    driver), then the checkpoint manager, then loads the checkpoint at the start of
+    ``train()``, before the first step; the driver builds the engine lazily at the first
+    optimizer step so that it snapshots the weights training really starts from (a model-only
+    load or ``initial_load_path`` changes them after ``install_diloco``). A load of this entry
+    needs the engine's buffers before the first step, so ``state_dict()`` builds the engine
+    then (``DiLoCoDriver.ensure_engine(for_load=True)``: without ``init_sync``) and the load
+    overwrites all of it: start-of-round weights, momentum, counters, pending merge,
+    residuals. An engine built from the initialized weights and then overwritten is the one
+    the uninterrupted run had at that step, since nothing else in it depends on the weights.
+    The other order (build eagerly in ``install_diloco``) would snapshot the initialized
+    weights before a model-only load replaced them.
+
+    torchtitan loads its flattened ``"model"`` entry after every ``Stateful`` (after
+    ``dcp.load`` returns), which would put the deduplicated weights back over this replica's
+    own. So the manager drives a load in three calls (``titan.checkpoint``): ``begin_load()``
+    (``state_dict()`` then gives fresh buffers for the replica part instead of views of the
+    live parameters and optimizer state, which torchtitan's own entries load into as well),
+    the ``dcp.load`` (``load_state_dict`` restores the engine and keeps the replica part), and
+    ``finish_load()`` after torchtitan's model load (the replica part goes into the model and
+    the inner optimizer). Without ``begin_load`` (a plain ``dcp.load``) ``load_state_dict``
+    applies the replica part at once.
+    """
+
+    def __init__(self, driver: Any, model_parts: list, optimizers: Any) -> None:
+        self.driver = driver
+        self.model_parts = list(model_parts)
+        self.optimizers = optimizers
+        self._loading = False
+        self._loaded: Optional[dict[str, Any]] = None
+
+    # ---- the parts -------------------------------------------------------------------------
+    def _engine(self) -> Any:
+        return self.driver.ensure_engine(for_load=self._loading)
+
+    def replica_key(self) -> str:
+        return f"replica{self._engine().replicas.rank()}"
+
+    def engine_keys(self) -> list[str]:
+        """This rank's keys inside the ``"engine"`` part."""
+        e = self._engine()
+        keys = [f"group_rank{e.group_rank}"]
+        if any(f.feedback is not None for f in e.fragments):
+            keys.append(e._residual_key())
+        return keys
+
+    def _replica_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        model: dict[str, Any] = {}
+        for part in self.model_parts:
+            model.update(get_model_state_dict(part))
+        return {"model": model, "optimizer": self.optimizers.state_dict()}
+
+    # ---- Stateful --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        replica = self._replica_state()
+        if self._loading:  # buffers of their own: the live ones get torchtitan's copies
+            replica = _fresh(replica)
+        return {"engine": self._engine().state_dict(), self.replica_key(): replica}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = self.replica_key()
+        missing = [k for k in ("engine", key) if k not in state_dict]
+        if missing:
+            raise ValueError(
+                f"the checkpoint's {DILOCO_KEY!r} entry lacks {missing} (this rank is in "
+                f"replica group {key[len('replica'):]}); resume with the same replica groups, "
+                f"or pass {EXCLUDE_DILOCO} to start the outer state fresh")
+        try:
+            self._engine().load_state_dict(state_dict["engine"])
+        except ValueError as e:  # another layout or config, named by the engine
+            raise ValueError(f"{e}; or pass {EXCLUDE_DILOCO} to start the outer state "
+                             "fresh") from None
+        self._loaded = state_dict[key]
+        if not self._loading:
+            self.finish_load()
+
+    # ---- the manager's load ------------------------------------------------------------------
+    def begin_load(self) -> None:
+        """Before ``dcp.load``: the replica part loads into buffers of its own."""
+        self._loading = True
+        self._loaded = None
+
+    @torch.no_grad()
+    def finish_load(self) -> None:
+        """After the load (and after torchtitan's own model load): this replica group's
+        weights and inner optimizer state into the model and the optimizers."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        self._loading = False
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            return
+        for part in self.model_parts:
+            set_model_state_dict(part, loaded["model"], options=StateDictOptions(strict=False))
+        self.optimizers.load_state_dict(loaded["optimizer"])
+
+    def abort_load(self) -> None:
+        self._loading = False
+        self._loaded = None
+
+    # ---- checks before a load ------------------------------------------------------------------
+    def check_checkpoint(self, keys: Any, where: str = "the checkpoint") -> None:
+        """Refuse, before loading, a checkpoint whose keys (DCP's flattened names) lack this
+        entry or this rank's part of it, naming the flag that loads it anyway."""
+        keys = list(keys)
+        prefix = f"{DILOCO_KEY}."
+        ours = [k for k in keys if k.startswith(prefix)]
+        if not ours:
+            raise ValueError(
+                f"{where} has no {DILOCO_KEY!r} entry (DiLoCo's outer state: written by an "
+                "fsdp_qcomm release that did not save it, or by a run without [diloco] enable). "
+                f"Pass {EXCLUDE_DILOCO} to load it: the outer state then starts fresh (a new "
+                "round from the loaded weights, zero outer momentum, replica 0's weights to "
+                "every replica group), so the run does not continue bit for bit")
+        need = [f"{prefix}engine.{k}." for k in self.engine_keys()] + \
+               [f"{prefix}{self.replica_key()}."]
+        lacking = [n[:-1] for n in need if not any(k.startswith(n) for k in ours)]
+        if lacking:
+            saved = sorted({_part_name(k[len(prefix):]) for k in ours})
+            raise ValueError(
+                f"{where}'s {DILOCO_KEY!r} entry has no {lacking} for this rank (it holds "
+                f"{saved}): it was written with other replica groups, shard group size or "
+                f"error feedback. Resume with the same layout, or pass {EXCLUDE_DILOCO} to "
+                "start the outer state fresh")
+
+
+def _part_name(key: str) -> str:
+    """The part of the entry a flattened key belongs to: ``replica1``, ``engine.group_rank0``,
+    ``engine.residuals.replica1.group_rank0``."""
+    parts = key.split(".")
+    n = 1 if parts[0] != "engine" else 4 if parts[1:2] == ["residuals"] else 2
+    return ".".join(parts[:n])
+
+
+def _fresh(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by a zero tensor of its own, alike in shape,
+    dtype, device and (DTensor) placement."""
+    if isinstance(tree, dict):
+        return {k: _fresh(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_fresh(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    return tree
+
+
+def add_diloco_state(states: dict[str, Any], model_parts, optimizers: Any
+                     ) -> Optional[DiLoCoState]:
+    """Add the ``"diloco"`` entry to a checkpoint manager's ``states`` when a
+    ``DiLoCoDriver`` is attached to a model part (and the entry is not there yet); returns the
+    entry added."""
+    from .diloco import driver_of
+
+    driver = driver_of(model_parts)
+    if driver is None or DILOCO_KEY in states or optimizers is None:
+        return None
+    states[DILOCO_KEY] = entry = DiLoCoState(driver, model_parts, optimizers)
+    return entry
+
+
+def checkpoint_keys(checkpoint_id: Any) -> Optional[list[str]]:
+    """The flattened keys a DCP checkpoint directory holds (its metadata), or None when it
+    cannot be read as one (then ``dcp.load`` reports what is wrong)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return list(FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 - not a file-system checkpoint: DCP's own errors apply
+        return None
+
+
+__all__ = ["DILOCO_KEY", "DiLoCoState", "EXCLUDE_DILOCO", "HandlesState", "STATE_KEY",
+           "add_diloco_state", "add_handles_state", "checkpoint_keys", "handles_of"]

@@ -20,14 +20,17 @@ With ``enable = true`` the replica groups are torchtitan's ``dp_replicate`` dime
   first step it builds ``DiLoCo(model, config, replicas=<the dp_replicate group>,
   handle=<fsdp-qcomm's handle, if any>)`` (the weights are initialized or loaded by then; the
   replicas start from replica 0's), after every step it calls ``DiLoCo.step()``;
+* torchtitan 0.2.2 checkpoints carry a ``"diloco"`` entry (``titan_common.checkpoint.
+  DiLoCoState``, added by ``titan.checkpoint``'s patched ``CheckpointManager``): the outer
+  state and each replica group's own weights and inner optimizer state, so a resumed run
+  continues the round and the outer momentum bit for bit (a load before the first step builds
+  the engine then, see ``DiLoCoDriver.ensure_engine``); a checkpoint without it loads with
+  ``--checkpoint.exclude_from_loading diloco`` (the outer state starts fresh);
 * the ``qcomm:`` console line gains ``diloco:`` figures: the outer all-reduce's node-crossing
   bytes per inner step, outer steps, staleness (``diloco/*`` metrics).
 
 Not wired here: pipeline, tensor, context or expert parallelism with DiLoCo (refused, naming
-the dimension); DiLoCo's own state in torchtitan checkpoints (not saved: a resumed run starts a
-new round from the loaded weights with zero outer momentum, so it does not continue bit for
-bit; ``DiLoCo.state_dict()`` holds what it would need); torchft (``fsdp_qcomm.diloco.ft`` runs
-without torchtitan).
+the dimension); torchft (``fsdp_qcomm.diloco.ft`` runs without torchtitan).
 """
 
 # NOTE: no ``from __future__ import annotations``: torchtitan 0.2.2's ConfigManager checks
@@ -162,7 +165,8 @@ def parallelize_for_diloco(parallelize, model, parallel_dims, *args, **kwargs):
 # --------------------------------------------------------------------------- the driver
 class DiLoCoDriver:
     """What ``install_diloco`` leaves on the model part: the config, the replica group, and
-    the ``DiLoCo`` engine once the first optimizer step starts."""
+    the ``DiLoCo`` engine once the first optimizer step starts (or a checkpoint load needs
+    it, whichever comes first)."""
 
     def __init__(self, model: torch.nn.Module, config: DiLoCoConfig, group: Any,
                  ranks_per_node: Optional[int] = None) -> None:
@@ -178,15 +182,32 @@ class DiLoCoDriver:
         att = getattr(self.model, QCOMM_ATTR, None)
         return getattr(att, "handle", None)
 
-    def before_step(self, *_args: Any, **_kwargs: Any) -> None:
+    def ensure_engine(self, *, for_load: bool = False) -> Any:
+        """The ``DiLoCo`` engine, built now if it is not yet. Built at the first optimizer
+        step, from the weights training starts with (initialized or loaded), unless a
+        checkpoint load asks for it first (``for_load``: the ``"diloco"`` checkpoint entry,
+        ``titan_common.checkpoint.DiLoCoState``, needs its buffers to load into). A build for
+        a load skips ``init_sync`` (replica 0's weights to all): the load replaces everything
+        the engine holds and every replica's own weights, so that copy would only be sent to
+        be overwritten."""
         if self.engine is None:
+            import dataclasses
+
             from fsdp_qcomm.diloco import DiLoCo
 
-            self.engine = DiLoCo(self.model, self.config, replicas=self.group,
+            config = self.config
+            if for_load and config.init_sync:
+                config = dataclasses.replace(config, init_sync=False)
+            self.engine = DiLoCo(self.model, config, replicas=self.group,
                                  handle=self._handle(), ranks_per_node=self.ranks_per_node)
             logger.info(f"[{SECTION}] DiLoCo over {self.engine.replicas.size()} replica groups: "
                         f"{self.engine.schedule.describe()}, outer bits {self.config.bits}, "
-                        f"error feedback {self.config.error_feedback}")
+                        f"error feedback {self.config.error_feedback}"
+                        + (" (built for a checkpoint load)" if for_load else ""))
+        return self.engine
+
+    def before_step(self, *_args: Any, **_kwargs: Any) -> None:
+        self.ensure_engine()
 
     def after_step(self, *_args: Any, **_kwargs: Any) -> None:
         if self.engine is not None:

@@ -1,9 +1,11 @@
 """torchtitan 0.2.2 integration: [qcomm] TOML section, recipes, and 2-process CPU runs.
 
-Six torchrun runs of ~25-45 s each on a 2-core CPU (sdp4bit with a checkpoint, its resume,
+Torchrun runs of ~25-45 s each on a 2-core CPU (sdp4bit with a checkpoint, its resume,
 a resume without the qcomm entry, baseline with gradient accumulation, validation and
-TensorBoard, QSDP with learned levels, sdp4bit as HSDP 2 x 2 on 4 ranks); everything else is
-fast. The version-free pieces
+TensorBoard, QSDP with learned levels, sdp4bit as HSDP 2 x 2 on 4 ranks, DiLoCo 2 x 2, DiLoCo
+2 x 2 with a mid-round checkpoint, its resume and a resume without the diloco entry; all
+marked long); everything else is fast, including the "diloco" checkpoint entry in one process
+(a one-rank gloo group, torchtitan's CheckpointManager). The version-free pieces
 (figures, data, section generator) are tested in tests/titan_common.
 """
 
@@ -470,3 +472,190 @@ def test_diloco_two_replicas_of_two_shards(tmp_path):
                     *HSDP_FLAGS, "--diloco.enable", "--diloco.sync_every", "2", nproc=4,
                     timeout=300)
     check_diloco_summary(read_summary(dump), proc.stdout + proc.stderr, steps=6, outer_steps=3)
+
+
+#: 2 replica groups x 2 shards, an outer sync every 3 steps, a checkpoint every 4: the step-4
+#: checkpoint falls mid-round (one inner step after the merge at 3)
+DILOCO_CKPT_RUN = (*HSDP_FLAGS, "--diloco.enable", "--diloco.sync_every", "3",
+                   "--checkpoint.enable", "--checkpoint.interval", "4",
+                   "--checkpoint.folder", "ckpt")
+
+
+@pytest.fixture(scope="module")
+def diloco_ckpt_run(tmp_path_factory) -> tuple[Path, str]:
+    """8 steps of DiLoCo 2 x 2 on 4 CPU ranks (sync_every 3), checkpointing at step 4."""
+    dump = tmp_path_factory.mktemp("diloco") / "out"
+    proc = torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(8),
+                    *DILOCO_CKPT_RUN, nproc=4, timeout=600)
+    return dump, proc.stdout + proc.stderr
+
+
+def _resume_diloco(run: Path, dump: Path, *extra: str) -> tuple[dict, str]:
+    (dump / "ckpt").mkdir(parents=True)
+    shutil.copytree(run / "ckpt" / "step-4", dump / "ckpt" / "step-4")
+    proc = torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(8),
+                    *DILOCO_CKPT_RUN, "--checkpoint.load_step", "4", *extra, nproc=4,
+                    timeout=600)
+    return read_summary(dump), proc.stdout + proc.stderr
+
+
+@pytest.mark.long
+def test_diloco_checkpoint_resume_is_bit_identical(diloco_ckpt_run, tmp_path):
+    """Resume DiLoCo 2 x 2 from its step-4 checkpoint, mid-round: the "diloco" entry
+    (``titan_common.checkpoint.DiLoCoState``) restores the round position, the start-of-round
+    weights, the outer momentum and each replica group's own weights and Adam moments (which
+    torchtitan's "model" and "optimizer" entries keep one replica's copy of), so steps 5-8
+    repeat the uninterrupted run's losses exactly and the outer step count continues (the
+    merge at step 6 is the second)."""
+    run, out_a = diloco_ckpt_run
+    a = read_summary(run)
+    check_diloco_summary(a, out_a, steps=8, outer_steps=2)
+    assert (run / "ckpt" / "step-4").is_dir()
+    b, out_b = _resume_diloco(run, tmp_path / "resumed")
+    assert "(built for a checkpoint load)" in out_b
+    assert b["steps_logged"] == [5, 6, 7, 8] and b["training_steps"] == 4
+    la = dict(zip(a["steps_logged"], a["loss"]))
+    lb = dict(zip(b["steps_logged"], b["loss"]))
+    assert all(lb[s] == la[s] for s in (5, 6, 7, 8)), (la, lb)
+    ha = {h["step"]: h for h in a["history"]}
+    hb = {h["step"]: h for h in b["history"]}
+    for step, outer in ((5, 1), (6, 2), (7, 2), (8, 2)):
+        for h in (ha[step], hb[step]):
+            assert (h["diloco/inner_steps"], h["diloco/outer_steps"]) == (step, outer), step
+
+
+@pytest.mark.long
+def test_diloco_checkpoint_loads_without_its_entry_with_exclude(diloco_ckpt_run, tmp_path):
+    """``--checkpoint.exclude_from_loading diloco`` (how a checkpoint written before the
+    entry existed loads): the outer state starts fresh at the first step, a new round from the
+    loaded weights (inner steps count from the resume, the first merge 3 steps later), and
+    training goes on."""
+    run, _ = diloco_ckpt_run
+    b, out_b = _resume_diloco(run, tmp_path / "fresh", "--checkpoint.exclude_from_loading",
+                              "diloco")
+    assert "(built for a checkpoint load)" not in out_b
+    assert b["steps_logged"] == [5, 6, 7, 8] and all(math.isfinite(x) for x in b["loss"])
+    hb = {h["step"]: h for h in b["history"]}
+    assert [(hb[s]["diloco/inner_steps"], hb[s]["diloco/outer_steps"])
+            for s in (5, 6, 7, 8)] == [(1, 0), (2, 0), (3, 1), (4, 1)]
+
+
+# --------------------------------------------------------------------------- "diloco" entry
+@pytest.fixture
+def one_rank_gloo():
+    """A one-rank gloo process group in this process (no torchrun): what DiLoCo's replica group
+    and DCP need, torn down after the test."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _diloco_trainer(folder: Path, *exclude: str):
+    """A plain module with torchtitan's optimizers container and LR schedulers, DiLoCo over a
+    one-rank replica group every 3 steps (``install_diloco``), and a torchtitan
+    ``CheckpointManager`` (patched by ``fsdp_qcomm.titan.register``) saving every 4 steps."""
+    import torch
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.config import Checkpoint, LRScheduler
+
+    import fsdp_qcomm.titan.register  # noqa: F401  (patches CheckpointManager)
+    from fsdp_qcomm.diloco import DiLoCoConfig
+    from fsdp_qcomm.titan_common.diloco import install_diloco
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opts = OptimizersContainer([model], torch.optim.AdamW, {"lr": 3e-2, "weight_decay": 0.1})
+    lrs = build_lr_schedulers(opts, LRScheduler(warmup_steps=2), 8)
+    dims = type("Dims", (), {"dp_replicate": 1, "pp": 1, "tp": 1, "cp": 1, "ep": 1})()
+    driver = install_diloco([model], opts, dims, DiLoCoConfig(
+        sync_every=3, bits=None, hadamard=False, outer_lr=0.7, outer_momentum=0.9))
+    ckpt = CheckpointManager(
+        dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=lrs, states={},
+        checkpoint_config=Checkpoint(enable=True, folder="ckpt", interval=4, keep_latest_k=0,
+                                     exclude_from_loading=list(exclude)),
+        sd_adapter=None, base_folder=str(folder))
+    return model, opts, lrs, driver, ckpt
+
+
+def _diloco_steps(model, opts, lrs, steps) -> list[float]:
+    import torch
+
+    losses = []
+    for t in steps:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t))
+        opts.zero_grad()
+        loss = (model(x) - x.sum(1, keepdim=True).sin()).pow(2).mean()
+        loss.backward()
+        opts.step()
+        lrs.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _outer_state(driver) -> dict:
+    e = driver.engine
+    f = e.fragments[0]
+    momentum = f.optimizer.state.get(f.global_, {}).get("momentum_buffer")
+    return {"counters": (e.inner_steps, e.outer_steps), "global": f.global_.clone(),
+            "momentum": None if momentum is None else momentum.clone()}
+
+
+def test_diloco_checkpoint_entry_resumes_mid_round(one_rank_gloo, tmp_path):
+    """The "diloco" entry in a torchtitan CheckpointManager (one process, one replica): a
+    checkpoint at step 4, mid-round (sync_every 3), loads into a fresh trainer before its first
+    step (the engine is built for the load), and steps 5-8 repeat the uninterrupted run's
+    losses, counters, start-of-round weights and outer momentum exactly. A checkpoint without
+    the entry is refused naming --checkpoint.exclude_from_loading diloco, and loads with it
+    (the outer state starts fresh at the first step)."""
+    import torch
+
+    from fsdp_qcomm.titan_common.checkpoint import DILOCO_KEY, DiLoCoState
+
+    model, opts, lrs, driver, ckpt = _diloco_trainer(tmp_path / "a")
+    assert isinstance(ckpt.states[DILOCO_KEY], DiLoCoState)
+    losses = _diloco_steps(model, opts, lrs, range(1, 5))
+    ckpt.save(4)
+    at4 = _outer_state(driver)
+    assert at4["counters"] == (4, 1)
+    losses += _diloco_steps(model, opts, lrs, range(5, 9))
+    ref = _outer_state(driver)
+    ckpt.close()
+
+    model, opts, lrs, driver, ckpt = _diloco_trainer(tmp_path / "a")
+    assert ckpt.load() and driver.engine is not None  # built for the load, before any step
+    got = _outer_state(driver)
+    assert got["counters"] == (4, 1)
+    assert torch.equal(got["global"], at4["global"])
+    assert torch.equal(got["momentum"], at4["momentum"])
+    assert _diloco_steps(model, opts, lrs, range(5, 9)) == losses[4:]
+    end = _outer_state(driver)
+    assert end["counters"] == ref["counters"] == (8, 2)
+    assert torch.equal(end["global"], ref["global"])
+    assert torch.equal(end["momentum"], ref["momentum"])
+    ckpt.close()
+
+    # a checkpoint without the entry (its step-4 copy with the entry dropped)
+    import torch.distributed.checkpoint as dcp
+
+    old = tmp_path / "old" / "ckpt" / "step-4"
+    sd = {k: v for k, v in ckpt._flattened_model_states_sd().items() if k != DILOCO_KEY}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "a" / "ckpt" / "step-4"))
+    dcp.save(sd, checkpoint_id=str(old))
+    model, opts, lrs, driver, ckpt = _diloco_trainer(tmp_path / "old")
+    with pytest.raises(ValueError, match="--checkpoint.exclude_from_loading diloco"):
+        ckpt.load()
+    ckpt.close()
+    model, opts, lrs, driver, ckpt = _diloco_trainer(tmp_path / "old", DILOCO_KEY)
+    assert ckpt.load() and driver.engine is None  # the outer state starts at the first step
+    _diloco_steps(model, opts, lrs, range(5, 6))
+    fresh = _outer_state(driver)
+    assert fresh["counters"] == (1, 0) and fresh["momentum"] is None
+    ckpt.close()
