@@ -43,6 +43,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -194,6 +195,20 @@ def _diloco_rows(extra: dict[str, dict]):
     return known
 
 
+@contextmanager
+def _registered(registry: dict, rows: dict):
+    """``rows`` added to a script's row registry while its argument parser checks the row
+    names, then the registry as it was: the rows travel to the ranks in ``a.row_defs``, and a
+    process that builds several campaigns (the tests) sees no rows of an earlier one."""
+    saved = dict(registry)
+    registry.update(rows)
+    try:
+        yield
+    finally:
+        registry.clear()
+        registry.update(saved)
+
+
 class _Kind:
     """A workload's namespace of arguments, its store, a row's stored definition, the training
     function the ranks run and the report, for one kind."""
@@ -209,10 +224,10 @@ class _Kind:
             if unknown:
                 raise CampaignError(f"workload {w.name}: unknown rows {unknown}; add them "
                                     "under [rows] or pick from accuracy.py / frontier.py")
-            accuracy.SCHEMES.update({k: defs[k] for k in w.rows})
             try:
-                a = accuracy._args([*w.args, "--schemes", ",".join(w.rows),
-                                    "--out", str(w.out)])
+                with _registered(accuracy.SCHEMES, {k: defs[k] for k in w.rows}):
+                    a = accuracy._args([*w.args, "--schemes", ",".join(w.rows),
+                                        "--out", str(w.out)])
             except SystemExit as e:
                 raise CampaignError(f"workload {w.name}: its args do not parse") from e
             a.row_defs = {k: defs[k] for k in w.rows}
@@ -227,9 +242,10 @@ class _Kind:
             if unknown:
                 raise CampaignError(f"workload {w.name}: unknown rows {unknown}; add them "
                                     "under [rows] or pick from diloco.py")
-            diloco.ROWS.update({k: defs[k] for k in w.rows})
             try:
-                a = diloco._args([*w.args, "--rows", ",".join(w.rows), "--out", str(w.out)])
+                with _registered(diloco.ROWS, {k: defs[k] for k in w.rows}):
+                    a = diloco._args([*w.args, "--rows", ",".join(w.rows),
+                                      "--out", str(w.out)])
             except SystemExit as e:
                 raise CampaignError(f"workload {w.name}: its args do not parse") from e
             a.row_defs = {k: defs[k] for k in w.rows}
