@@ -186,6 +186,37 @@ def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
         cpu_native._state.update(saved)
 
 
+# ---- the change tracker's shard digest ------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.int16, torch.int32, torch.int64, torch.uint8])
+def test_shard_digest_in_c_equals_the_torch_formula(dtype):
+    """The one-pass C digest gives the torch formula's value: sign-extended raw bits, position
+    weights that wrap at the prime across shard boundaries, the int64 sum modulo 2^64 (values
+    near 2^62 make it wrap); dtypes the C loop does not read (uint8) take the torch formula."""
+    from fsdp_qcomm.fsdp.change_tracker import _torch_digest, shard_digest
+
+    g = torch.Generator().manual_seed(11)
+    shards = []
+    for n in (70_000, 0, 131_071, 5):
+        if dtype.is_floating_point:
+            shards.append((torch.randn(n, generator=g) * 1e3).to(dtype))
+        else:
+            lo, hi = (0, 256) if dtype == torch.uint8 else (-2 ** 15, 2 ** 15)
+            shards.append(torch.randint(lo, hi, (n,), generator=g).to(dtype))
+    if dtype == torch.int64:
+        shards[0][:16] = 2 ** 62
+    got, want = shard_digest(shards), _torch_digest(shards)
+    assert got.dtype == torch.int64 and got.shape == () and int(got) == int(want)
+    strided = torch.randn(4000, 2, generator=g)[:, 0].to(dtype)  # not contiguous
+    assert int(shard_digest([strided])) == int(_torch_digest([strided]))
+    flipped = [s.clone() for s in shards]  # exchanging two values changes it
+    a, b = flipped[0][3].clone(), flipped[0][4].clone()
+    if not torch.equal(a, b):
+        flipped[0][3], flipped[0][4] = b, a
+        assert int(shard_digest(flipped)) != int(got)
+
+
 # ---- learned levels (codec.levels) ------------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("bits", range(2, 9))

@@ -550,3 +550,20 @@ int fq_decode_levels_sum(const uint8_t *const *chunks, const int64_t *chunk_stri
     spec_t s = {bits, gs, symmetric, 1};
     return decode_sum(chunks, chunk_strides, k, rows, n, n, &s, 0, accumulate, out, out_stride);
 }
+
+/* The change tracker's exact shard digest (fsdp/change_tracker.shard_digest) in one pass:
+ * sum over i of (the raw bits of x[i], sign-extended to 64 bits) * ((off + i) % 65521 + 1),
+ * modulo 2^64 (unsigned arithmetic wraps as torch's int64 sum does). elem_bytes: 2, 4 or 8. */
+uint64_t fq_digest(const void *x, int elem_bytes, int64_t n, int64_t off) {
+    const uint64_t P = 65521;
+    uint64_t w = (uint64_t)(off % (int64_t)P) + 1, acc = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v;
+        if (elem_bytes == 4) v = ((const int32_t *)x)[i];
+        else if (elem_bytes == 2) v = ((const int16_t *)x)[i];
+        else v = ((const int64_t *)x)[i];
+        acc += (uint64_t)v * w;
+        w = w == P ? 1 : w + 1;
+    }
+    return acc;
+}

@@ -98,6 +98,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     for f in (lib.fq_encode, lib.fq_reduce_requantize, lib.fq_decode_sum, lib.fq_encode_levels,
               lib.fq_decode_levels_sum):
         f.restype = ctypes.c_int
+    lib.fq_digest.argtypes = [p, i32, i64, i64]
+    lib.fq_digest.restype = ctypes.c_uint64
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -123,6 +125,23 @@ def library() -> Optional[ctypes.CDLL]:
 def available() -> bool:
     """Whether CPU tensors use the C loops (``FSDP_QCOMM_NATIVE``, a C compiler)."""
     return library() is not None
+
+
+#: dtypes whose raw bits the digest reads as signed integers (what the torch formula does)
+_SIGNED = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int16,
+           torch.int32, torch.int64)
+
+
+def digest(x: torch.Tensor, offset: int) -> Optional[int]:
+    """``fsdp.change_tracker.shard_digest``'s sum for one flat CPU tensor whose values start at
+    position ``offset``, modulo 2^64 as an unsigned int, in one pass (the torch formula makes
+    six passes with int64 temporaries: 37 ms per step of a 10.9M-parameter model on 4 ranks,
+    results/step_profile). None when the C loops are off or ``x`` is not a contiguous CPU
+    tensor of 2, 4 or 8-byte elements: then the torch formula runs (the same value)."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or not x.is_contiguous() or x.dtype not in _SIGNED:
+        return None
+    return int(lib.fq_digest(x.data_ptr(), x.element_size(), x.numel(), offset))
 
 
 def _covers(spec: QuantSpec) -> bool:

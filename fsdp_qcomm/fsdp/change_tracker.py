@@ -59,6 +59,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..codec import cpu_native
 from . import internals as fsdp
 
 
@@ -119,7 +120,27 @@ def shard_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """An exact integer digest of flat tensors (int64 scalar, on their device): the raw bits
     of each value weighted by its position. Any single changed value, and any exchange of two
     values, changes it; equal inputs give equal digests on every device and in any order of
-    summation (integer arithmetic wraps modulo 2^64, deterministically)."""
+    summation (integer arithmetic wraps modulo 2^64, deterministically). CPU tensors take the
+    C codec's one-pass loop (``codec.cpu_native.digest``), others the torch formula
+    (``_torch_digest``): the same value (``tests/test_codec_native.py``)."""
+    device = shards[0].device if shards else torch.device("cpu")
+    if device.type == "cpu":
+        total, off = 0, 0
+        for x in shards:
+            n = x.numel()
+            if n == 0:
+                continue
+            part = cpu_native.digest(x.detach().reshape(-1), off)
+            if part is None:  # no C loops, or a layout they do not take
+                return _torch_digest(shards)
+            total += part
+            off += n
+        total &= (1 << 64) - 1
+        return torch.tensor(total - (1 << 64) if total >> 63 else total, dtype=torch.int64)
+    return _torch_digest(shards)
+
+
+def _torch_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     device = shards[0].device if shards else torch.device("cpu")
     total = torch.zeros((), dtype=torch.int64, device=device)
     off = 0
