@@ -53,6 +53,11 @@ _PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.dis
 #: preloaded too when the calling process has them: a test module's ``import pytest`` costs each
 #: rank ~0.3 s
 _PRELOAD_IF_LOADED = ("pytest",)
+#: environment variables that modules read as they are imported: Triton's interpreter switch is
+#: read when each ``@triton.jit`` function is decorated, ``triton.language``'s own helpers (the
+#: combine functions behind ``tl.max``) included, and the forkserver imported triton (through
+#: ``torch._dynamo``) without it. Ranks given one of these start fresh (``spawn``) with it set.
+_IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
 
 
 def free_port() -> int:
@@ -114,13 +119,19 @@ def run_ranks(
     may_exit: tuple[int, ...] = (), pg_timeout: Optional[float] = None,
     env: Optional[dict[str, str]] = None, **kwargs: Any
 ) -> list:
-    ctx = mp.get_context("forkserver")
-    # effective when the server first starts
-    ctx.set_forkserver_preload([*_PRELOAD, *(m for m in _PRELOAD_IF_LOADED if m in sys.modules)])
+    fresh = {k: v for k, v in (env or {}).items() if k in _IMPORT_TIME_ENV}
+    if fresh:
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        # effective when the server first starts
+        ctx.set_forkserver_preload([*_PRELOAD,
+                                    *(m for m in _PRELOAD_IF_LOADED if m in sys.modules)])
     q = ctx.Queue()
     port = free_port()
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads
+    # inherited by the children before torch loads
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", *fresh)}
+    os.environ.update(OMP_NUM_THREADS="1", **fresh)
     procs = []
     crash_dir = tempfile.mkdtemp(prefix="fsdp_qcomm_ranks_")
     crash_logs = [os.path.join(crash_dir, f"rank{r}.txt") for r in range(world_size)]
@@ -135,10 +146,11 @@ def run_ranks(
             p.start()
             procs.append(p)
     finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
