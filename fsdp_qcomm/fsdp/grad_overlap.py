@@ -14,11 +14,12 @@ A reduction is deferred only when FSDP will not read its output before backward 
 (``deferrable``): no gradient to accumulate into, no cast to another dtype, no post-division,
 no HSDP all-reduce, no CPU offload, no post-accumulate-grad hooks that read the gradient
 (fsdp_qcomm's own, which only note that a reduction happened, say ``reads_grad = False``).
-Otherwise the hook reduces synchronously on FSDP's own group, as without the option (the
-queued reductions use other process groups, so the two never interleave on one). Under HSDP
-the reduce-scatter inside the node stays synchronous (FSDP reads its output at once) and the
-all-reduce across replicas, the slow hop, is the one deferred (``replica_deferrable``,
-``fsdp.hsdp``).
+Otherwise the reduction still goes through the queue, waited for at once, so every rank issues
+the same collectives on the same groups whatever each rank decided. Under HSDP the
+reduce-scatter inside the node stays synchronous (FSDP reads its output at once) and runs on
+FSDP's own group on the autograd thread, beside the queue, which runs the all-reduces across
+replicas, the slow hop (``replica_deferrable``, ``fsdp.hsdp``): that choice is structural, the
+same on every rank, and the two threads then work at once instead of taking turns.
 """
 
 from __future__ import annotations

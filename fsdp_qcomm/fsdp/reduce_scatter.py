@@ -125,7 +125,8 @@ class QuantizedReduceScatter(ReduceScatter):
             feedback = call_feedback(self.feedback, self.param_group,
                                      input_tensor.numel() // group.size(), self.stats,
                                      self.grad_scale, "reduce-scatter")
-        if self.config.grad_overlap and group.size() > 1:
+        hsdp = self.param_group is not None and fsdp.is_hsdp(self.param_group)
+        if self.config.grad_overlap and group.size() > 1 and not hsdp:
             # Always on the private group, deferred or not (``ReductionQueue.submit``).
             if self.prepared_overlap is not None:
                 own, own_topology = self.prepared_overlap.group, self.prepared_overlap.topology
@@ -134,13 +135,16 @@ class QuantizedReduceScatter(ReduceScatter):
                 if self.config.grad_scheme == "two_level":
                     own_topology = node_topology(own, self.config.ranks_per_node)
             why = defer_reason(self.param_group, input_tensor, op)
-            # Under HSDP this hop is never the deferred one (FSDP all-reduces its output at
-            # once); the replica all-reduce's hook notes why it was not deferred, if it was not.
-            if why and not (self.param_group is not None and fsdp.is_hsdp(self.param_group)):
+            if why:
                 self.stats.note(f"grad_overlap: a reduce-scatter finished inside its call: {why}")
             self.queue.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
                                       levels, own_topology, feedback), defer=not why)
             return None
+        # Under HSDP this hop is never the deferred one (FSDP all-reduces its output at once):
+        # it runs here, on FSDP's own group inside the node, while the queue runs the earlier
+        # modules' replica all-reduces on groups of their own (a structural decision, the same
+        # on every rank, so no rank routes it differently). Through the queue it waited for
+        # all of them first: the two threads took turns (results/step_profile).
         self._reduce(output_tensor, input_tensor, group, op, key, levels, topology, feedback)
         return None
 
