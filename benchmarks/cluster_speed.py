@@ -73,6 +73,9 @@ PORT = 29577
 SCHEMES = {"baseline": (None, "flat"), "fsdp2_bf16": (FSDP2_BF16_FP32, "flat"),
            "fsdp2_bf16_bf16": (FSDP2_BF16_BF16, "flat"), "bf16": ("bf16", "flat"),
            "sdp4bit": ("sdp4bit", "flat"), "lowbit": ("lowbit", "flat"),
+           # the whole qWD reference on every rank (1 + 1/world of the parameters, no gather
+           # of reference slices inside the node: on gloo that gather is loopback TCP)
+           "sdp4bit_fullref": ({"preset": "sdp4bit", "weight_reference": "full"}, "flat"),
            "zeropp": ("zeropp", "flat"), "qsdp": ("qsdp", "flat"), "qwd": ("qwd", "flat"),
            "tlq_hs": ("tlq_hs", "flat"), "qw4": ("qw4", "flat"), "tlq": ("tlq", "flat"),
            "baseline_thread": ("baseline", "flat"),
@@ -226,7 +229,13 @@ def _worker(a: argparse.Namespace) -> None:
         else:
             model = build_fsdp_gpt(shape, a.seed, hsdp_mesh(rpn) if layout == "hsdp" else None)
         # nodes emulated on one host: the node size must be explicit (topology)
-        if isinstance(preset, dict):  # an emulated FSDP2 baseline: its own grad_overlap
+        if isinstance(preset, dict) and "preset" in preset:  # a preset with overrides
+            fields = {k: v for k, v in preset.items() if k != "preset"}
+            cfg = fsdp_qcomm.QCommConfig.preset(preset["preset"], ranks_per_node=rpn,
+                                                seed=a.seed, grad_overlap=a.grad_overlap,
+                                                **fields)
+            handle = fsdp_qcomm.enable(model, cfg)
+        elif isinstance(preset, dict):  # an emulated FSDP2 baseline: its own grad_overlap
             cfg = fsdp_qcomm.QCommConfig(**preset, ranks_per_node=rpn, seed=a.seed)
             handle = fsdp_qcomm.enable(model, cfg)
         elif preset is not None:
