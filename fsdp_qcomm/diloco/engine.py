@@ -2,8 +2,11 @@
 
 Call ``step()`` once after every inner optimizer step, on every rank. Each replica group is a
 normal FSDP2 model (``fully_shard`` over the group's own ranks: a 1-D mesh, or the ``shard``
-dimension of a 2-D ``(replicate, shard)`` mesh); nothing crosses replica groups except the
-outer all-reduces ``step()`` runs on the schedule (``schedule.Schedule``).
+dimension of a 2-D ``(replicate, shard)`` mesh), or HSDP over the 2-D mesh with its all-reduce
+across replicas isolated (``isolation.isolate_replicas``: FSDP over the shard dimension, the
+parameters 2-D DTensors whose local shards are read and written the same way); nothing crosses
+replica groups except the outer all-reduces ``step()`` runs on the schedule
+(``schedule.Schedule``).
 
 Checkpoints (``state_dict`` / ``load_state_dict``; a DCP ``Stateful``). Plain tensors, keyed so
 any per-rank checkpointer keeps every rank's piece:
@@ -34,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..stats import CommStats
 from .config import DiLoCoConfig
+from .isolation import isolated_positions, isolated_replica_ranks
 from .outer import (
     KIND,
     KIND_INIT,
@@ -45,7 +49,7 @@ from .outer import (
     outer_all_reduce,
     outer_key,
 )
-from .replicas import ReplicaGroup, as_replicas
+from .replicas import ReplicaGroup, StaticReplicas, as_replicas
 from .schedule import Overlap, Schedule
 
 _STATE_VERSION = 1
@@ -104,7 +108,8 @@ class DiLoCo:
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._reshard()
         refs = fragment_refs(model, fragments, config.fragments)
-        self.group_rank, self.group_size = _shard_position([r for f in refs for r in f])
+        self.group_rank, self.group_size = _shard_position(
+            [r for f in refs for r in f], isolated_positions(self._fsdp_modules))
         factory = outer_optimizer or default_optimizer(config.outer_lr, config.outer_momentum,
                                                        config.outer_nesterov)
         self.fragments = [Fragment(i, f, factory, config.error_feedback and self._spec is not None)
@@ -112,6 +117,7 @@ class DiLoCo:
         self.device = self.fragments[0].device
         self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
                                                   ranks_per_node=ranks_per_node)
+        _check_isolated_replicas(self._fsdp_modules, self.replicas)
         self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
         self._stats = CommStats()
         self._overlap = Overlap(config.overlaps, self.device)
@@ -471,9 +477,29 @@ def _refuse(why: str) -> float:
     raise RuntimeError(why)
 
 
-def _shard_position(refs: Sequence[ParamRef]) -> tuple[int, int]:
+def _check_isolated_replicas(modules: list[nn.Module], replicas: ReplicaGroup) -> None:
+    """Isolated HSDP (``isolate_replicas``): the outer all-reduce must run over the replica
+    group the isolation took FSDP's all-reduce from (one rank of every replica group)."""
+    import torch.distributed as dist
+
+    isolated = isolated_replica_ranks(modules)
+    if not isolated or not isinstance(replicas, StaticReplicas):  # torchft: its own groups
+        return
+    mine = tuple(dist.get_process_group_ranks(replicas.group))
+    if isolated != {mine}:
+        raise ValueError(
+            f"DiLoCo: its replicas (ranks {list(mine)}) are not the replica group of the "
+            f"isolated HSDP modules (ranks {[list(r) for r in sorted(isolated)]}); pass the 2-D "
+            "mesh or its replicate dimension's process group as replicas"
+        )
+
+
+def _shard_position(refs: Sequence[ParamRef],
+                    isolated: Optional[dict[int, tuple[int, int]]] = None) -> tuple[int, int]:
     """(this rank's index, the group size) in the FSDP mesh the parameters are sharded over;
-    (0, 1) without DTensors. Refuses 2-D (HSDP) meshes: they all-reduce across replicas at
+    (0, 1) without DTensors. A parameter on a 2-D (HSDP) mesh is accepted only when its group's
+    all-reduce across replicas is isolated (``isolated``: ``isolation.isolated_positions``,
+    its position in the shard group); otherwise refused: HSDP all-reduces across replicas at
     every step, which is what DiLoCo replaces."""
     meshes = {}
     for r in refs:
@@ -482,11 +508,23 @@ def _shard_position(refs: Sequence[ParamRef]) -> tuple[int, int]:
         if mesh is None:
             continue
         if mesh.ndim != 1:
+            pos = (isolated or {}).get(id(p))
+            if pos is not None and mesh.ndim == 2:
+                meshes[pos] = r.name
+                continue
+            if pos is not None:
+                raise ValueError(
+                    f"DiLoCo: parameter {r.name!r} is sharded over a {mesh.ndim}-D mesh "
+                    f"{mesh.mesh_dim_names}: isolated HSDP with another mesh dimension (tensor "
+                    "parallelism) is not supported; DiLoCo takes FSDP or HSDP over a 2-D "
+                    "(replicate, shard) mesh"
+                )
             raise ValueError(
                 f"DiLoCo: parameter {r.name!r} is sharded over a {mesh.ndim}-D mesh "
                 f"{mesh.mesh_dim_names}: HSDP all-reduces across replicas at every step, which "
                 "DiLoCo replaces. Shard each replica group by itself: fully_shard(..., "
-                "mesh=mesh['shard']) on the 2-D (replicate, shard) mesh"
+                "mesh=mesh['shard']) on the 2-D (replicate, shard) mesh, or keep HSDP and call "
+                "fsdp_qcomm.diloco.isolate_replicas(model) before the first backward"
             )
         meshes[(mesh.size(), mesh.get_local_rank())] = r.name
     if not meshes:

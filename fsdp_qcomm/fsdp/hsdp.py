@@ -25,6 +25,22 @@ sum and reduce dtype (``tests/test_hsdp.py`` checks the product of factors again
 Guard. A later ``set_all_reduce_hook`` would replace ours and leave the replicas unsynchronized
 (FSDP's own all-reduce now reaches one rank only): ``check_installed`` raises before the next
 optimizer step instead of letting the replicas drift apart silently.
+
+Isolation (DiLoCo). ``isolate`` does the same swap without any all-reduce across replicas:
+FSDP's all-reduce runs on the one-rank group (a no-op) and the hook, ``LocalReplica``, only
+proves it did (``SoloGroup.check``) and runs the user's hook. Each replica group then trains
+exactly as FSDP2 over its own shard group would: FSDP's divide factors count the shard group
+only (``_get_gradient_divide_factors`` multiplies the reduce-scatter group's size by the
+all-reduce group's, now 1), so without a divide factor each gradient is the mean over the shard
+group, with one it is that factor's scaling (torchtitan's 1.0: the sum), and the rest of HSDP
+(DTensor placements, ``clip_grad_norm_``, state dicts, accumulation) is FSDP's own. One change:
+without a divide factor FSDP would pass AVG to its all-reduce over one rank, which NCCL does not
+compute reliably (FSDP's own note in ``_get_gradient_divide_factors``), so ``isolate`` forces
+FSDP's SUM reduction there (the same mean: SUM over the shard group, then FSDP divides by its
+size). The replica group FSDP now all-reduces over is the one-rank group, and the package reads
+it as such (``original_replicate_group``: no replica hop is planned, ``enable`` installs none);
+the real one stays in the isolation record (``isolated_replica_group``). ``fsdp_qcomm.diloco.
+isolate_replicas`` applies it to a model; ``unisolate`` undoes it.
 """
 
 from __future__ import annotations
@@ -79,7 +95,8 @@ class SoloGroup:
                                     group_desc="qcomm_hsdp_solo")
         self._seen = fsdp.sequence_number(self.group)
         self._task: Optional[int] = None  # the backward pass whose end is checked
-        self.hooks: list[ReplicaAllReduce] = []  # the hooks whose FSDP all-reduce runs here
+        # the hooks whose FSDP all-reduce runs here (ReplicaAllReduce, or isolate's LocalReplica)
+        self.hooks: list[Any] = []
 
     def check(self, label: str) -> None:
         """Called first thing in every all-reduce hook call; also arranges ``_end_of_backward``
@@ -229,6 +246,119 @@ class ReplicaAllReduce:
             )
 
 
+class LocalReplica:
+    """The all-reduce hook of an isolated HSDP parameter group (``isolate``): nothing crosses
+    replica groups. Each call checks that FSDP's own all-reduce ran on the one-rank group
+    (``SoloGroup.check``: had FSDP kept the real replica group, it would have averaged the
+    replicas at every step, which is what DiLoCo replaces), then runs the hook the user had set.
+    ``forced_sum``: ``isolate`` set FSDP's forced-sum reduction (restored by ``unisolate``)."""
+
+    def __init__(self, param_group: Any, solo: SoloGroup, *, user_hook: Optional[Hook] = None,
+                 label: str = "") -> None:
+        self.param_group = param_group
+        self.solo = solo
+        self.user_hook = user_hook
+        self.label = label or "<root>"
+        self.forced_sum = False
+        self.prev_force_sum = fsdp.force_sum(param_group)
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.solo.check(self.label)
+        if self.user_hook is not None:
+            self.user_hook(reduce_output)
+
+    def check_installed(self) -> None:
+        """Raise if FSDP's all-reduce hook of this group is no longer this object."""
+        if fsdp.all_reduce_hook(self.param_group) is not self:
+            raise RuntimeError(
+                f"FSDP module {self.label!r}: its all-reduce hook was replaced after "
+                "isolate_replicas(), so the check that FSDP's own all-reduce stays on this rank "
+                "(no averaging across replica groups) no longer runs. Call set_all_reduce_hook "
+                "before isolate_replicas (its hook then runs after the check), or undo() first"
+            )
+
+
+class _Isolation:
+    """One isolated mesh-info object (shared by the groups of one ``fully_shard`` call), kept
+    on that object itself: the real replica group, and the one-rank group FSDP now uses."""
+
+    def __init__(self, group: Any, solo: SoloGroup) -> None:
+        self.original = fsdp.swap_replicate_group(group, solo.group)
+        self.group = group
+        self.solo = solo
+        self.users = 0
+
+
+def check_isolatable(group: Any, label: str = "") -> None:
+    """Raise what ``isolate`` would refuse for this group (before anything is changed)."""
+    name = label or "<root>"
+    if not fsdp.is_hsdp(group):
+        raise ValueError(f"FSDP module {name!r} is not sharded on a 2-D (replicate, shard) "
+                         "mesh: there is no all-reduce across replicas to isolate")
+    current = fsdp.all_reduce_hook(group)
+    if isinstance(current, LocalReplica):
+        raise RuntimeError(f"FSDP module {name!r}: its replicas are isolated already")
+    if fsdp.swap_record(group) is not None or isinstance(current, ReplicaAllReduce):
+        raise RuntimeError(
+            f"FSDP module {name!r}: fsdp_qcomm.enable() already runs its all-reduce across "
+            "replicas; call isolate_replicas(model) before enable() (enable then sees one "
+            "replica and plans no replica hop), or handle.disable() first"
+        )
+
+
+def isolate(group: Any, solo: SoloGroup, label: str = "") -> LocalReplica:
+    """Make FSDP's HSDP all-reduce of ``group`` a local no-op (see the module docstring);
+    returns the installed hook (pass it to ``unisolate``). Refuses a group whose all-reduce
+    ``enable`` already routes through its quantized hook (isolate first, then enable) and a
+    group isolated already."""
+    check_isolatable(group, label)
+    current = fsdp.all_reduce_hook(group)
+    record = fsdp.isolation_record(group)
+    if record is None:
+        record = _Isolation(group, solo)
+        fsdp.set_isolation_record(group, record)
+    record.users += 1
+    hook = LocalReplica(group, record.solo, user_hook=current, label=label)
+    if fsdp.gradient_divide_factor(group) is None and not hook.prev_force_sum:
+        fsdp.set_force_sum(group, True)  # not AVG over one rank (see the module docstring)
+        hook.forced_sum = True
+    record.solo.hooks.append(hook)
+    fsdp.set_all_reduce_hook(group, hook)
+    return hook
+
+
+def unisolate(hook: LocalReplica) -> None:
+    """Undo ``isolate``: FSDP's replica group, its reduction setting and the user's hook come
+    back (FSDP all-reduces across replicas again)."""
+    group = hook.param_group
+    if fsdp.all_reduce_hook(group) is hook:
+        fsdp.set_all_reduce_hook(group, hook.user_hook)
+    if hook.forced_sum:
+        fsdp.set_force_sum(group, hook.prev_force_sum)
+        hook.forced_sum = False
+    if hook in hook.solo.hooks:
+        hook.solo.hooks.remove(hook)
+    record = fsdp.isolation_record(group)
+    if record is not None:
+        record.users -= 1
+        if record.users <= 0:
+            fsdp.swap_replicate_group(record.group, record.original)
+            fsdp.set_isolation_record(group, None)
+
+
+def is_isolated(group: Any) -> bool:
+    """The group is HSDP with its replica all-reduce isolated (``isolate``)."""
+    return fsdp.is_hsdp(group) and fsdp.isolation_record(group) is not None
+
+
+def isolated_replica_group(group: Any) -> Optional[ProcessGroup]:
+    """The real replica group of an isolated group (None if the group is not isolated)."""
+    if not fsdp.is_hsdp(group):
+        return None
+    record = fsdp.isolation_record(group)
+    return None if record is None else record.original
+
+
 class _Swap:
     """One swapped mesh-info object (shared by the groups of one ``fully_shard`` call), kept
     on that object itself so it lives and dies with the model."""
@@ -267,12 +397,15 @@ def uninstall(hook: ReplicaAllReduce) -> None:
 
 
 def original_replicate_group(group: Any) -> Optional[ProcessGroup]:
-    """The replica group FSDP would all-reduce over without fsdp_qcomm (None if not HSDP)."""
+    """The replica group FSDP would all-reduce over without fsdp_qcomm (None if not HSDP);
+    for a group ``isolate`` isolated, the one-rank group it all-reduces over now (DiLoCo: no
+    gradient crosses replica groups, so nothing plans a replica hop)."""
     if not fsdp.is_hsdp(group):
         return None
     swap = fsdp.swap_record(group)
     return swap.original if swap is not None else fsdp.replicate_group(group)
 
 
-__all__ = ["ReplicaAllReduce", "SoloGroup", "install", "original_replicate_group", "replica_op",
-           "uninstall"]
+__all__ = ["LocalReplica", "ReplicaAllReduce", "SoloGroup", "check_isolatable", "install",
+           "is_isolated", "isolate", "isolated_replica_group", "original_replicate_group",
+           "replica_op", "uninstall", "unisolate"]

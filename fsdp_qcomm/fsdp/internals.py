@@ -195,6 +195,25 @@ def set_swap_record(group: ParamGroup, record: Any) -> None:
     setattr(group.mesh_info, _SWAP_ATTR, record)
 
 
+_ISOLATION_ATTR = "_fsdp_qcomm_isolation"
+
+
+def isolation_record(group: ParamGroup) -> Any:
+    """What ``set_isolation_record`` stored on the group's mesh-info object, or None: the
+    record of ``fsdp.hsdp.isolate`` (DiLoCo: HSDP whose replicas train by themselves), kept
+    apart from ``swap_record`` so that the rest of the package sees an isolated group's replica
+    group as what FSDP now all-reduces over (one rank)."""
+    return getattr(group.mesh_info, _ISOLATION_ATTR, None)
+
+
+def set_isolation_record(group: ParamGroup, record: Any) -> None:
+    if record is None:
+        if hasattr(group.mesh_info, _ISOLATION_ATTR):
+            delattr(group.mesh_info, _ISOLATION_ATTR)
+        return
+    setattr(group.mesh_info, _ISOLATION_ATTR, record)
+
+
 def sequence_number(pg: dist.ProcessGroup) -> int:
     """How many collectives this process has issued on ``pg`` (gloo and NCCL count them)."""
     return int(pg._get_sequence_number_for_group())
@@ -549,6 +568,7 @@ __all__ = [
     "in_backward",
     "installed_comms",
     "is_hsdp",
+    "isolation_record",
     "is_replicate_only",
     "local_param_name",
     "local_shard",
@@ -572,6 +592,7 @@ __all__ = [
     "set_all_reduce_hook",
     "set_comms",
     "set_force_sum",
+    "set_isolation_record",
     "set_swap_record",
     "shard_group",
     "sharded_grad_dtype",

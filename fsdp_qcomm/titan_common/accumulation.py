@@ -33,7 +33,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..fsdp import internals as fsdp
-from ..fsdp.hsdp import original_replicate_group
+from ..fsdp.hsdp import is_isolated, original_replicate_group
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ class ReplicaSync:
             self.why = "one micro-batch per step"
         elif not self.modules:
             self.why = "no FSDP modules"
+        elif any(is_isolated(g) for m in self.modules for g in fsdp.param_groups(m)):
+            self.why = ("DiLoCo: the replica groups train by themselves (FSDP's all-reduce "
+                        "across replicas is isolated)")
         elif self.replicas < 2:
             self.why = "no replica group (not HSDP)"
         elif pipelined:
