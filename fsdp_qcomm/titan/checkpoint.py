@@ -5,10 +5,11 @@
 edited; 0.2.2 offers no other way in from a ``custom_import`` module) so that every manager
 built afterwards adds the ``"qcomm"`` entry to the states it saves and loads, and, when a
 ``DiLoCoDriver`` is attached to the model part (``[diloco] enable``), the ``"diloco"`` entry.
-For the latter it also wraps that manager's ``dcp_load``: torchtitan loads its flattened model
-after ``dcp.load`` returns, over every replica group alike, so the entry's replica part goes
-into the model and the inner optimizer after that (``DiLoCoState.finish_load``); and a
-checkpoint without the entry is refused before anything loads, naming
+For the latter it also wraps that manager's ``dcp_load`` (``titan_common.checkpoint.
+wrap_dcp_load``, shared with the 0.3 adapter): torchtitan loads its flattened model after
+``dcp.load`` returns, over every replica group alike, so the entry's replica part goes into the
+model and the inner optimizer after that (``DiLoCoState.finish_load``); and a checkpoint
+without the entry is refused before anything loads, naming
 ``--checkpoint.exclude_from_loading diloco``.
 """
 
@@ -17,36 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_qcomm.titan_common.checkpoint import (
-    DILOCO_KEY,
-    DiLoCoState,
     add_diloco_state,
     add_handles_state,
-    checkpoint_keys,
+    wrap_dcp_load,
 )
-
-
-def _wrap_dcp_load(manager: Any, entry: DiLoCoState) -> None:
-    """Make ``manager.dcp_load`` check the checkpoint for the ``"diloco"`` entry first and
-    put each replica group's own weights and inner optimizer state back last."""
-    original = manager.dcp_load
-
-    def dcp_load(state_dict: dict[str, Any], checkpoint_id: str, *args: Any,
-                 **kwargs: Any) -> None:
-        if state_dict.get(DILOCO_KEY) is not entry:  # excluded, model only, or from HF
-            return original(state_dict, checkpoint_id, *args, **kwargs)
-        entry.begin_load()
-        try:
-            keys = checkpoint_keys(checkpoint_id)
-            if keys is not None:
-                entry.check_checkpoint(keys, where=f"checkpoint {checkpoint_id}")
-            original(state_dict, checkpoint_id, *args, **kwargs)
-        except BaseException:
-            entry.abort_load()
-            raise
-        entry.finish_load()
-
-    dcp_load._fsdp_qcomm = True  # type: ignore[attr-defined]
-    manager.dcp_load = dcp_load
 
 
 def patch_checkpoint_manager() -> bool:
@@ -65,7 +40,7 @@ def patch_checkpoint_manager() -> bool:
         add_handles_state(self.states, parts)
         entry = add_diloco_state(self.states, parts, self.states.get(ckpt.OPTIMIZER))
         if entry is not None:
-            _wrap_dcp_load(self, entry)
+            wrap_dcp_load(self, entry)
 
     __init__._fsdp_qcomm = True  # type: ignore[attr-defined]
     __init__.__wrapped__ = original  # type: ignore[attr-defined]

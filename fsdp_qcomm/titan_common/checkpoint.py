@@ -13,7 +13,7 @@ Checkpoints written without the entry (older fsdp_qcomm, or no hooks installed) 
 load them with ``--checkpoint.exclude_from_loading qcomm``: the handles then start fresh and
 the first gathers send full precision, as before.
 
-With ``[diloco] enable`` (torchtitan 0.2.2) a second entry, ``"diloco"`` (:class:`DiLoCoState`),
+With ``[diloco] enable`` (torchtitan 0.2.2 and 0.3) a second entry, ``"diloco"`` (:class:`DiLoCoState`),
 holds DiLoCo's outer state and each replica group's own weights and inner optimizer state, so a
 resumed run continues the round and the outer momentum bit for bit. Checkpoints written without
 it load with ``--checkpoint.exclude_from_loading diloco`` (the outer state starts fresh).
@@ -97,7 +97,8 @@ class DiLoCoState(Stateful):
 
     Ordering. torchtitan 0.2.2 builds the optimizers (``install_diloco`` attaches the
     driver), then the checkpoint manager, then loads the checkpoint at the start of
-    ``train()``, before the first step; the driver builds the engine lazily at the first
+    ``train()``, before the first step (0.3: ``QCommTrainer`` attaches the driver and this
+    entry after its ``Trainer.__init__`` built both, the load is in ``train()`` too); the driver builds the engine lazily at the first
     optimizer step so that it snapshots the weights training really starts from (a model-only
     load or ``initial_load_path`` changes them after ``install_diloco``). A load of this entry
     needs the engine's buffers before the first step, so ``state_dict()`` builds the engine
@@ -110,7 +111,7 @@ class DiLoCoState(Stateful):
 
     torchtitan loads its flattened ``"model"`` entry after every ``Stateful`` (after
     ``dcp.load`` returns), which would put the deduplicated weights back over this replica's
-    own. So the manager drives a load in three calls (``titan.checkpoint``): ``begin_load()``
+    own. So the manager drives a load in three calls (:func:`wrap_dcp_load`): ``begin_load()``
     (``state_dict()`` then gives fresh buffers for the replica part instead of views of the
     live parameters and optimizer state, which torchtitan's own entries load into as well),
     the ``dcp.load`` (``load_state_dict`` restores the engine and keeps the replica part), and
@@ -260,6 +261,32 @@ def add_diloco_state(states: dict[str, Any], model_parts, optimizers: Any
     return entry
 
 
+def wrap_dcp_load(manager: Any, entry: DiLoCoState) -> None:
+    """Make a torchtitan ``CheckpointManager``'s ``dcp_load`` (0.2.2 and 0.3 alike: the
+    flattened model is loaded after ``dcp.load`` returns) check the checkpoint for the
+    ``"diloco"`` entry first and put each replica group's own weights and inner optimizer state
+    back last (``DiLoCoState.begin_load`` / ``finish_load``)."""
+    original = manager.dcp_load
+
+    def dcp_load(state_dict: dict[str, Any], checkpoint_id: str, *args: Any,
+                 **kwargs: Any) -> None:
+        if state_dict.get(DILOCO_KEY) is not entry:  # excluded, model only, or from HF
+            return original(state_dict, checkpoint_id, *args, **kwargs)
+        entry.begin_load()
+        try:
+            keys = checkpoint_keys(checkpoint_id)
+            if keys is not None:
+                entry.check_checkpoint(keys, where=f"checkpoint {checkpoint_id}")
+            original(state_dict, checkpoint_id, *args, **kwargs)
+        except BaseException:
+            entry.abort_load()
+            raise
+        entry.finish_load()
+
+    dcp_load._fsdp_qcomm = True  # type: ignore[attr-defined]
+    manager.dcp_load = dcp_load
+
+
 def checkpoint_keys(checkpoint_id: Any) -> Optional[list[str]]:
     """The flattened keys a DCP checkpoint directory holds (its metadata), or None when it
     cannot be read as one (then ``dcp.load`` reports what is wrong)."""
@@ -272,4 +299,5 @@ def checkpoint_keys(checkpoint_id: Any) -> Optional[list[str]]:
 
 
 __all__ = ["DILOCO_KEY", "DiLoCoState", "EXCLUDE_DILOCO", "HandlesState", "STATE_KEY",
-           "add_diloco_state", "add_handles_state", "checkpoint_keys", "handles_of"]
+           "add_diloco_state", "add_handles_state", "checkpoint_keys", "handles_of",
+           "wrap_dcp_load"]
