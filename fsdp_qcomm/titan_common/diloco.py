@@ -1,5 +1,4 @@
-"""DiLoCo in torchtitan: the ``diloco`` config section (both adapters) and the driver (the
-torchtitan 0.2.2 adapter; the 0.3 one refuses ``enable``, see ``titan03.trainer``).
+"""DiLoCo in torchtitan: the ``diloco`` config section and the driver (both adapters).
 
 The section (``[diloco]`` in torchtitan 0.2.2's TOML, ``--diloco.<field>`` on either's CLI, the
 ``diloco`` field of torchtitan 0.3's trainer ``Config``) is *generated* from
@@ -12,16 +11,25 @@ CLI overrides: the resolved ``DiLoCoConfig`` must construct.
 
 With ``enable = true`` the replica groups are torchtitan's ``dp_replicate`` dimension:
 
-* :func:`parallelize_for_diloco` runs torchtitan's parallelize function with
-  ``dp_replicate`` hidden, so each replica group is sharded by itself over ``fsdp``
+* torchtitan 0.2.2: :func:`parallelize_for_diloco` runs torchtitan's parallelize function
+  with ``dp_replicate`` hidden, so each replica group is sharded by itself over ``fsdp``
   (``dp_shard``; one-rank groups stay plain modules) and no gradient crosses replica groups;
   the data loader still gives every replica its own batches;
+* torchtitan 0.3: hiding ``dp_replicate`` fails in torch 2.15's ``fully_shard`` (0.3 annotates
+  the parameters with spmd_types over the whole data-parallel storage mesh, and a
+  ``dp_shard``-only FSDP mesh leaves the ``dp_replicate`` axis "neither a non-FSDP storage-mesh
+  axis nor contained in the FSDP DP mesh"). So torchtitan builds its normal HSDP model and
+  :func:`isolate_for_diloco` (``fsdp_qcomm.diloco.isolate_replicas``) makes FSDP's all-reduce
+  across replicas a local no-op: each replica group then trains exactly as FSDP over
+  ``dp_shard`` would. torchtitan normalizes the loss by the valid tokens of every data-parallel
+  rank (all replica groups); :class:`ReplicaTokens` makes it the replica group's own count, as
+  a run of that replica group alone would (``titan03.trainer``);
 * :func:`install_diloco` registers two hooks on torchtitan's optimizers container: before the
   first step it builds ``DiLoCo(model, config, replicas=<the dp_replicate group>,
   handle=<fsdp-qcomm's handle, if any>)`` (the weights are initialized or loaded by then; the
   replicas start from replica 0's), after every step it calls ``DiLoCo.step()``;
-* torchtitan 0.2.2 checkpoints carry a ``"diloco"`` entry (``titan_common.checkpoint.
-  DiLoCoState``, added by ``titan.checkpoint``'s patched ``CheckpointManager``): the outer
+* checkpoints carry a ``"diloco"`` entry (``titan_common.checkpoint.DiLoCoState``, added by
+  ``titan.checkpoint``'s patched ``CheckpointManager`` on 0.2.2, by ``QCommTrainer`` on 0.3): the outer
   state and each replica group's own weights and inner optimizer state, so a resumed run
   continues the round and the outer momentum bit for bit (a load before the first step builds
   the engine then, see ``DiLoCoDriver.ensure_engine``); a checkpoint without it loads with
@@ -31,6 +39,11 @@ With ``enable = true`` the replica groups are torchtitan's ``dp_replicate`` dime
 
 Not wired here: pipeline, tensor, context or expert parallelism with DiLoCo (refused, naming
 the dimension); torchft (``fsdp_qcomm.diloco.ft`` runs without torchtitan).
+
+On torchtitan 0.2.2 the loss stays normalized by every replica group's tokens (its stock
+``Trainer`` computes it inside ``train_step``, out of an adapter's reach): each replica group's
+gradient there is its own mean times its share of the tokens (1/R with R replica groups of equal
+batches), which AdamW mostly absorbs but gradient clipping and epsilon do not.
 """
 
 # NOTE: no ``from __future__ import annotations``: torchtitan 0.2.2's ConfigManager checks
@@ -162,6 +175,90 @@ def parallelize_for_diloco(parallelize, model, parallel_dims, *args, **kwargs):
     return parallelize(model, _NoReplicate(parallel_dims), *args, **kwargs)
 
 
+def isolate_for_diloco(model: torch.nn.Module, parallel_dims: Any) -> Any:
+    """torchtitan 0.3: right after its parallelize function built HSDP over ``dp_replicate``
+    x ``dp_shard`` (and before ``install_qcomm``, which then sees one replica), isolate the
+    replica groups (``fsdp_qcomm.diloco.isolate_replicas``); returns the
+    ``ReplicaIsolation``, or None with one replica group (plain FSDP: nothing to isolate)."""
+    check_layout(parallel_dims)
+    if getattr(parallel_dims, "dp_replicate", 1) < 2:
+        return None
+    from fsdp_qcomm.diloco import isolate_replicas
+
+    isolation = isolate_replicas(model)
+    logger.info(f"[{SECTION}] {isolation.describe()}")
+    return isolation
+
+
+class ReplicaTokens:
+    """The loss normalizer of a replica group that trains by itself (torchtitan 0.3).
+
+    torchtitan divides each rank's summed loss by the valid tokens of the step on every rank
+    of its batch mesh (``dp_replicate`` x ``dp_shard``: all replica groups), and FSDP sums the
+    gradients (divide factor 1.0). Under DiLoCo the sum covers one replica group only, so the
+    normalizer must too, or each replica's gradient is its share of the tokens (about 1/R)
+    times the right one. ``start_step`` wraps the step's data iterator and counts the valid
+    tokens of every batch it yields (``labels != ignore_index``, torchtitan's own count); the
+    first ``forward_backward`` of the step all-reduces that count over ``group`` (the replica
+    group's own ranks: FSDP's shard group; one tiny all-reduce per step) and every micro-batch
+    of the step runs with it as ``global_valid_tokens``. The loss it returns is rescaled to
+    torchtitan's normalizer (``own / everyone``) so the logged global average loss stays the
+    mean over all replica groups' tokens."""
+
+    def __init__(self, group: Any, ignore_index: int) -> None:
+        self.group = group
+        self.ignore_index = ignore_index
+        self._local: Optional[torch.Tensor] = None
+        self._own: Optional[torch.Tensor] = None
+
+    def start_step(self, data_iterator: Any) -> Any:
+        self._local = torch.zeros((), dtype=torch.int64)
+        self._own = None
+        return _CountingIterator(data_iterator, self)
+
+    def _count(self, labels: torch.Tensor) -> None:
+        if self._local is None:
+            self._local = torch.zeros((), dtype=torch.int64)
+        self._local += (labels != self.ignore_index).sum()
+
+    def own(self, device: torch.device) -> torch.Tensor:
+        """The step's valid tokens over the replica group (int64 on ``device``)."""
+        if self._own is None:
+            if self._local is None:
+                raise RuntimeError(f"[{SECTION}] a forward-backward step before start_step: "
+                                   "the replica group's token count is unknown")
+            own = self._local.to(device)
+            if self.group is not None and self.group.size() > 1:
+                torch.distributed.all_reduce(own, group=self.group)
+            self._own = own
+        return self._own
+
+    def forward_backward(self, call: Any, kwargs: dict) -> torch.Tensor:
+        """``call(**kwargs)`` (torchtitan's ``forward_backward_step``) with the replica
+        group's token count as ``global_valid_tokens``; the loss rescaled for logging."""
+        everyone = kwargs["global_valid_tokens"]
+        own = self.own(everyone.device)
+        loss = call(**{**kwargs, "global_valid_tokens": own})
+        with torch.no_grad():
+            return loss.detach() * (own.float() / everyone.float()).to(loss.dtype)
+
+
+class _CountingIterator:
+    """The step's data iterator, counting each batch's valid tokens as it is drawn."""
+
+    def __init__(self, inner: Any, tokens: ReplicaTokens) -> None:
+        self.inner = inner
+        self.tokens = tokens
+
+    def __iter__(self) -> "_CountingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self.inner)
+        self.tokens._count(item[1])
+        return item
+
+
 # --------------------------------------------------------------------------- the driver
 class DiLoCoDriver:
     """What ``install_diloco`` leaves on the model part: the config, the replica group, and
@@ -234,19 +331,20 @@ class DiLoCoDriver:
 
 
 def install_diloco(model_parts: list, optimizers: Any, parallel_dims: Any,
-                   config: Optional[DiLoCoConfig]) -> Optional[DiLoCoDriver]:
+                   config: Optional[DiLoCoConfig], group: Any = None) -> Optional[DiLoCoDriver]:
     """Attach a :class:`DiLoCoDriver` to the (single) model part and register its hooks on
-    torchtitan's optimizers container; None when DiLoCo is off."""
+    torchtitan's optimizers container; None when DiLoCo is off. ``group``: the replica group
+    (default: torchtitan's ``dp_replicate`` mesh's; 0.3 passes the one FSDP's HSDP used,
+    ``ReplicaIsolation.replica_group``)."""
     if config is None:
         return None
     check_layout(parallel_dims)
     if len(model_parts) != 1:
         raise ValueError(f"[{SECTION}] enable=true with {len(model_parts)} model parts: "
                          "pipeline parallelism is not wired")
-    group = None
-    if getattr(parallel_dims, "dp_replicate", 1) > 1:
+    if group is None and getattr(parallel_dims, "dp_replicate", 1) > 1:
         group = parallel_dims.get_mesh("dp_replicate").get_group()
-    elif torch.distributed.is_initialized():
+    elif group is None and torch.distributed.is_initialized():
         group = torch.distributed.new_group([torch.distributed.get_rank()])
     driver = DiLoCoDriver(model_parts[0], config, group)
     setattr(model_parts[0], ATTACHMENT_ATTR, driver)
@@ -273,6 +371,6 @@ def format_figures(fig: dict) -> str:
             f"{int(fig['diloco/staleness_steps'])}")
 
 
-__all__ = ["DiLoCoDriver", "DiLoCoSection", "SECTION", "check_layout", "driver_of",
-           "format_figures", "install_diloco", "parallelize_for_diloco", "resolve",
-           "section_of"]
+__all__ = ["DiLoCoDriver", "DiLoCoSection", "ReplicaTokens", "SECTION", "check_layout",
+           "driver_of", "format_figures", "install_diloco", "isolate_for_diloco",
+           "parallelize_for_diloco", "resolve", "section_of"]
