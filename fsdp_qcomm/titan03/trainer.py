@@ -14,13 +14,27 @@ figures. ``config.build()`` constructs the trainer, which before torchtitan's ow
    pipeline stage) gets ``install_qcomm`` with the resolved section;
 
 and after it, adds the handles' state to the checkpoint (key ``"qcomm"``; a resumed run
-continues bit for bit) and tells the metrics processor the step's microbatches. The
-``diloco`` section (``titan_common.diloco``) parses and validates as on 0.2.2, but
-``--diloco.enable`` is refused on 0.3 (see ``Config.__post_init__``). Under HSDP with
+continues bit for bit) and tells the metrics processor the step's microbatches. Under HSDP with
 gradient accumulation, ``train_step`` and ``forward_backward_step`` skip FSDP's all-reduce
 across replicas on all but the last micro-batch of each optimizer step
 (``titan_common/accumulation.py``): one node-crossing all-reduce per step, as with one
 micro-batch.
+
+DiLoCo (``--diloco.enable``, the ``diloco`` section of ``titan_common.diloco``): the replica
+groups are ``dp_replicate``. Hiding that dimension from the parallelize function, as the 0.2.2
+adapter does, fails in torch 2.15's ``fully_shard`` (0.3 annotates the parameters with
+spmd_types over the whole data-parallel storage mesh: "Parameter ... has spmd_types annotation
+on axis ..., which is neither a non-FSDP storage-mesh axis nor contained in the FSDP DP
+mesh"). So torchtitan builds its usual HSDP model, and the wrapped parallelize function then
+isolates its replica groups (``titan_common.diloco.isolate_for_diloco``, before
+``install_qcomm``): FSDP's all-reduce across replicas becomes a local no-op and each replica
+group trains exactly as FSDP over ``dp_shard`` alone, with the loss normalized by the replica
+group's own valid tokens (``ReplicaTokens``, in ``train_step`` / ``forward_backward_step``).
+After torchtitan's ``__init__`` the driver hooks the optimizers container
+(``install_diloco``: the engine is built at the first step, stepped after each) and the
+checkpoint gets the ``"diloco"`` entry (``DiLoCoState``, loaded through ``wrap_dcp_load``), so
+a resume continues the round bit for bit. Refused with DiLoCo: pipeline, tensor, context and
+expert parallelism (``check_layout``).
 """
 
 from __future__ import annotations
@@ -37,9 +51,19 @@ from fsdp_qcomm.titan03.attention import eager_block_masks, use_dense_attention
 from fsdp_qcomm.titan03.metrics import QCommMetricsProcessor
 from fsdp_qcomm.titan_common import cpu, data
 from fsdp_qcomm.titan_common.accumulation import ReplicaSync
-from fsdp_qcomm.titan_common.checkpoint import add_handles_state
+from fsdp_qcomm.titan_common.checkpoint import (
+    add_diloco_state,
+    add_handles_state,
+    wrap_dcp_load,
+)
 from fsdp_qcomm.titan_common.comm_stats import attachment_of
-from fsdp_qcomm.titan_common.diloco import DiLoCoSection
+from fsdp_qcomm.titan_common.diloco import (
+    DiLoCoSection,
+    ReplicaTokens,
+    check_layout,
+    install_diloco,
+    isolate_for_diloco,
+)
 from fsdp_qcomm.titan_common.install import install_qcomm
 from fsdp_qcomm.titan_common.section import QComm
 
@@ -84,14 +108,10 @@ class QCommTrainer(Trainer):
                     "reference, learned levels), which CUDA graph replay skips; set "
                     "--training.disable_cuda_graphs"
                 )
-            if self.diloco.enable:
+            if self.diloco.enable and self.parallelism.pipeline_parallel_degree > 1:
                 raise ValueError(
-                    "diloco.enable is not wired for torchtitan 0.3: hiding dp_replicate from its "
-                    "parallelize function (what the 0.2.2 adapter does) fails in torch 2.15's "
-                    "fully_shard ('Parameter ... has spmd_types annotation on axis default_pg, "
-                    "which is neither a non-FSDP storage-mesh axis nor contained in the FSDP DP "
-                    "mesh'). Use torchtitan 0.2.2 (fsdp_qcomm.titan, [diloco]) or "
-                    "fsdp_qcomm.diloco.DiLoCo directly"
+                    "diloco.enable with pipeline parallelism: DiLoCo is wired for data "
+                    "parallelism only (dp_replicate replica groups, dp_shard inside each)"
                 )
 
     def __init__(self, config: Config) -> None:
@@ -111,18 +131,36 @@ class QCommTrainer(Trainer):
         config.metrics = QCommMetricsProcessor.Config.from_base(config.metrics)
         section = config.qcomm
         qcfg = section.resolve()
+        dl_config = config.diloco.resolve()  # None unless --diloco.enable
         parallelize = spec.parallelize_fn
+        isolations: list = []
 
         def parallelize_with_qcomm(model, **kwargs):
+            if dl_config is not None:
+                check_layout(kwargs["parallel_dims"])  # before building anything
             model = parallelize(model, **kwargs)
+            if dl_config is not None:  # before install_qcomm: it then sees one replica
+                isolations.append(isolate_for_diloco(model, kwargs["parallel_dims"]))
             install_qcomm([model], qcfg, preset=section.preset, overrides=section.overrides())
             return model
 
         config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize_with_qcomm)
         super().__init__(config)
+        isolation = next((i for i in isolations if i is not None), None)
+        self.replica_tokens = None  # DiLoCo: the loss normalized by the replica group's tokens
+        if isolation is not None:
+            from torchtitan.components.loss import IGNORE_INDEX
+
+            self.replica_tokens = ReplicaTokens(isolation.shard_group, IGNORE_INDEX)
+        self.diloco_driver = install_diloco(
+            self.model_parts, self.optimizers, self.parallel_dims, dl_config,
+            group=isolation.replica_group if isolation is not None else None)
         states = getattr(self.checkpointer, "states", None)  # none when checkpoints are off
         if states is not None:
             add_handles_state(states, self.model_parts)
+            entry = add_diloco_state(states, self.model_parts, self.optimizers)
+            if entry is not None:
+                wrap_dcp_load(self.checkpointer, entry)
         self.metrics_processor.run_name = (spec.name, spec.flavor)
         self.metrics_processor.set_microbatches(
             self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
@@ -135,11 +173,15 @@ class QCommTrainer(Trainer):
 
     def train_step(self, data_iterator):
         self.replica_sync.start_step()
+        if self.replica_tokens is not None:  # DiLoCo: count the step's tokens as drawn
+            data_iterator = self.replica_tokens.start_step(data_iterator)
         return super().train_step(data_iterator)
 
     def forward_backward_step(self, **kwargs):
         # one call per gradient accumulation step (pipeline micro-batches go inside it)
         self.replica_sync.before_microbatch()
+        if self.replica_tokens is not None:
+            return self.replica_tokens.forward_backward(super().forward_backward_step, kwargs)
         return super().forward_backward_step(**kwargs)
 
 
