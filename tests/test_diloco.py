@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from _models import MLPBlock
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from fsdp_qcomm.codec import hadamard_len, wire_bytes
-from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
+from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig, isolate_replicas
 from fsdp_qcomm.diloco.schedule import Schedule
 from fsdp_qcomm.testing import run_ranks
 
@@ -35,15 +35,21 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _build(shape, seed: int = 0, fsdp: bool = True):
+def _build(shape, seed: int = 0, fsdp: bool = True, isolated: bool = False):
+    """The model sharded over each replica group's own ranks (``mesh["shard"]``), or with
+    ``isolated`` as HSDP over the 2-D mesh with its replica all-reduce isolated
+    (``isolate_replicas``)."""
     R, G = shape
     mesh = init_device_mesh("cpu", (R, G), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(seed)
     model = nn.Sequential(MLPBlock(D, HID), MLPBlock(D, HID), nn.Linear(D, D))
     if fsdp:
+        shard_mesh = mesh if isolated else mesh["shard"]
         for m in model[:2]:
-            fully_shard(m, mesh=mesh["shard"])
-        fully_shard(model, mesh=mesh["shard"])
+            fully_shard(m, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
+        if isolated:
+            isolate_replicas(model)
     return model, mesh
 
 
@@ -101,8 +107,8 @@ def _train(model, opt, diloco, mesh, steps: int, check: bool = True) -> dict:
 
 
 def _identical_run(rank: int, world: int, shape, cfg_kw: dict, steps: int,
-                   qcomm: bool = False) -> dict:
-    model, mesh = _build(shape)
+                   qcomm: bool = False, isolated: bool = False) -> dict:
+    model, mesh = _build(shape, isolated=isolated)
     handle = None
     if qcomm:
         from fsdp_qcomm import QCommConfig, enable
@@ -131,6 +137,10 @@ def _identical_run(rank: int, world: int, shape, cfg_kw: dict, steps: int,
     out["state"] = diloco.outer_state_breakdown()
     out["numels"] = [f.numel for f in diloco.fragments]
     out["outer_steps"] = diloco.outer_steps
+    out["position"] = (diloco.group_rank, diloco.group_size)
+    out["params"] = {n: _digest(p.detach().to_local()) for n, p in model.named_parameters()}
+    if handle is not None:
+        out["handle_kinds"] = sorted(k for k in handle.stats() if k != "summary")
     return out
 
 
@@ -394,5 +404,151 @@ def _refuse_hsdp(rank: int, world: int) -> str:
 
 
 def test_refuses_hsdp_meshes():
+    """HSDP whose replicas are not isolated all-reduces across them at every step: refused,
+    naming both ways out."""
     for msg in run_ranks(_refuse_hsdp, 2, timeout=120):
-        assert "mesh['shard']" in msg
+        assert "mesh['shard']" in msg and "isolate_replicas" in msg
+
+
+# ---- HSDP with isolated replicas (isolate_replicas) ------------------------------------------
+def _isolated_against_shard_mesh(rank: int, world: int, factor) -> dict:
+    """The same model, init and batches twice: FSDP over ``mesh["shard"]`` and HSDP over the
+    2-D mesh with isolated replicas; 3 AdamW steps with FSDP's default scaling (``factor``
+    None) or torchtitan's (divide factor 1.0, forced sum: gloo has no PREMUL_SUM). Returns
+    whether every step's gradients and weights are bit-identical, whether the two replica
+    groups' gradients differ (nothing averaged them), and the isolated groups' state."""
+    from fsdp_qcomm.fsdp import hsdp
+    from fsdp_qcomm.fsdp import internals as fsdp
+
+    runs = []
+    for isolated in (False, True):
+        model, mesh = _build((2, 2), isolated=isolated)
+        mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if factor is not None:
+            for m in mods:
+                m.set_gradient_divide_factor(factor)
+                m.set_force_sum_reduction_for_comms(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        steps = []
+        for t in range(3):
+            x, y = _batch(mesh, t)
+            ((model(x) - y) ** 2).mean().backward()
+            seen = {f"grad.{n}": p.grad.to_local().detach().clone()
+                    for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            seen.update({f"param.{n}": p.detach().to_local().clone()
+                         for n, p in model.named_parameters()})
+            steps.append(seen)
+        groups = [g for m in mods for g in fsdp.param_groups(m)]
+        runs.append((steps, groups, mesh))
+    (plain, _, mesh), (iso, groups, _) = runs
+    same = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+               for a, b in zip(plain, iso))
+    first_grads = {k: v for k, v in iso[0].items() if k.startswith("grad.")}
+    return {
+        "same": same,
+        "replicas_differ": not _same_across_replicas(first_grads,
+                                                     mesh["replicate"].get_group()),
+        "isolated": all(hsdp.is_isolated(g) for g in groups),
+        "fsdp_replica_size": {fsdp.replicate_group(g).size() for g in groups},
+        "real_replicas": {hsdp.isolated_replica_group(g).size() for g in groups},
+        "force_sum": {fsdp.force_sum(g) for g in groups},
+    }
+
+
+@pytest.mark.parametrize("factor", [None, 1.0])
+def test_isolated_hsdp_trains_exactly_as_fsdp_over_the_shard_group(factor):
+    """HSDP 2 x 2 with ``isolate_replicas`` against FSDP over ``mesh["shard"]``: the same
+    gradients and weights bit for bit at every step, under FSDP's default scaling (the mean
+    over the shard group: ``isolate`` forces FSDP's SUM, FSDP divides by 2, as gloo's AVG
+    does) and under torchtitan's (divide factor 1.0); the replica groups' gradients differ
+    (no all-reduce across them); FSDP all-reduces over a one-rank group, the real replica
+    group is kept."""
+    for r in run_ranks(_isolated_against_shard_mesh, 4, factor, timeout=300):
+        assert r["same"] and r["replicas_differ"] and r["isolated"]
+        assert r["fsdp_replica_size"] == {1} and r["real_replicas"] == {2}
+        assert r["force_sum"] == {True}
+
+
+def test_diloco_on_isolated_hsdp_is_diloco_on_the_shard_mesh():
+    """DiLoCo (4-bit, H=4) over 2 replica groups of 2 ranks: on isolated HSDP (2-D
+    parameters) the run is bit-identical to the one on ``mesh["shard"]`` (losses, shards,
+    outer state), the replicas are identical after every outer step, and DiLoCo reads each
+    rank's position from its shard group."""
+    steps = 12
+    plain = run_ranks(_identical_run, 4, (2, 2), dict(sync_every=4), steps, timeout=300)
+    iso = run_ranks(_identical_run, 4, (2, 2), dict(sync_every=4), steps, False, True,
+                    timeout=300)
+    for rank, (a, b) in enumerate(zip(plain, iso)):
+        assert b["checks"] == steps // 4 and b["same"] and b["global_weights"]
+        assert b["position"] == a["position"] == (rank % 2, 2)
+        assert b["losses"] == a["losses"] and b["params"] == a["params"]
+        assert b["stats"]["summary"]["outer_sent_bytes"] == a["stats"]["summary"][
+            "outer_sent_bytes"]
+    assert iso[0]["losses"] != iso[2]["losses"]
+
+
+def test_isolated_hsdp_with_qwd_hooks():
+    """isolate_replicas before fsdp_qcomm.enable: enable sees one replica (no replica
+    all-reduce kind in its stats), the qWD gathers inside each group send quantized
+    differences after outer steps, replicas identical after each."""
+    steps = 12
+    res = run_ranks(_identical_run, 4, (2, 2), dict(sync_every=4), steps, True, True,
+                    timeout=300)
+    for r in res:
+        assert r["checks"] == steps // 4 and r["same"] and r["global_weights"]
+        assert r["modes"].get("qwd_diff", 0) > 0
+        assert not any(k.startswith("grad_replica") for k in r["handle_kinds"]), r["handle_kinds"]
+
+
+def _isolation_edges(rank: int, world: int) -> dict:
+    from fsdp_qcomm import QCommConfig, enable
+    from fsdp_qcomm.fsdp import internals as fsdp
+
+    out = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    # enable first, then isolate: refused, nothing changed
+    model = nn.Sequential(MLPBlock(D, HID), nn.Linear(D, D))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = enable(model, QCommConfig.preset("sdp4bit", ranks_per_node=2))
+    try:
+        isolate_replicas(model)
+        out["after_enable"] = ""
+    except RuntimeError as e:
+        out["after_enable"] = str(e)
+    handle.disable()
+    # DiLoCo over the wrong replicas (the shard group) is refused
+    iso = isolate_replicas(model)
+    try:
+        DiLoCo(model, DiLoCoConfig(), replicas=mesh["shard"].get_group())
+        out["wrong_replicas"] = ""
+    except ValueError as e:
+        out["wrong_replicas"] = str(e)
+    # undo: FSDP averages across replicas again
+    iso.undo()
+    groups = [g for m in (model, model[0]) for g in fsdp.param_groups(m)]
+    out["undone"] = (all(fsdp.replicate_group(g).size() == 2 for g in groups)
+                     and all(fsdp.all_reduce_hook(g) is None for g in groups))
+    x, y = _batch(mesh, 0)
+    ((model(x) - y) ** 2).mean().backward()
+    grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
+    out["averaged_again"] = _same_across_replicas(grads, mesh["replicate"].get_group())
+    # a plain FSDP model has nothing to isolate
+    plain = nn.Linear(D, D)
+    fully_shard(plain, mesh=mesh["shard"])
+    try:
+        isolate_replicas(plain)
+        out["plain"] = ""
+    except ValueError as e:
+        out["plain"] = str(e)
+    return out
+
+
+def test_isolation_refusals_and_undo():
+    for r in run_ranks(_isolation_edges, 4, timeout=300):
+        assert "before enable()" in r["after_enable"]
+        assert "not the replica group of the isolated HSDP modules" in r["wrong_replicas"]
+        assert r["undone"] and r["averaged_again"]
+        assert "no FSDP module" in r["plain"]

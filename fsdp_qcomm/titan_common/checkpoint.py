@@ -13,10 +13,11 @@ Checkpoints written without the entry (older fsdp_qcomm, or no hooks installed) 
 load them with ``--checkpoint.exclude_from_loading qcomm``: the handles then start fresh and
 the first gathers send full precision, as before.
 
-With ``[diloco] enable`` (torchtitan 0.2.2 and 0.3) a second entry, ``"diloco"`` (:class:`DiLoCoState`),
-holds DiLoCo's outer state and each replica group's own weights and inner optimizer state, so a
-resumed run continues the round and the outer momentum bit for bit. Checkpoints written without
-it load with ``--checkpoint.exclude_from_loading diloco`` (the outer state starts fresh).
+With ``[diloco] enable`` (torchtitan 0.2.2 and 0.3) a second entry, ``"diloco"``
+(:class:`DiLoCoState`), holds DiLoCo's outer state and each replica group's own weights and inner
+optimizer state, so a resumed run continues the round and the outer momentum bit for bit.
+Checkpoints written without it load with ``--checkpoint.exclude_from_loading diloco`` (the outer
+state starts fresh).
 """
 
 from __future__ import annotations
@@ -95,19 +96,19 @@ class DiLoCoState(Stateful):
       costs one more model and inner optimizer state per replica group in the checkpoint
       (torchtitan's entries stay as they are: model-only loads and exports read them).
 
-    Ordering. torchtitan 0.2.2 builds the optimizers (``install_diloco`` attaches the
-    driver), then the checkpoint manager, then loads the checkpoint at the start of
-    ``train()``, before the first step (0.3: ``QCommTrainer`` attaches the driver and this
-    entry after its ``Trainer.__init__`` built both, the load is in ``train()`` too); the driver builds the engine lazily at the first
-    optimizer step so that it snapshots the weights training really starts from (a model-only
-    load or ``initial_load_path`` changes them after ``install_diloco``). A load of this entry
-    needs the engine's buffers before the first step, so ``state_dict()`` builds the engine
-    then (``DiLoCoDriver.ensure_engine(for_load=True)``: without ``init_sync``) and the load
-    overwrites all of it: start-of-round weights, momentum, counters, pending merge,
-    residuals. An engine built from the initialized weights and then overwritten is the one
-    the uninterrupted run had at that step, since nothing else in it depends on the weights.
-    The other order (build eagerly in ``install_diloco``) would snapshot the initialized
-    weights before a model-only load replaced them.
+    Ordering. torchtitan 0.2.2 builds the optimizers (``install_diloco`` attaches the driver), then
+    the checkpoint manager, then loads the checkpoint at the start of ``train()``, before the first
+    step (0.3: ``QCommTrainer`` attaches the driver and this entry after its ``Trainer.__init__``
+    built both; the load is in ``train()`` too); the driver builds the engine lazily at the first
+    optimizer step so that it snapshots the weights training really starts from (a model-only load
+    or ``initial_load_path`` changes them after ``install_diloco``). A load of this entry needs the
+    engine's buffers before the first step, so ``state_dict()`` builds the engine then
+    (``DiLoCoDriver.ensure_engine(for_load=True)``: without ``init_sync``) and the load overwrites
+    all of it: start-of-round weights, momentum, counters, pending merge, residuals. An engine built
+    from the initialized weights and then overwritten is the one the uninterrupted run had at that
+    step, since nothing else in it depends on the weights. The other order (build eagerly in
+    ``install_diloco``) would snapshot the initialized weights before a model-only load replaced
+    them.
 
     torchtitan loads its flattened ``"model"`` entry after every ``Stateful`` (after
     ``dcp.load`` returns), which would put the deduplicated weights back over this replica's

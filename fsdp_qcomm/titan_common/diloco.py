@@ -29,10 +29,10 @@ With ``enable = true`` the replica groups are torchtitan's ``dp_replicate`` dime
   handle=<fsdp-qcomm's handle, if any>)`` (the weights are initialized or loaded by then; the
   replicas start from replica 0's), after every step it calls ``DiLoCo.step()``;
 * checkpoints carry a ``"diloco"`` entry (``titan_common.checkpoint.DiLoCoState``, added by
-  ``titan.checkpoint``'s patched ``CheckpointManager`` on 0.2.2, by ``QCommTrainer`` on 0.3): the outer
-  state and each replica group's own weights and inner optimizer state, so a resumed run
-  continues the round and the outer momentum bit for bit (a load before the first step builds
-  the engine then, see ``DiLoCoDriver.ensure_engine``); a checkpoint without it loads with
+  ``titan.checkpoint``'s patched ``CheckpointManager`` on 0.2.2, by ``QCommTrainer`` on 0.3): the
+  outer state and each replica group's own weights and inner optimizer state, so a resumed run
+  continues the round and the outer momentum bit for bit (a load before the first step builds the
+  engine then, see ``DiLoCoDriver.ensure_engine``); a checkpoint without it loads with
   ``--checkpoint.exclude_from_loading diloco`` (the outer state starts fresh);
 * the ``qcomm:`` console line gains ``diloco:`` figures: the outer all-reduce's node-crossing
   bytes per inner step, outer steps, staleness (``diloco/*`` metrics).
