@@ -66,13 +66,13 @@ class ReplicaSync:
         self.microbatches = max(1, int(microbatches))
         self.replicas = max((_replicas(m) for m in self.modules), default=1)
         self.why = ""
-        if self.microbatches == 1:
+        if any(is_isolated(g) for m in self.modules for g in fsdp.param_groups(m)):
+            self.why = ("DiLoCo: the replica groups train by themselves (FSDP's all-reduce "
+                        "across replicas is isolated)")
+        elif self.microbatches == 1:
             self.why = "one micro-batch per step"
         elif not self.modules:
             self.why = "no FSDP modules"
-        elif any(is_isolated(g) for m in self.modules for g in fsdp.param_groups(m)):
-            self.why = ("DiLoCo: the replica groups train by themselves (FSDP's all-reduce "
-                        "across replicas is isolated)")
         elif self.replicas < 2:
             self.why = "no replica group (not HSDP)"
         elif pipelined:

@@ -1,7 +1,9 @@
 """torchtitan 0.3 integration: the ``qcomm`` section through torchtitan's config manager, the
 recipe functions against the TOML recipes they mirror, the CPU attention, and CPU runs under
 torchrun: the debug recipe as HSDP, 2 replicas x 2 shards on 4 ranks (with a checkpoint and
-its bit-identical resume), and QSDP with learned levels on 2 ranks."""
+its bit-identical resume), QSDP with learned levels on 2 ranks, and DiLoCo over 2 replica
+groups x 2 shards (the replicas' weights after every step, a mid-round resume, a resume without
+the diloco entry; marked long)."""
 
 import dataclasses
 import math
@@ -27,6 +29,7 @@ require_adapter("fsdp_qcomm.titan03")
 
 from _hsdp_run import (  # noqa: E402
     HSDP_FLAGS,
+    check_diloco_summary,
     check_hsdp_sdp4bit_summary,
 )
 from _qcomm_fields import cli_value, field_variants  # noqa: E402
@@ -380,8 +383,7 @@ def test_config_dataclass_fields_are_torchtitans_plus_qcomm_and_diloco():
 # --------------------------------------------------------------------------- diloco section
 def test_diloco_section_parses_from_cli():
     """The ``diloco`` field mirrors DiLoCoConfig: off by default, CLI flags, bits 32 = fp32,
-    and a bad combination is refused naming the section (``enable`` itself is refused on 0.3:
-    the next test; the values resolve as 0.2.2 would run them)."""
+    and a bad combination is refused naming the section."""
     from fsdp_qcomm.diloco import DiLoCoConfig
 
     assert parse("debug_sdp4bit").diloco.resolve() is None
@@ -398,12 +400,129 @@ def test_diloco_section_parses_from_cli():
         parse("debug_sdp4bit", "--diloco.sync_every", "6", "--diloco.fragments", "4")
 
 
-def test_diloco_enable_is_refused_naming_what_failed(capsys):
-    """``--diloco.enable`` on 0.3 stops at configuration (tyro prints the error and exits),
-    saying why (a 2 x 2 run failed in torch 2.15's fully_shard with dp_replicate hidden)."""
+def test_diloco_enable_parses_and_pipeline_parallelism_is_refused(capsys):
+    """``--diloco.enable`` resolves to the DiLoCoConfig the run uses; with pipeline
+    parallelism it stops at configuration (tyro prints the error and exits), naming why."""
+    from fsdp_qcomm.diloco import DiLoCoConfig
+
+    cfg = parse("debug_sdp4bit", "--diloco.enable", "--diloco.sync_every", "2")
+    assert cfg.diloco.resolve() == DiLoCoConfig(sync_every=2)
     with pytest.raises(SystemExit):
-        parse("debug_sdp4bit", "--diloco.enable")
-    assert "not wired for torchtitan 0.3" in capsys.readouterr().err.replace("\n", " ")
+        parse("debug_sdp4bit", "--diloco.enable", "--parallelism.pipeline_parallel_degree", "2")
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert "DiLoCo is wired for data parallelism only" in err, err
+
+
+#: DiLoCo over 2 replica groups x 2 shards (the 4 ranks being 2 "nodes" x 2), an outer 4-bit
+#: all-reduce every 2 steps (merges after steps 2, 4, 6), a full checkpoint after every step
+DILOCO_RUN = (*HSDP_FLAGS, "--diloco.enable", "--diloco.sync_every", "2",
+              "--validator.no-enable", "--checkpoint.enable", "--checkpoint.interval", "1",
+              "--checkpoint.folder", "ckpt", "--checkpoint.keep_latest_k", "0",
+              "--checkpoint.no-last-save-model-only")
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory) -> tuple[Path, str]:
+    """6 steps of debug_sdp4bit with ``DILOCO_RUN`` on 4 CPU ranks."""
+    dump = tmp_path_factory.mktemp("diloco") / "out"
+    proc = torchrun("debug_sdp4bit", dump, *short_run(6), *DILOCO_RUN, nproc=4, timeout=600)
+    return dump, proc.stdout + proc.stderr
+
+
+@pytest.mark.long
+def test_diloco_two_replicas_of_two_shards(diloco_run):
+    """``--diloco.enable`` on 2 replica groups x 2 shards: torchtitan builds its HSDP model and
+    the trainer isolates the replica groups (no all-reduce across them at each step, no replica
+    figures), an outer 4-bit all-reduce every 2 steps with its node-crossing bytes on the qcomm
+    line and in the summary's history, the outer step count after each step, a falling loss."""
+    dump, log = diloco_run
+    s = read_summary(dump)
+    check_diloco_summary(s, log, steps=6, outer_steps=3)
+    assert "[diloco] HSDP with its all-reduce across 2 replicas isolated" in log
+    assert "DiLoCo: the replica groups train by themselves" in log  # ReplicaSync stays off
+    assert [(h["diloco/inner_steps"], h["diloco/outer_steps"]) for h in s["history"]] == \
+        [(1, 0), (2, 1), (3, 1), (4, 2), (5, 2), (6, 3)]
+    assert all(not h.get("qcomm/replica_bytes_per_step") for h in s["history"])
+
+
+def _replica_weights(checkpoint: Path, tmp: Path) -> tuple[dict, dict]:
+    """Replica groups 0's and 1's own weights in a DCP checkpoint's "diloco" entry
+    (``DiLoCoState``: ``diloco.replica{r}.model.<name>``), read in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / (checkpoint.name + ".pt")
+    dcp_to_torch_save(str(checkpoint), str(out))
+    flat: dict = {}
+
+    def walk(prefix: str, tree) -> None:
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = tree
+
+    walk("", torch.load(out, weights_only=False))
+    reps = []
+    for r in (0, 1):
+        head = f"diloco.replica{r}.model."
+        reps.append({k[len(head):]: v for k, v in flat.items() if k.startswith(head)})
+    return reps[0], reps[1]
+
+
+@pytest.mark.long
+def test_diloco_replicas_identical_after_each_outer_step(diloco_run, tmp_path):
+    """The checkpoint after every step holds each replica group's own weights: after the
+    steps that end with an outer step (2, 4, 6) the two groups' weights are identical, after
+    the others (1, 3, 5) they differ (each group trained on its own data since the merge)."""
+    dump, _ = diloco_run
+    for step in range(1, 7):
+        a, b = _replica_weights(dump / "ckpt" / f"step-{step}", tmp_path)
+        assert a and a.keys() == b.keys(), (step, sorted(a)[:3], sorted(b)[:3])
+        same = all(torch.equal(a[k], b[k]) for k in a)
+        assert same == (step % 2 == 0), step
+
+
+def _resume_diloco(run: Path, dump: Path, *extra: str) -> tuple[dict, str]:
+    (dump / "ckpt").mkdir(parents=True)
+    shutil.copytree(run / "ckpt" / "step-3", dump / "ckpt" / "step-3")
+    proc = torchrun("debug_sdp4bit", dump, *short_run(6), *DILOCO_RUN,
+                    "--checkpoint.load_step", "3", *extra, nproc=4, timeout=600)
+    return read_summary(dump), proc.stdout + proc.stderr
+
+
+@pytest.mark.long
+def test_diloco_checkpoint_resume_is_bit_identical(diloco_run, tmp_path):
+    """Resume from the step-3 checkpoint, mid-round (one inner step after the merge at 2): the
+    "diloco" entry restores the round position, the start-of-round weights, the outer momentum
+    and each replica group's own weights and Adam moments (torchtitan's "model" and
+    "optimizer" entries keep one replica's copy of each shard), so steps 4-6 repeat the
+    uninterrupted run's losses exactly and the outer step count continues."""
+    run, _ = diloco_run
+    a = read_summary(run)
+    b, out_b = _resume_diloco(run, tmp_path / "resumed")
+    assert "(built for a checkpoint load)" in out_b
+    assert b["steps_logged"] == [4, 5, 6] and b["training_steps"] == 3
+    la = dict(zip(a["steps_logged"], a["loss"]))
+    lb = dict(zip(b["steps_logged"], b["loss"]))
+    assert all(lb[s] == la[s] for s in (4, 5, 6)), (la, lb)
+    hb = {h["step"]: h for h in b["history"]}
+    assert [(hb[s]["diloco/inner_steps"], hb[s]["diloco/outer_steps"]) for s in (4, 5, 6)] == \
+        [(4, 2), (5, 2), (6, 3)]
+
+
+@pytest.mark.long
+def test_diloco_checkpoint_loads_without_its_entry_with_exclude(diloco_run, tmp_path):
+    """``--checkpoint.exclude_from_loading diloco``: the outer state starts fresh at the first
+    step, a new round from the loaded weights (inner steps count from the resume, the first
+    merge 2 steps later), and training goes on."""
+    run, _ = diloco_run
+    b, out_b = _resume_diloco(run, tmp_path / "fresh", "--checkpoint.exclude_from_loading",
+                              "diloco")
+    assert "(built for a checkpoint load)" not in out_b
+    assert b["steps_logged"] == [4, 5, 6] and all(math.isfinite(x) for x in b["loss"])
+    hb = {h["step"]: h for h in b["history"]}
+    assert [(hb[s]["diloco/inner_steps"], hb[s]["diloco/outer_steps"]) for s in (4, 5, 6)] == \
+        [(1, 0), (2, 1), (3, 1)]
 
 
 @pytest.mark.long

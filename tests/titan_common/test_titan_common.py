@@ -437,3 +437,41 @@ def test_version_check_names_the_adapter_to_use(monkeypatch):
         version.require_torchtitan("fsdp_qcomm.titan03")
     # not an ImportError: torchtitan 0.3's --module loader swallows those
     assert not issubclass(version.TorchtitanVersionError, ImportError)
+
+
+# --------------------------------------------------------------------------- DiLoCo's tokens
+def test_replica_tokens_normalize_by_the_replica_groups_own_tokens():
+    """``titan_common.diloco.ReplicaTokens`` (torchtitan 0.3 under DiLoCo): the step's data
+    iterator counts each drawn batch's valid tokens (labels other than the ignore index); every
+    forward-backward call of the step runs with that count (here a one-rank replica group: no
+    all-reduce) instead of torchtitan's count over all replica groups, and returns the loss
+    rescaled to torchtitan's normalizer (the logged average over every replica group's
+    tokens). A new step counts afresh."""
+    from fsdp_qcomm.titan_common.diloco import ReplicaTokens
+
+    ignore = -100
+    batches = [({"input": torch.zeros(2, 3)}, torch.tensor([[1, 2, ignore], [3, ignore, ignore]])),
+               ({"input": torch.zeros(2, 3)}, torch.tensor([[4, 5, 6], [7, 8, ignore]]))]
+    tokens = ReplicaTokens(None, ignore)
+    it = tokens.start_step(iter(batches))
+    drawn = [next(it), next(it)]
+    assert drawn == batches  # the batches themselves, unchanged
+    seen = []
+
+    def call(**kwargs):  # torchtitan's forward_backward_step: local loss sum / normalizer
+        seen.append(kwargs["global_valid_tokens"])
+        return torch.tensor(21.0) / kwargs["global_valid_tokens"]
+
+    everyone = torch.tensor(28)  # torchtitan's count over all replica groups (4 x 7)
+    losses = [tokens.forward_backward(call, {"input_dict": None, "labels": None,
+                                             "global_valid_tokens": everyone})
+              for _ in range(2)]
+    assert [int(t) for t in seen] == [3 + 5, 3 + 5]  # the replica group's own, every micro-batch
+    assert all(loss.item() == pytest.approx(21.0 / 28) for loss in losses)
+    with pytest.raises(StopIteration):
+        next(it)
+    it = tokens.start_step(iter(batches[1:]))
+    next(it)
+    seen.clear()
+    tokens.forward_backward(call, {"global_valid_tokens": everyone})
+    assert [int(t) for t in seen] == [5]
