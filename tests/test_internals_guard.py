@@ -223,6 +223,20 @@ def _battery(rank: int, world: int) -> dict:
     finally:
         FSDPParamGroup._all_reduce_process_group = prop
 
+    # 4b. the same under DiLoCo's isolation (isolate_replicas): FSDP's all-reduce on the cached
+    #     real group would average the replica groups at every step; the first backward stops
+    from fsdp_qcomm.diloco import isolate_replicas
+
+    model = _build((2, 2))
+    cache = {id(g): g.mesh_info.replicate_process_group for g in _groups(model)}
+    FSDPParamGroup._all_reduce_process_group = property(
+        lambda self: cache.get(id(self), self.mesh_info.replicate_process_group))
+    try:
+        isolate_replicas(model)
+        res["cached_replica_group_isolated"] = _outcome(lambda: _step(model, rank))
+    finally:
+        FSDPParamGroup._all_reduce_process_group = prop
+
     # 5. grad_overlap when FSDP divides after every reduction (deferral impossible): nothing is
     #    deferred, the notes say why; unpatched, the 1-D run defers
     def overlap(shape, factors) -> dict:
@@ -278,6 +292,16 @@ def test_untouched_model_enables_and_trains(battery):
 def test_fsdp_all_reduce_on_a_cached_real_replica_group_stops_the_first_backward(battery):
     for r in battery:
         kind, msg = r["cached_replica_group"]
+        assert kind == "FSDPInternalsChanged" and "ran 0 time(s)" in msg and \
+            f"torch {VERSION}" in msg, (kind, msg)
+
+
+def test_isolated_replicas_on_a_cached_real_replica_group_stop_the_first_backward(battery):
+    """``isolate_replicas`` relies on the same read as ``enable``'s HSDP swap: a torch that
+    kept the real replica group would average DiLoCo's replica groups at every step; the
+    isolation's check stops the first backward instead."""
+    for r in battery:
+        kind, msg = r["cached_replica_group_isolated"]
         assert kind == "FSDPInternalsChanged" and "ran 0 time(s)" in msg and \
             f"torch {VERSION}" in msg, (kind, msg)
 
