@@ -414,9 +414,11 @@ def test_refuses_hsdp_meshes():
 def _isolated_against_shard_mesh(rank: int, world: int, factor) -> dict:
     """The same model, init and batches twice: FSDP over ``mesh["shard"]`` and HSDP over the
     2-D mesh with isolated replicas; 3 AdamW steps with FSDP's default scaling (``factor``
-    None) or torchtitan's (divide factor 1.0, forced sum: gloo has no PREMUL_SUM). Returns
-    whether every step's gradients and weights are bit-identical, whether the two replica
-    groups' gradients differ (nothing averaged them), and the isolated groups' state."""
+    None) or torchtitan's (divide factor 1.0, forced sum: gloo has no PREMUL_SUM), each
+    clipped as torchtitan clips (the total norm of the DTensor gradients, ``full_tensor``).
+    Returns whether every step's gradients, norm and weights are bit-identical, whether the
+    two replica groups' gradients differ (nothing averaged them), and the isolated groups'
+    state."""
     from fsdp_qcomm.fsdp import hsdp
     from fsdp_qcomm.fsdp import internals as fsdp
 
@@ -435,6 +437,12 @@ def _isolated_against_shard_mesh(rank: int, world: int, factor) -> dict:
             ((model(x) - y) ** 2).mean().backward()
             seen = {f"grad.{n}": p.grad.to_local().detach().clone()
                     for n, p in model.named_parameters()}
+            # torchtitan's clipping: the norm of each replica group's own gradients
+            params = list(model.parameters())
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            norm = norm.full_tensor()
+            torch.nn.utils.clip_grads_with_norm_(params, 0.01, norm, foreach=True)
+            seen["norm"] = norm.detach().clone()
             opt.step()
             opt.zero_grad()
             seen.update({f"param.{n}": p.detach().to_local().clone()
@@ -446,6 +454,7 @@ def _isolated_against_shard_mesh(rank: int, world: int, factor) -> dict:
     same = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
                for a, b in zip(plain, iso))
     first_grads = {k: v for k, v in iso[0].items() if k.startswith("grad.")}
+    norms = [float(step["norm"]) for step in iso]
     return {
         "same": same,
         "replicas_differ": not _same_across_replicas(first_grads,
@@ -454,6 +463,7 @@ def _isolated_against_shard_mesh(rank: int, world: int, factor) -> dict:
         "fsdp_replica_size": {fsdp.replicate_group(g).size() for g in groups},
         "real_replicas": {hsdp.isolated_replica_group(g).size() for g in groups},
         "force_sum": {fsdp.force_sum(g) for g in groups},
+        "norms": norms,
     }
 
 
@@ -463,12 +473,15 @@ def test_isolated_hsdp_trains_exactly_as_fsdp_over_the_shard_group(factor):
     gradients and weights bit for bit at every step, under FSDP's default scaling (the mean
     over the shard group: ``isolate`` forces FSDP's SUM, FSDP divides by 2, as gloo's AVG
     does) and under torchtitan's (divide factor 1.0); the replica groups' gradients differ
-    (no all-reduce across them); FSDP all-reduces over a one-rank group, the real replica
-    group is kept."""
-    for r in run_ranks(_isolated_against_shard_mesh, 4, factor, timeout=300):
+    (no all-reduce across them), and so do their clipping norms (each group's own, clipping
+    active); FSDP all-reduces over a one-rank group, the real replica group is kept."""
+    res = run_ranks(_isolated_against_shard_mesh, 4, factor, timeout=300)
+    for r in res:
         assert r["same"] and r["replicas_differ"] and r["isolated"]
         assert r["fsdp_replica_size"] == {1} and r["real_replicas"] == {2}
         assert r["force_sum"] == {True}
+        assert all(n > 0.01 for n in r["norms"]), r["norms"]  # the clipping acted
+    assert res[0]["norms"] == res[1]["norms"] != res[2]["norms"] == res[3]["norms"]
 
 
 def test_diloco_on_isolated_hsdp_is_diloco_on_the_shard_mesh():
