@@ -5,7 +5,8 @@ Launch: ``torchrun ... -m torchtitan.train --module fsdp_qcomm.titan03 --config 
 
 * ``config_registry`` -- the recipe functions (debug GPT, GPT-3 125M..13B, one per scheme);
 * ``trainer`` -- :class:`QCommTrainer`: torchtitan's ``Trainer`` with a ``qcomm`` config
-  section, the hooks installed on every model part, their state in checkpoints, and CPU
+  section, the hooks installed on every model part, their state in checkpoints, a ``diloco``
+  section (``--diloco.enable``: DiLoCo across the ``dp_replicate`` replica groups), and CPU
   support where there is no accelerator;
 * ``metrics`` -- the metrics processor that logs the ``qcomm/*`` figures;
 * ``models`` -- the GPT model specs; ``attention`` -- the CPU attention;
