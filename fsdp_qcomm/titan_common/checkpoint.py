@@ -70,6 +70,7 @@ def add_handles_state(states: dict[str, Any], model_parts) -> Optional[HandlesSt
 
 
 DILOCO_KEY = "diloco"
+MODEL_KEY = "model"  # torchtitan's model entry (checkpoint.MODEL in 0.2.2 and 0.3)
 #: what to pass to load a checkpoint written without the "diloco" entry
 EXCLUDE_DILOCO = f"--checkpoint.exclude_from_loading {DILOCO_KEY}"
 
@@ -88,8 +89,10 @@ class DiLoCoState(Stateful):
       own). Per shard rank, not per replica group: the start-of-round weights are laid out
       like the rank's FSDP shard.
     * ``"replica{r}"``: replica group ``r``'s own model and inner optimizer state
-      (``get_model_state_dict`` of the model part, and the optimizers container's
-      ``state_dict()``: DTensors sharded over the group's ``dp_shard`` ranks). torchtitan's
+      (the model as torchtitan's own ``"model"`` entry saves it, through a second instance of
+      the manager's model wrapper: 0.2.2's ``get_model_state_dict``, 0.3's ``state_dict()``
+      whose hooks split fused projections into their canonical keys; and the optimizers
+      container's ``state_dict()``: DTensors sharded over the group's ``dp_shard`` ranks). torchtitan's
       ``"model"`` and ``"optimizer"`` entries cannot hold them: mid-round the replica groups'
       weights and Adam moments differ, but their keys and shard offsets are the same in every
       group, so DCP writes one group's copy of each shard and loads it into all. This part
@@ -121,10 +124,13 @@ class DiLoCoState(Stateful):
     applies the replica part at once.
     """
 
-    def __init__(self, driver: Any, model_parts: list, optimizers: Any) -> None:
+    def __init__(self, driver: Any, model_parts: list, optimizers: Any,
+                 model_state: Optional[Any] = None) -> None:
         self.driver = driver
         self.model_parts = list(model_parts)
         self.optimizers = optimizers
+        # saves and loads the model like the manager's "model" entry (same keys, same hooks)
+        self.model_state = model_state if model_state is not None else _DCPModel(model_parts)
         self._loading = False
         self._loaded: Optional[dict[str, Any]] = None
 
@@ -144,12 +150,8 @@ class DiLoCoState(Stateful):
         return keys
 
     def _replica_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        model: dict[str, Any] = {}
-        for part in self.model_parts:
-            model.update(get_model_state_dict(part))
-        return {"model": model, "optimizer": self.optimizers.state_dict()}
+        return {"model": dict(self.model_state.state_dict()),
+                "optimizer": self.optimizers.state_dict()}
 
     # ---- Stateful --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -185,17 +187,11 @@ class DiLoCoState(Stateful):
     def finish_load(self) -> None:
         """After the load (and after torchtitan's own model load): this replica group's
         weights and inner optimizer state into the model and the optimizers."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
-
         self._loading = False
         loaded, self._loaded = self._loaded, None
         if loaded is None:
             return
-        for part in self.model_parts:
-            set_model_state_dict(part, loaded["model"], options=StateDictOptions(strict=False))
+        self.model_state.load_state_dict(loaded["model"])
         self.optimizers.load_state_dict(loaded["optimizer"])
 
     def abort_load(self) -> None:
@@ -248,6 +244,46 @@ def _fresh(tree: Any) -> Any:
     return tree
 
 
+class _DCPModel:
+    """A model's state as DCP's ``get_model_state_dict`` / ``set_model_state_dict`` give it:
+    the replica part's model state when the manager has no ``"model"`` wrapper to copy."""
+
+    def __init__(self, model_parts: list) -> None:
+        self.model_parts = list(model_parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        out: dict[str, Any] = {}
+        for part in self.model_parts:
+            out.update(get_model_state_dict(part))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+def _model_state_like(states: dict[str, Any], model_parts: list) -> Optional[Any]:
+    """A second instance of the manager's ``"model"`` wrapper over ``model_parts`` (torchtitan's
+    ``ModelWrapper``: its keys and state-dict hooks are the ones the checkpoint uses), or None
+    when the manager holds none of that shape."""
+    wrapper = states.get(MODEL_KEY)
+    cls = type(wrapper)
+    if wrapper is None or not all(callable(getattr(cls, m, None))
+                                  for m in ("state_dict", "load_state_dict")):
+        return None
+    try:
+        return cls(model_parts)
+    except TypeError:  # a wrapper that is not built from the model parts
+        return None
+
+
 def add_diloco_state(states: dict[str, Any], model_parts, optimizers: Any
                      ) -> Optional[DiLoCoState]:
     """Add the ``"diloco"`` entry to a checkpoint manager's ``states`` when a
@@ -258,7 +294,9 @@ def add_diloco_state(states: dict[str, Any], model_parts, optimizers: Any
     driver = driver_of(model_parts)
     if driver is None or DILOCO_KEY in states or optimizers is None:
         return None
-    states[DILOCO_KEY] = entry = DiLoCoState(driver, model_parts, optimizers)
+    parts = list(model_parts)
+    states[DILOCO_KEY] = entry = DiLoCoState(driver, parts, optimizers,
+                                             _model_state_like(states, parts))
     return entry
 
 
