@@ -186,7 +186,7 @@ def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
         cpu_native._state.update(saved)
 
 
-# ---- the change tracker's shard digest ------------------------------------------------------------
+# ---- the change tracker's shard digest --------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                    torch.int16, torch.int32, torch.int64, torch.uint8])
