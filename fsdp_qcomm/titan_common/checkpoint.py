@@ -93,11 +93,12 @@ class DiLoCoState(Stateful):
       the manager's model wrapper: 0.2.2's ``get_model_state_dict``, 0.3's ``state_dict()``
       whose hooks split fused projections into their canonical keys; and the optimizers
       container's ``state_dict()``: DTensors sharded over the group's ``dp_shard`` ranks).
-      torchtitan's ``"model"`` and ``"optimizer"`` entries cannot hold them: mid-round the replica groups'
-      weights and Adam moments differ, but their keys and shard offsets are the same in every
-      group, so DCP writes one group's copy of each shard and loads it into all. This part
-      costs one more model and inner optimizer state per replica group in the checkpoint
-      (torchtitan's entries stay as they are: model-only loads and exports read them).
+      torchtitan's ``"model"`` and ``"optimizer"`` entries cannot hold them: mid-round the
+      replica groups' weights and Adam moments differ, but their keys and shard offsets are the
+      same in every group, so DCP writes one group's copy of each shard and loads it into all.
+      This part costs one more model and inner optimizer state per replica group in the
+      checkpoint (torchtitan's entries stay as they are: model-only loads and exports read
+      them).
 
     Ordering. torchtitan 0.2.2 builds the optimizers (``install_diloco`` attaches the driver), then
     the checkpoint manager, then loads the checkpoint at the start of ``train()``, before the first
