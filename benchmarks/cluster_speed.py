@@ -21,7 +21,9 @@ records, per scheme:
   "compute+bytes floor", and most rows ran below it).
 
 DiLoCo rows (``--schemes diloco-set``: HSDP in fp32 and with sdp4bit, DiLoCo H=8 and H=32 with
-4-bit outer gradients, Streaming DiLoCo H=32 with 2 fragments and delay 1) shard each node by
+4-bit outer gradients, Streaming DiLoCo H=32 with 2 fragments and delay 1; by name also
+``streaming_h32_f4d6`` and ``streaming_h32_f2d12``, whose longer delays hide a slow link's
+all-reduce behind more inner steps) shard each node by
 itself and sync the nodes every H inner steps (``fsdp_qcomm.diloco``, the rows of
 ``benchmarks/diloco.py``). They time ``--diloco-steps`` steps (whole outer periods, default 64:
 2 outer steps at H=32), and each figure per step is the median over outer periods of the
@@ -88,12 +90,14 @@ SCHEMES = {"baseline": (None, "flat"), "fsdp2_bf16": (FSDP2_BF16_FP32, "flat"),
 #: ``fsdp_qcomm.diloco``; each is ``benchmarks/diloco.py``'s row of that label (its
 #: ``DiLoCoConfig`` fields, the package's outer optimizer defaults), compared with the HSDP rows.
 DILOCO = {"diloco_h8": "DiLoCo H8 4b", "diloco_h32": "DiLoCo H32 4b",
-          "streaming_h32_f2d1": "Streaming H32 F2 d1 4b"}
+          "streaming_h32_f2d1": "Streaming H32 F2 d1 4b",
+          "streaming_h32_f4d6": "Streaming H32 F4 d6 4b",
+          "streaming_h32_f2d12": "Streaming H32 F2 d12 4b"}
 SCHEMES.update({label: (None, "diloco") for label in DILOCO})
 DEFAULT_SCHEMES = "baseline,sdp4bit,zeropp,qsdp"
 HSDP_SCHEMES = "hsdp,hsdp_baseline_thread,hsdp_sdp4bit,sdp4bit"
 #: DiLoCo next to per-step HSDP in fp32 and with sdp4bit (issue 28)
-DILOCO_SCHEMES = "hsdp,hsdp_sdp4bit," + ",".join(DILOCO)
+DILOCO_SCHEMES = "hsdp,hsdp_sdp4bit,diloco_h8,diloco_h32,streaming_h32_f2d1"
 #: what users run instead (issue 29): FSDP2 in fp32, bf16/fp32, bf16/bf16, then the presets
 USER_SCHEMES = ("baseline,fsdp2_bf16,fsdp2_bf16_bf16,bf16,sdp4bit,lowbit,hsdp,hsdp_fsdp2_bf16,"
                 "hsdp_fsdp2_bf16_bf16,hsdp_bf16,hsdp_sdp4bit,hsdp_lowbit")

@@ -95,7 +95,8 @@ class Row:
             if d.get("fragments", 1) > 1:
                 text += f", {d['fragments']} fragments, delay {d.get('delay', 0)}"
             text += ", EF" if d.get("error_feedback") else ""
-            for key, name in (("outer_lr", "outer lr"), ("outer_momentum", "momentum")):
+            for key, name in (("alpha", "alpha"), ("outer_lr", "outer lr"),
+                              ("outer_momentum", "momentum")):
                 if key in d:
                     text += f", {name} {d[key]:g}"
             return text
@@ -116,6 +117,12 @@ ROWS: dict[str, Row] = {
     **{f"DiLoCo H{h} {b}b{' EF' if ef else ''}": _dl(h, b, ef)
        for h in (8, 32) for b in (4, 2) for ef in (False, True)},
     "Streaming H32 F2 d1 4b": _dl(32, 4, False, fragments=2, delay=1),
+    # longer delays hide a slow link's all-reduce behind more inner steps (issue 28: at 10 Mbit/s
+    # a fragment of H=32 4-bit outer gradients takes ~2.5 s (F=4) to ~5 s (F=2) on the link,
+    # against ~0.6 s per inner step on the 2-core machine), at the price of staler merges;
+    # alpha 0.5 (Streaming DiLoCo's mix) keeps half of the local steps taken meanwhile
+    "Streaming H32 F4 d6 4b": _dl(32, 4, False, fragments=4, delay=6, alpha=0.5),
+    "Streaming H32 F2 d12 4b": _dl(32, 4, False, fragments=2, delay=12, alpha=0.5),
 }
 BASELINE = "HSDP"
 REFERENCE = "HSDP sdp4bit"  # the per-step row whose bytes the DiLoCo rows are compared with
