@@ -99,6 +99,8 @@ class Row:
                               ("outer_momentum", "momentum")):
                 if key in d:
                     text += f", {name} {d[key]:g}"
+            if d.get("outer_nesterov") is False:
+                text += ", no Nesterov"
             return text
         text = f"HSDP, {self.preset}"
         if self.overrides:
