@@ -52,9 +52,11 @@ import _provenance  # noqa: E402
 from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
+    Spread,
     file_digest,
     fmt_interval,
     fmt_spread,
+    interval,
     paired_gap_pct,
     seed_list,
     spread,
@@ -386,9 +388,51 @@ def _report(a, stored: dict) -> tuple[str, dict]:
     return "\n".join(lines) + "\n\n" + head + "\n", summary
 
 
+def _plot(summary: dict, title: str, path: Path) -> bool:
+    """Paired gap to HSDP (mean, 95% interval as error bars) against node-crossing bytes per
+    step and rank, one point per row: where each row sits between the bytes it saves and the
+    loss it costs. Rows of 1-2 seeds (screens) are hollow, without their interval; False when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install matplotlib): no plot", file=sys.stderr)
+        return False
+    pts = [(label, r["cross_node_bytes_per_step"], r["gap_pct_vs_hsdp"])
+           for label, r in summary.items() if r["gap_pct_vs_hsdp"] is not None]
+    # rows at the same bytes (the H = 32 variants) side by side, not on top of each other
+    at: dict[float, list[str]] = {}
+    for label, x, _ in pts:
+        at.setdefault(x, []).append(label)
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for label, x, g in pts:
+        same = at[x]
+        x *= 1.07 ** (same.index(label) - (len(same) - 1) / 2)
+        y = g["mean"]
+        if g["n"] >= 3:
+            lo, hi = interval(Spread(g["n"], g["mean"], g["sd"], g["ci95"]))
+            ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3)
+        else:  # 1-2 seeds: a screen, its interval (t = 12.7 at 2) would only hide the others
+            ax.plot([x], [y], "o", mfc="none")
+        ax.annotate(f"{label} ({g['n']})", (x, y), fontsize=6, rotation=20, xytext=(4, 2),
+                    textcoords="offset points")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.axhline(CLAIM_PCT, color="r", ls="--", lw=0.8, label=f"+{CLAIM_PCT}% (verdict bound)")
+    ax.set(xscale="log", xlabel="node-crossing bytes per inner step and rank (log)",
+           ylabel="paired gap to HSDP, % (95% interval; hollow: 1-2 seeds)", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def write_report(a: argparse.Namespace, store: RunStore) -> Optional[str]:
-    """Rebuild ``table.md`` and ``results.json`` in ``a.out`` from every run stored there;
-    returns the markdown (None: nothing stored)."""
+    """Rebuild ``table.md``, ``results.json`` and ``gap_vs_bytes.png`` in ``a.out`` from every
+    run stored there; returns the markdown (None: nothing stored)."""
     out = Path(a.out)
     stored = store.all()
     if not stored:
@@ -403,6 +447,8 @@ def write_report(a: argparse.Namespace, store: RunStore) -> Optional[str]:
     (out / "table.md").write_text(md)
     (out / "results.json").write_text(json.dumps(
         {"setup": store.setup, "rows": summary, "runs": stored}, indent=1))
+    _plot(summary, f"{first['params'] / 1e6:.2f}M-param char GPT, {a.steps} steps, "
+          f"{a.world // a.ranks_per_node} nodes x {a.ranks_per_node}", out / "gap_vs_bytes.png")
     return md
 
 
