@@ -105,13 +105,15 @@ def test_the_diloco_campaign_parses_and_plans_without_training(tmp_path, data, c
     c = _diloco_campaign(tmp_path, data)
     workloads, rows, jobs = campaign.load(c)
     # the verdict job names the sweep's seeds of HSDP and of the lr 0.7 rows again: once each
-    assert len(jobs) == len(set(jobs)) == 61
+    assert len(jobs) == len(set(jobs)) == 64
     # the sweep comes first (H = 8 at lr 1.0 on one seed: it diverged), then the verdicts, then
-    # the momentum checks: the sweep and the checks on 2 seeds, the verdicts on 5
+    # the momentum checks on 2 seeds, and the best of them to 5 seeds
     group = [j.note[:3] for j in jobs]
-    assert group == ["(a)"] * 17 + ["(b)"] * 34 + ["(a)"] * 4 + ["(c)"] * 6
-    assert {j.seed for j in jobs if j.note[:3] != "(b)"} == {1234, 1235}
+    assert group == ["(a)"] * 17 + ["(b)"] * 34 + ["(a)"] * 4 + ["(c)"] * 6 + ["(d)"] * 3
+    assert {j.seed for j in jobs if j.note[:3] in ("(a)", "(c)")} == {1234, 1235}
     assert {j.seed for j in jobs if j.note[:3] == "(b)"} == set(range(1234, 1239))
+    best = "DiLoCo H32 2b lr0.7 m0.8"
+    assert sorted(j.seed for j in jobs if j.row == best) == list(range(1234, 1239))
     assert [j.seed for j in jobs if j.row == "DiLoCo H8 4b lr1.0"] == [1234]
     kind = campaign._Kind(workloads["dl640"], rows)
     kind.check_rows()
@@ -124,7 +126,7 @@ def test_the_diloco_campaign_parses_and_plans_without_training(tmp_path, data, c
     lrs = {a.row_defs[r].config(0).outer_lr for r in a.row_defs if r.startswith("DiLoCo H32 4b")}
     assert lrs == {0.3, 0.5, 0.7, 1.0}
     assert campaign.main([str(c), "--plan"]) == 0
-    assert "61 job(s), 0 stored, 61 to train" in capsys.readouterr().out
+    assert "64 job(s), 0 stored, 64 to train" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()  # planned: nothing trained, nothing written
 
 
