@@ -84,7 +84,11 @@ SCHEMES = {"baseline": (None, "flat"), "fsdp2_bf16": (FSDP2_BF16_FP32, "flat"),
            "hsdp": (None, "hsdp"), "hsdp_fsdp2_bf16": (FSDP2_BF16_FP32, "hsdp"),
            "hsdp_fsdp2_bf16_bf16": (FSDP2_BF16_BF16, "hsdp"), "hsdp_bf16": ("bf16", "hsdp"),
            "hsdp_baseline_thread": ("baseline", "hsdp"),
-           "hsdp_sdp4bit": ("sdp4bit", "hsdp"), "hsdp_lowbit": ("lowbit", "hsdp")}
+           "hsdp_sdp4bit": ("sdp4bit", "hsdp"), "hsdp_lowbit": ("lowbit", "hsdp"),
+           # the hops inside a node quantized too (8-bit gradients, qWD gathers), as the code of
+           # 9b1c2ce did on every hop: the like-for-like row against it; on gloo the node's
+           # fp32 hop is loopback TCP, on a GPU node it is NVLink and stays FSDP2's by default
+           "hsdp_sdp4bit_intra": ({"preset": "sdp4bit", "quantize_intra_node": True}, "hsdp")}
 #: DiLoCo rows (issue 28): each node is one replica group (FSDP2 over its own ranks, no per-step
 #: node-crossing collective) and the replicas sync every H inner steps through
 #: ``fsdp_qcomm.diloco``; each is ``benchmarks/diloco.py``'s row of that label (its
