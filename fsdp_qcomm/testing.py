@@ -32,6 +32,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -104,14 +105,21 @@ def _worker(
         dist.destroy_process_group()
 
 
-def _crash_report(path: str) -> str:
-    """The stacks faulthandler wrote when the process crashed, if any."""
+def _crash_report(path: str, exitcode: Optional[int]) -> str:
+    """A rank that exited without a result: its exit code (the signal, if one killed it) and the
+    stacks faulthandler wrote, if any."""
+    how = f"process exited with code {exitcode}"
+    if exitcode is not None and exitcode < 0:
+        try:
+            how += f" ({signal.Signals(-exitcode).name})"
+        except ValueError:
+            pass
     try:
         with open(path) as f:
             text = f.read().strip()
     except OSError:
-        return ""
-    return f"; faulthandler:\n{text}" if text else ""
+        text = ""
+    return f"{how} without a result" + (f"; faulthandler:\n{text}" if text else "")
 
 
 def run_ranks(
@@ -170,8 +178,7 @@ def run_ranks(
                         if not p.is_alive() and p.exitcode not in (0, None)
                         and r not in results and r not in errors]
                 for r in dead:
-                    errors[r] = (f"process exited with code {procs[r].exitcode} without a "
-                                 f"result{_crash_report(crash_logs[r])}")
+                    errors[r] = _crash_report(crash_logs[r], procs[r].exitcode)
                 if errors:
                     break
                 continue
@@ -187,13 +194,20 @@ def run_ranks(
                     (results if ok else errors)[rank] = payload
                 break
     finally:
+        # A rank that died of a signal (a segfault, glibc's abort on a corrupted heap) before it
+        # could report is the likely cause of its peers' errors ("Connection reset by peer"),
+        # which may arrive first: read its stacks before the launcher kills the rest.
+        crashed = {r: _crash_report(crash_logs[r], p.exitcode) for r, p in enumerate(procs)
+                   if not p.is_alive() and p.exitcode not in (0, None)
+                   and r not in results and r not in errors and r not in may_exit}
         for p in procs:
             if p.is_alive():
                 p.kill()
         for p in procs:
             p.join(timeout=10)
         shutil.rmtree(crash_dir, ignore_errors=True)
-    if errors:
+    if errors or crashed:
+        errors.update(crashed)
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise AssertionError(f"{fn.__name__} failed on rank(s) {sorted(errors)}:\n{msg}")
     missing = [r for r in range(world_size) if r not in results]

@@ -19,9 +19,33 @@ def test_a_segfault_names_the_rank_and_its_stack():
     with pytest.raises(AssertionError) as e:
         run_ranks(_crash_on_rank_1, 2, timeout=120)
     msg = str(e.value)
-    assert "failed on rank(s) [1]" in msg and "exited with code -11" in msg, msg
+    assert "failed on rank(s) [1]" in msg and "exited with code -11 (SIGSEGV)" in msg, msg
     assert "Fatal Python error: Segmentation fault" in msg, msg
     assert "in _crash_on_rank_1" in msg, msg  # the crashing frame, from faulthandler
+
+
+def _abort_on_rank_0(rank: int, world: int) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        os.abort()  # what glibc does on a corrupted heap ("malloc(): ... detected")
+    dist.barrier()  # rank 1: "Connection reset by peer", reported through the queue
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_is_reported_beside_the_peer_error_it_caused():
+    """The peer's error (its connection reset) may reach the launcher first; the rank that died
+    of the signal must still be reported, with its signal and faulthandler's stack: without it
+    the cause of a crash is lost (a CI run once showed only the peer's gloo error)."""
+    with pytest.raises(AssertionError) as e:
+        run_ranks(_abort_on_rank_0, 2, timeout=120, pg_timeout=20)
+    msg = str(e.value)
+    assert "failed on rank(s) [0" in msg, msg
+    assert "exited with code -6 (SIGABRT)" in msg, msg
+    assert "Fatal Python error: Aborted" in msg and "in _abort_on_rank_0" in msg, msg
 
 
 def _pid_and_modules(rank: int, world: int) -> tuple:
