@@ -51,6 +51,7 @@ sys.path.insert(0, str(HERE.parent))  # the checkout's fsdp_qcomm
 sys.path.insert(0, str(HERE))
 
 import _provenance  # noqa: E402
+from _plotting import pyplot  # noqa: E402
 from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
@@ -763,12 +764,8 @@ def _mean_curve(curves: list[list]) -> tuple[list, list, list]:
 
 
 def _plot(summary: dict, stored: dict, path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed (pip install matplotlib, or the 'bench' extra): "
               "no plot", file=sys.stderr)
         return False

@@ -62,6 +62,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import _provenance  # noqa: E402
 from _baselines import FSDP2_BF16_BF16, FSDP2_BF16_FP32  # noqa: E402
+from _plotting import pyplot  # noqa: E402
 
 ADDR0, ADDR1 = "10.77.0.1", "10.77.0.2"
 PORT = 29577
@@ -529,12 +530,8 @@ def _tables(res: dict) -> str:
 
 
 def _plot(res: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib missing (pip install matplotlib): no plot", file=sys.stderr)
         return False
     rates = list(res["rates"])

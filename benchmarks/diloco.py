@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import _provenance  # noqa: E402
+from _plotting import pyplot  # noqa: E402
 from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
@@ -393,12 +394,8 @@ def _plot(summary: dict, title: str, path: Path) -> bool:
     step and rank, one point per row: where each row sits between the bytes it saves and the
     loss it costs. Rows of 1-2 seeds (screens) are hollow, without their interval; False when
     matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib missing (pip install matplotlib): no plot", file=sys.stderr)
         return False
     pts = [(label, r["cross_node_bytes_per_step"], r["gap_pct_vs_hsdp"])

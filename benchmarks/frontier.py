@@ -53,6 +53,7 @@ sys.path.insert(0, str(HERE))
 
 import _provenance  # noqa: E402
 import accuracy  # noqa: E402
+from _plotting import pyplot  # noqa: E402
 from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
@@ -227,12 +228,8 @@ def _table(front: dict[str, Any]) -> str:
 
 
 def _plot(front: dict[str, Any], path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed (the 'bench' extra): no plot", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(8, 5))

@@ -39,6 +39,7 @@ from fsdp_qcomm.testing import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _provenance  # noqa: E402
+from _plotting import pyplot  # noqa: E402
 from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
@@ -309,11 +310,8 @@ def _report(stored: dict, a: dict, out: Path) -> None:
         args=a, summary={f"{c} {lv}": as_json(r) for (c, lv), r in by.items()}, runs=stored,
     ), indent=1))
     print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib missing: pip install matplotlib for grid.png")
         return
     qc = [c for c in cells if c != "W32G32"]

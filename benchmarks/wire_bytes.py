@@ -46,6 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import _provenance  # noqa: E402
+from _plotting import pyplot  # noqa: E402
 
 SCHEMES = ["baseline", "qw4", "qwd", "tlq", "tlq_hs", "sdp4bit", "qsdp", "zeropp"]
 _PER_STEP = ("calls", "sent_bytes", "recv_bytes", "elements", "baseline_bytes",
@@ -368,12 +369,10 @@ def main(argv=None) -> int:
     md += f"\nWall time: {res['wall_seconds']:.0f} s.\n"
     (out / "table.md").write_text(md)
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        print("matplotlib missing (pip install matplotlib): no plot", file=sys.stderr)
+    else:
         labels = list(summary)
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.bar(labels, [summary[lab]["vs_bf16"] for lab in labels])
@@ -381,8 +380,6 @@ def main(argv=None) -> int:
         ax.set(ylabel="bytes / FSDP (bf16 W, fp32 G)", title="bytes sent per step vs FSDP2")
         fig.tight_layout()
         fig.savefig(out / "bits.png", dpi=120)
-    except ImportError:
-        print("matplotlib missing (pip install matplotlib): no plot", file=sys.stderr)
     print(md)
     print(f"written: {out}/table.md, results.json")
     return 0
