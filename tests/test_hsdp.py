@@ -179,6 +179,12 @@ def test_placement_against_host_names():
 
 
 # ---- 2 x 2: the collective and training against native HSDP -----------------------------------
+def _exact_sum(x: torch.Tensor, group) -> torch.Tensor:
+    y = x.clone()
+    dist.all_reduce(y, group=group)
+    return y
+
+
 def _collective(rank: int, mesh) -> dict:
     """all_reduce_quantized over the replica group against the exact all_reduce."""
     group = mesh.get_group("replicate")
@@ -217,14 +223,18 @@ def _collective(rank: int, mesh) -> dict:
         y = x.clone()
         all_reduce_quantized(y, group, spec, replica_key(1, 0, dist.get_rank(), 0), op=op)
         out[label] = float((y - want).norm() / want.norm())
-    sizes = []
-    for chunks in (1, 3):  # spans change the random bits, not the group boundaries or bytes
-        stats, y = CommStats(), x.clone()
-        all_reduce_quantized(y, group, spec, replica_key(1, 0, dist.get_rank(), 0),
-                             chunks=chunks, stats=stats)
-        st = stats.snapshot()["grad_replica"]
-        sizes.append((st["sent_bytes"], float((y - exact).norm() / exact.norm()), digest(y)))
-    out["chunks"] = sizes
+    # spans change the random bits, not the group boundaries or bytes; 777 values pad the last
+    # row, 776 do not (an fp32 tensor then is its own send rows and takes the decoded sums)
+    for label, m in (("chunks", 777), ("chunks_unpadded", 776)):
+        sizes = []
+        want = exact[:m] if m == 777 else _exact_sum(x[:m], group)
+        for chunks in (1, 3):
+            stats, y = CommStats(), x[:m].clone()
+            all_reduce_quantized(y, group, spec, replica_key(1, 0, dist.get_rank(), 0),
+                                 chunks=chunks, stats=stats)
+            st = stats.snapshot()["grad_replica"]
+            sizes.append((st["sent_bytes"], float((y - want).norm() / want.norm()), digest(y)))
+        out[label] = sizes
     for dt in (torch.bfloat16, torch.float16):
         y = x.to(dt)
         all_reduce_quantized(y, group, spec, replica_key(1, 0, dist.get_rank(), 0))
@@ -448,8 +458,9 @@ def test_collective_ops_dtypes_spans_and_nan(two_by_two):
     for r in two_by_two:
         c = r["collective"]
         assert c["sum"] < 0.012 and c["avg"] < 0.012 and c["premul"] < 0.012
-        (one, err1, _), (three, err3, _) = c["chunks"]
-        assert one == three and err1 < 0.012 and err3 < 0.012
+        for label in ("chunks", "chunks_unpadded"):
+            (one, err1, _), (three, err3, _) = c[label]
+            assert one == three and err1 < 0.012 and err3 < 0.012, (label, c[label])
         for dt in ("torch.bfloat16", "torch.float16"):
             keeps_dtype, err, _ = c[dt]
             assert keeps_dtype and err < 0.015, (dt, err)
@@ -458,9 +469,10 @@ def test_collective_ops_dtypes_spans_and_nan(two_by_two):
     for a, b in ((0, 2), (1, 3)):
         for k in ("torch.bfloat16", "torch.float16", "nan"):
             assert two_by_two[a]["collective"][k][-1] == two_by_two[b]["collective"][k][-1]
-        for ka, kb in zip(two_by_two[a]["collective"]["chunks"],
-                          two_by_two[b]["collective"]["chunks"]):
-            assert ka[-1] == kb[-1]
+        for label in ("chunks", "chunks_unpadded"):
+            for ka, kb in zip(two_by_two[a]["collective"][label],
+                              two_by_two[b]["collective"][label]):
+                assert ka[-1] == kb[-1]
 
 
 def test_training_tracks_native_hsdp(two_by_two):

@@ -113,16 +113,25 @@ def all_reduce_quantized(
             flat.copy_(finish(flat.to(torch.float32)))
         return
     c = -(-m // replicas)
-    x = torch.zeros(replicas * c, dtype=tensor.dtype, device=tensor.device)
-    x[:m].copy_(flat)
-    x = x.view(replicas, c)
+    # Rows of c values, one per replica. Without padding they are the tensor itself, and an fp32
+    # tensor also takes the decoded sums: a span's columns are encoded (start) before they are
+    # decoded into (decode), and no span reads another's, so reading and writing one buffer
+    # gives the same bytes and values as separate ones without three passes over the gradient.
+    if replicas * c == m:
+        x = flat.view(replicas, c)
+    else:
+        x = torch.empty(replicas * c, dtype=tensor.dtype, device=tensor.device)
+        x[:m].copy_(flat)
+        x[m:].zero_()
+        x = x.view(replicas, c)
     spans = _spans(c, replicas, spec, hadamard, chunks)
     index = group_rank(group)
     res, done = open_residuals(
         feedback, lambda n: feedback_sites(n, replicas, spec, hadamard, chunks, index), m,
         tensor.device)
     e_a2a, e_requant = res.get("a2a"), res.get("requant")
-    out = torch.empty(replicas, c, dtype=torch.float32, device=tensor.device)
+    in_place = replicas * c == m and tensor.dtype == torch.float32
+    out = x if in_place else torch.empty(replicas, c, dtype=torch.float32, device=tensor.device)
     sent = recv = row = 0  # row: bytes of one a2a row plus one gathered row, over all spans
 
     def start(s: int):
@@ -162,7 +171,7 @@ def all_reduce_quantized(
         gwork.wait()
         a, b = spans[s]
         rows = every.view(replicas, -1)
-        out[:, a:b] = codec.dequantize(rows, b - a, spec, hadamard=hadamard)
+        codec.dequantize(rows, b - a, spec, hadamard=hadamard, out=out[:, a:b])
 
     hop1 = start(0)
     hop2 = None
@@ -179,8 +188,9 @@ def all_reduce_quantized(
 
     res = out.view(-1)[:m]
     if finish is not None:
-        res = finish(res)
-    flat.copy_(res)
+        res = finish(res)  # in place
+    if not in_place:
+        flat.copy_(res)
     if stats is not None:
         remote = replicas - 1 if remote_peers is None else remote_peers
         stats.record(
