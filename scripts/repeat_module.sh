@@ -7,7 +7,7 @@
 set -uo pipefail
 py=$1; module=$2; n=$3; out=$4; shift 4
 mkdir -p "$out"
-tag=$(basename "$module" .py)$(printf '_%s' "$@" | tr '=' '-')
+tag=$(basename "$module" .py)$(printf '_%s' "${@##*/}" | tr '=' '-')
 log="$out/$tag.log"
 : > "$log"
 pass=0
