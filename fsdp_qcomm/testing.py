@@ -122,6 +122,13 @@ def _crash_report(path: str, exitcode: Optional[int]) -> str:
     return f"{how} without a result" + (f"; faulthandler:\n{text}" if text else "")
 
 
+def _died(procs: list, crash_logs: list[str], skip: set[int]) -> dict[int, str]:
+    """The ranks not in ``skip`` that exited with a nonzero code (or a signal), with their
+    crash reports."""
+    return {r: _crash_report(crash_logs[r], p.exitcode) for r, p in enumerate(procs)
+            if r not in skip and not p.is_alive() and p.exitcode not in (0, None)}
+
+
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
     may_exit: tuple[int, ...] = (), pg_timeout: Optional[float] = None,
@@ -174,11 +181,7 @@ def run_ranks(
                 for r in may_exit:
                     if not procs[r].is_alive() and r not in results and r not in errors:
                         results[r] = None
-                dead = [r for r, p in enumerate(procs)
-                        if not p.is_alive() and p.exitcode not in (0, None)
-                        and r not in results and r not in errors]
-                for r in dead:
-                    errors[r] = _crash_report(crash_logs[r], procs[r].exitcode)
+                errors.update(_died(procs, crash_logs, {*results, *errors}))
                 if errors:
                     break
                 continue
@@ -197,9 +200,7 @@ def run_ranks(
         # A rank that died of a signal (a segfault, glibc's abort on a corrupted heap) before it
         # could report is the likely cause of its peers' errors ("Connection reset by peer"),
         # which may arrive first: read its stacks before the launcher kills the rest.
-        crashed = {r: _crash_report(crash_logs[r], p.exitcode) for r, p in enumerate(procs)
-                   if not p.is_alive() and p.exitcode not in (0, None)
-                   and r not in results and r not in errors and r not in may_exit}
+        crashed = _died(procs, crash_logs, {*results, *errors, *may_exit})
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -227,7 +227,7 @@ def _collective(rank: int, mesh) -> dict:
     # row, 776 do not (an fp32 tensor then is its own send rows and takes the decoded sums)
     for label, m in (("chunks", 777), ("chunks_unpadded", 776)):
         sizes = []
-        want = exact[:m] if m == 777 else _exact_sum(x[:m], group)
+        want = _exact_sum(x[:m], group)
         for chunks in (1, 3):
             stats, y = CommStats(), x[:m].clone()
             all_reduce_quantized(y, group, spec, replica_key(1, 0, dist.get_rank(), 0),

@@ -117,7 +117,8 @@ def all_reduce_quantized(
     # tensor also takes the decoded sums: a span's columns are encoded (start) before they are
     # decoded into (decode), and no span reads another's, so reading and writing one buffer
     # gives the same bytes and values as separate ones without three passes over the gradient.
-    if replicas * c == m:
+    padded = replicas * c != m
+    if not padded:
         x = flat.view(replicas, c)
     else:
         x = torch.empty(replicas * c, dtype=tensor.dtype, device=tensor.device)
@@ -130,7 +131,7 @@ def all_reduce_quantized(
         feedback, lambda n: feedback_sites(n, replicas, spec, hadamard, chunks, index), m,
         tensor.device)
     e_a2a, e_requant = res.get("a2a"), res.get("requant")
-    in_place = replicas * c == m and tensor.dtype == torch.float32
+    in_place = not padded and tensor.dtype == torch.float32
     out = x if in_place else torch.empty(replicas, c, dtype=torch.float32, device=tensor.device)
     sent = recv = row = 0  # row: bytes of one a2a row plus one gathered row, over all spans
 
