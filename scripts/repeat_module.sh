@@ -6,20 +6,20 @@
 #      30 results/segfault_hunt FSDP_QCOMM_NATIVE=1
 # REPEAT_CORES=DIR (as root): every process of a run may dump core into DIR (the kernel's
 # core_pattern is pointed there for the loop and restored after); a failing run's cores become
-# gdb backtraces of every thread beside its output (the native frame a crash died in), and
-# every core is deleted after its run (a passing run's too: tests that abort on purpose).
+# gdb backtraces of every thread beside its output, <tag>_run<i>_core.<pid>.txt (the native
+# frame a crash died in; scripts/native_cores.sh), and every core is deleted after its run (a
+# passing run's too: tests that abort on purpose).
 set -uo pipefail
 py=$1; module=$2; n=$3; out=$4; shift 4
 mkdir -p "$out"
-cores=${REPEAT_CORES:-}
-if [[ -n "$cores" ]]; then
-    mkdir -p "$cores"
-    pattern=/proc/sys/kernel/core_pattern
-    saved=$(cat "$pattern")
-    echo "$cores/core.%p" > "$pattern" || { echo "REPEAT_CORES needs root" >&2; exit 2; }
-    trap 'echo "$saved" > "$pattern"' EXIT
-    ulimit -c unlimited
-    exe=$("$py" -c 'import os, sys; print(os.path.realpath(sys.executable))')
+source "$(dirname "$0")/native_cores.sh"
+finish() {
+    rm -f "$out/.run.txt"
+    cores_stop
+}
+trap finish EXIT
+if [[ -n "${REPEAT_CORES:-}" ]]; then
+    cores_start "$REPEAT_CORES" >&2 || exit 2
 fi
 tag=$(basename "$module" .py)$(printf '_%s' "${@##*/}" | tr '=' '-')
 log="$out/$tag.log"
@@ -31,19 +31,14 @@ for i in $(seq 1 "$n"); do
         "$module" > "$out/.run.txt" 2>&1
     rc=$?
     summary=$(grep -E '(passed|failed|error)' "$out/.run.txt" | tail -1)
-    if [[ $rc -eq 0 ]]; then pass=$((pass + 1)); else cp "$out/.run.txt" "$out/${tag}_run$i.txt"; fi
-    if [[ -n "$cores" ]]; then
-        for c in "$cores"/core.*; do
-            [[ -e "$c" ]] || continue
-            if [[ $rc -ne 0 ]]; then
-                gdb -batch -ex "bt 60" -ex "thread apply all bt 30" "$exe" "$c" \
-                    > "$out/${tag}_run${i}_${c##*/}.txt" 2>&1
-                summary="$summary; backtrace of ${c##*/}"
-            fi
-            rm -f "$c"
-        done
+    if [[ $rc -eq 0 ]]; then
+        pass=$((pass + 1))
+    else
+        cp "$out/.run.txt" "$out/${tag}_run$i.txt"
+        cores_report "$out/${tag}_run${i}_"
+        [[ -z "$cores_reported" ]] || summary="$summary; backtraces of $cores_reported"
     fi
+    cores_clear
     echo "run $i: exit $rc in $((SECONDS - t0)) s: $summary" | tee -a "$log"
 done
-rm -f "$out/.run.txt"
 echo "$pass of $n runs passed" | tee -a "$log"
