@@ -10,7 +10,9 @@ ranks never finished. ``fn`` must be a module-level function (it is pickled by r
 Ranks listed in ``may_exit`` are allowed to die without a result (their entry is None): for
 tests that kill a rank on purpose and check what its peers do; ``pg_timeout`` (default
 ``timeout``) is the process group's own timeout; ``env`` adds environment variables (for
-example ``LOCAL_WORLD_SIZE``) in every rank.
+example ``LOCAL_WORLD_SIZE``) in every rank. A rank that dies in native code is reported with
+its signal, every thread's Python stack and its latest ``crash_note`` (which case of a loop it
+was running).
 
 Processes come from a forkserver that imported torch once: a fresh interpreter per rank spends
 seconds importing torch on a loaded 2-core machine, a fork from the server milliseconds, and the
@@ -67,13 +69,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: this rank's crash log (None outside run_ranks): faulthandler writes into it, crash_note too
+_crash_file = None
+
+
+def crash_note(text: str) -> None:
+    """Say what this rank is doing now, for the report run_ranks gives if the rank dies in native
+    code: faulthandler's stacks show where, not which case of a loop (the arguments). Only the
+    latest note is kept. Does nothing outside a rank of ``run_ranks``."""
+    f = _crash_file
+    if f is None:
+        return
+    f.seek(0)
+    f.write(f"last crash_note: {text}\n")
+    f.truncate()
+    f.flush()  # faulthandler writes at the descriptor's offset: after the note
+
+
 def _worker(
     fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs: dict, q, timeout: float,
     env: dict, crash_log: str,
 ) -> None:
+    global _crash_file
     # a crash in native code (a segfault) leaves no Python traceback to report: the parent
     # reads this file's stacks of every thread when the process dies without a result
-    faulthandler.enable(file=open(crash_log, "w"), all_threads=True)  # noqa: SIM115
+    _crash_file = open(crash_log, "w")  # noqa: SIM115
+    faulthandler.enable(file=_crash_file, all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **env,

@@ -7,8 +7,9 @@
 # REPEAT_CORES=DIR (as root): every process of a run may dump core into DIR (the kernel's
 # core_pattern is pointed there for the loop and restored after); a failing run's cores become
 # gdb backtraces of every thread beside its output, <tag>_run<i>_core.<pid>.txt (the native
-# frame a crash died in; scripts/native_cores.sh), and every core is deleted after its run (a
-# passing run's too: tests that abort on purpose).
+# frame a crash died in; scripts/native_cores.sh) and its cores are kept in DIR/run<i>/ (for gdb
+# by hand: the heap around a corrupted chunk); a passing run's cores are deleted (tests that
+# abort on purpose).
 set -uo pipefail
 py=$1; module=$2; n=$3; out=$4; shift 4
 mkdir -p "$out"
@@ -36,7 +37,10 @@ for i in $(seq 1 "$n"); do
     else
         cp "$out/.run.txt" "$out/${tag}_run$i.txt"
         cores_report "$out/${tag}_run${i}_"
-        [[ -z "$cores_reported" ]] || summary="$summary; backtraces of $cores_reported"
+        if [[ -n "$cores_reported" ]]; then
+            summary="$summary; backtraces of $cores_reported, cores kept in $cores_dir/run$i"
+            mkdir -p "$cores_dir/run$i" && mv "$cores_dir"/core.* "$cores_dir/run$i/"
+        fi
     fi
     cores_clear
     echo "run $i: exit $rc in $((SECONDS - t0)) s: $summary" | tee -a "$log"

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from fsdp_qcomm.testing import run_ranks
+from fsdp_qcomm.testing import crash_note, run_ranks
 
 
 def _crash_on_rank_1(rank: int, world: int) -> int:
@@ -22,6 +22,26 @@ def test_a_segfault_names_the_rank_and_its_stack():
     assert "failed on rank(s) [1]" in msg and "exited with code -11 (SIGSEGV)" in msg, msg
     assert "Fatal Python error: Segmentation fault" in msg, msg
     assert "in _crash_on_rank_1" in msg, msg  # the crashing frame, from faulthandler
+
+
+def _crash_in_second_case(rank: int, world: int) -> int:
+    for case in ("first case", "second case"):
+        crash_note(case)
+        if rank == 1 and case == "second case":
+            ctypes.string_at(0)
+    return rank
+
+
+def test_a_crash_report_names_the_case_the_rank_was_running():
+    """A loop of cases in one rank (tests/test_weight_writes.py's _all_cases) crashes in one of
+    them: the report carries the latest note only, ahead of faulthandler's stacks."""
+    with pytest.raises(AssertionError) as e:
+        run_ranks(_crash_in_second_case, 2, timeout=120)
+    msg = str(e.value)
+    assert "failed on rank(s) [1]" in msg and "exited with code -11 (SIGSEGV)" in msg, msg
+    assert "last crash_note: second case\nFatal Python error: Segmentation fault" in msg, msg
+    assert "first case" not in msg, msg
+    crash_note("outside a rank: does nothing")
 
 
 def _abort_on_rank_0(rank: int, world: int) -> int:

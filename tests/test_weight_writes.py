@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
-from fsdp_qcomm.testing import run_ranks
+from fsdp_qcomm.testing import crash_note, run_ranks
 
 # Two ranks on one host are one node: quantize_intra_node=True makes the gathers under test
 # quantized (by default fsdp_qcomm leaves collectives inside a node unquantized).
@@ -117,6 +117,7 @@ def _bound(name: str, cfg, new: dict, old: dict) -> float:
 
 
 def _case(rank, name, how) -> dict:
+    crash_note(f"_case({name!r}, {how!r})")  # which case, if this rank dies in native code
     cfg = SCHEMES[name]
     torch.manual_seed(0)
     model = TinyLM()
