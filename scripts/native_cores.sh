@@ -2,8 +2,8 @@
 # dump core into one folder, and cores_report turns each core into a gdb backtrace, the native
 # frame a crash died in (run_ranks reports a crashed rank's signal and Python stacks, not the C
 # frames under them). Needs root (the kernel's core_pattern, restored by cores_stop) and gdb.
-#   cores_start [DIR]    DIR, or a fresh temporary folder; returns 1 (and says why) when it
-#                        cannot, having changed nothing
+#   cores_start [DIR]    DIR (created if missing), or a fresh temporary folder; returns 1 (and
+#                        says why) when it cannot, leaving core_pattern as it was
 #   cores_report [PREFIX] each core's backtrace: to stdout (bt 50 and the thread list), or with
 #                        PREFIX to PREFIXcore.<pid>.txt (also every thread's bt 30); sets
 #                        cores_reported to the cores it read (core.<pid> ...)

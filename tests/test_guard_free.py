@@ -4,12 +4,13 @@ freed small storage faults in the writer; live storages work as before."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fsdp_qcomm.codec.cpu_native import c_compiler
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ print("written", flush=True)
 
 @pytest.fixture(scope="module")
 def shim(tmp_path_factory) -> Path:
-    cc = shutil.which("gcc") or shutil.which("cc")
+    cc = c_compiler()
     if cc is None:
         pytest.skip("no C compiler")
     out = tmp_path_factory.mktemp("guard") / "libguard_free.so"

@@ -57,8 +57,14 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+def c_compiler() -> Optional[str]:
+    """The C compiler the codec is built with: ``$CC``, else ``cc``, else ``gcc`` (None if
+    there is none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     src = _SOURCE.read_bytes()
