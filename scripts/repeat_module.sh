@@ -9,7 +9,9 @@
 # gdb backtraces of every thread beside its output, <tag>_run<i>_core.<pid>.txt (the native
 # frame a crash died in; scripts/native_cores.sh) and its cores are kept in DIR/run<i>/ (for gdb
 # by hand: the heap around a corrupted chunk); a passing run's cores are deleted (tests that
-# abort on purpose).
+# abort on purpose). Loops that collect cores may run at the same time (scripts/core_route.sh).
+# Resumable: the same command again continues where OUTDIR's log stopped (its runs are kept and
+# counted), up to N runs in all.
 set -uo pipefail
 py=$1; module=$2; n=$3; out=$4; shift 4
 mkdir -p "$out"
@@ -22,11 +24,15 @@ trap finish EXIT
 if [[ -n "${REPEAT_CORES:-}" ]]; then
     cores_start "$REPEAT_CORES" >&2 || exit 2
 fi
-tag=$(basename "$module" .py)$(printf '_%s' "${@##*/}" | tr '=' '-')
+tag=$(basename "$module" .py)
+[[ $# -eq 0 ]] || tag=$tag$(printf '_%s' "${@##*/}" | tr '=' '-')
 log="$out/$tag.log"
-: > "$log"
-pass=0
-for i in $(seq 1 "$n"); do
+touch "$log"
+first=$(($(grep -c '^run ' "$log") + 1))
+pass=$(grep -c '^run [0-9]*: exit 0 ' "$log")
+[[ $first -eq 1 ]] || echo "resuming at run $first of $n ($pass of $((first - 1)) passed)" \
+    | tee -a "$log"
+for i in $(seq "$first" "$n"); do
     t0=$SECONDS
     env "$@" PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=1 "$py" -m pytest -q -p no:cacheprovider \
         "$module" > "$out/.run.txt" 2>&1
@@ -45,4 +51,4 @@ for i in $(seq 1 "$n"); do
     cores_clear
     echo "run $i: exit $rc in $((SECONDS - t0)) s: $summary" | tee -a "$log"
 done
-echo "$pass of $n runs passed" | tee -a "$log"
+echo "$pass of $(grep -c '^run ' "$log") runs passed" | tee -a "$log"
