@@ -8,7 +8,8 @@
 #   cores_start [DIR]    DIR (created if missing), or a fresh temporary folder; returns 1 (and
 #                        says why) when it cannot, leaving core_pattern as it was
 #   cores_report [PREFIX] each core's backtrace: to stdout (bt 50 and the thread list), or with
-#                        PREFIX to PREFIXcore.<pid>.txt (also every thread's bt 30); sets
+#                        PREFIX to PREFIXcore.<pid>.txt (also every thread's bt 30 and the
+#                        crashed thread's glibc tcache free lists); sets
 #                        cores_reported to the cores it read (core.<pid> ...)
 #   cores_clear          drop the cores so far (runs that passed: tests crash ranks on purpose)
 #   cores_stop           leave; the last collector to leave restores core_pattern; remove the
@@ -96,7 +97,9 @@ cores_report() {
             gdb -batch -ex "bt 50" -ex "info threads" "$exe" "$core" 2>&1 \
                 | grep -v -E '^\[(New LWP|Thread debugging|Using host)' || true
         else
-            gdb -batch -ex "bt 50" -ex "thread apply all bt 30" "$exe" "$core" \
+            # *tcache: the crashed thread's glibc free lists (a crash in malloc follows a
+            # corrupted entry: the garbage pointer there is what a write after free left)
+            gdb -batch -ex "bt 50" -ex "thread apply all bt 30" -ex "p *tcache" "$exe" "$core" \
                 > "${prefix}core.$pid.txt" 2>&1 || true
         fi
     done
