@@ -34,7 +34,9 @@ pass=$(grep -c '^run [0-9]*: exit 0 ' "$log")
     | tee -a "$log"
 for i in $(seq "$first" "$n"); do
     t0=$SECONDS
-    env "$@" PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=1 "$py" -m pytest -q -p no:cacheprovider \
+    # no reruns of a crashed multi-rank run (CI's setting): here every crash is the finding
+    env FSDP_QCOMM_NATIVE_CRASH_RERUNS=0 "$@" PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=1 "$py" -m \
+        pytest -q -p no:cacheprovider \
         "$module" > "$out/.run.txt" 2>&1
     rc=$?
     summary=$(grep -E '(passed|failed|error)' "$out/.run.txt" | tail -1)

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from fsdp_qcomm.testing import crash_note, run_ranks
+from fsdp_qcomm.testing import NativeCrash, crash_note, run_ranks
 
 
 def _crash_on_rank_1(rank: int, world: int) -> int:
@@ -17,7 +17,7 @@ def _crash_on_rank_1(rank: int, world: int) -> int:
 
 def test_a_segfault_names_the_rank_and_its_stack():
     with pytest.raises(AssertionError) as e:
-        run_ranks(_crash_on_rank_1, 2, timeout=120)
+        run_ranks(_crash_on_rank_1, 2, timeout=120, native_crash_reruns=0)
     msg = str(e.value)
     assert "failed on rank(s) [1]" in msg and "exited with code -11 (SIGSEGV)" in msg, msg
     assert "Fatal Python error: Segmentation fault" in msg, msg
@@ -36,7 +36,7 @@ def test_a_crash_report_names_the_case_the_rank_was_running():
     """A loop of cases in one rank (tests/test_weight_writes.py's _all_cases) crashes in one of
     them: the report carries the latest note only, ahead of faulthandler's stacks."""
     with pytest.raises(AssertionError) as e:
-        run_ranks(_crash_in_second_case, 2, timeout=120)
+        run_ranks(_crash_in_second_case, 2, timeout=120, native_crash_reruns=0)
     msg = str(e.value)
     assert "failed on rank(s) [1]" in msg and "exited with code -11 (SIGSEGV)" in msg, msg
     assert "last crash_note: second case\nFatal Python error: Segmentation fault" in msg, msg
@@ -61,7 +61,7 @@ def test_a_rank_killed_by_a_signal_is_reported_beside_the_peer_error_it_caused()
     of the signal must still be reported, with its signal and faulthandler's stack: without it
     the cause of a crash is lost (a CI run once showed only the peer's gloo error)."""
     with pytest.raises(AssertionError) as e:
-        run_ranks(_abort_on_rank_0, 2, timeout=120, pg_timeout=20)
+        run_ranks(_abort_on_rank_0, 2, timeout=120, pg_timeout=20, native_crash_reruns=0)
     msg = str(e.value)
     assert "failed on rank(s) [0" in msg, msg
     assert "exited with code -6 (SIGABRT)" in msg, msg
@@ -102,3 +102,49 @@ def test_groups_share_one_preloaded_server_and_a_failure_names_its_case_only():
     assert run_ranks(_fails_in_case, 2, "good", timeout=120) == ["good", "good"]
     again = run_ranks(_pid_and_modules, 2, timeout=120)
     assert {p for p, _ in again} == {p for p, _ in first}  # the same server forked them
+
+
+def _crash_once(rank: int, world: int, marker: str) -> int:
+    import os
+
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        ctypes.string_at(0)
+    return rank
+
+
+def _count_and_fail(rank: int, world: int, counter: str) -> int:
+    if rank == 1:
+        with open(counter, "a") as f:
+            f.write("x")
+        raise ValueError("a Python error")
+    return rank
+
+
+def test_a_native_crash_is_rerun_once_warned_and_logged(tmp_path, monkeypatch):
+    """CI's setting (FSDP_QCOMM_NATIVE_CRASH_RERUNS=1): a crash that does not repeat passes on
+    the rerun, with a warning and the crash's full report in FSDP_QCOMM_RERUN_LOG."""
+    log = tmp_path / "reruns.txt"
+    monkeypatch.setenv("FSDP_QCOMM_NATIVE_CRASH_RERUNS", "1")
+    monkeypatch.setenv("FSDP_QCOMM_RERUN_LOG", str(log))
+    with pytest.warns(RuntimeWarning, match="died of a native crash; rerun 1 of 1"):
+        assert run_ranks(_crash_once, 2, str(tmp_path / "crashed"), timeout=120) == [0, 1]
+    text = log.read_text()
+    assert text.count("=== ") == 1 and "_crash_once): a rank died of a native crash" in text
+    assert "exited with code -11 (SIGSEGV)" in text and "in _crash_once" in text, text
+
+
+def test_a_crash_that_repeats_or_a_python_error_is_never_hidden(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP_QCOMM_NATIVE_CRASH_RERUNS", "1")
+    with pytest.warns(RuntimeWarning), pytest.raises(NativeCrash, match="SIGSEGV"):
+        run_ranks(_crash_on_rank_1, 2, timeout=120)  # crashes on the rerun too
+    counter = tmp_path / "attempts"
+    with pytest.raises(AssertionError, match="a Python error") as e:
+        run_ranks(_count_and_fail, 2, str(counter), timeout=120)
+    assert not isinstance(e.value, NativeCrash) and counter.read_text() == "x"  # no rerun
+    with pytest.raises(NativeCrash):  # off by default (and by argument)
+        monkeypatch.delenv("FSDP_QCOMM_NATIVE_CRASH_RERUNS")
+        run_ranks(_crash_once, 2, str(tmp_path / "crashed"), timeout=120)
+    monkeypatch.setenv("FSDP_QCOMM_NATIVE_CRASH_RERUNS", "once")
+    with pytest.raises(ValueError, match="FSDP_QCOMM_NATIVE_CRASH_RERUNS='once'"):
+        run_ranks(_crash_once, 2, "unused", timeout=120)
