@@ -12,4 +12,7 @@ exe=$3
 dir=$(/usr/bin/tr '\0' '\n' < "/proc/$pid/environ" 2> /dev/null \
     | /bin/sed -n 's/^FSDP_QCOMM_CORES_DIR=//p' | /usr/bin/head -n 1)
 [ -n "$dir" ] && [ -d "$dir" ] || exit 0
-exec /bin/cat > "$dir/core.$vpid.$exe"
+# A piped core carries every hole (unmapped or never-touched pages) as zeros: write it sparse,
+# and stop at 16 GiB (the notes with every thread's registers come first) so that no core can
+# fill the disk under a test run.
+/usr/bin/head -c 17179869184 | /bin/cp --sparse=always /dev/stdin "$dir/core.$vpid.$exe"
