@@ -136,8 +136,11 @@ def test_a_native_crash_is_rerun_once_warned_and_logged(tmp_path, monkeypatch):
 
 def test_a_crash_that_repeats_or_a_python_error_is_never_hidden(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_QCOMM_NATIVE_CRASH_RERUNS", "1")
+    # its own log: CI's (.ci/run) must list real reruns only, not this deliberate one
+    monkeypatch.setenv("FSDP_QCOMM_RERUN_LOG", str(tmp_path / "reruns.txt"))
     with pytest.warns(RuntimeWarning), pytest.raises(NativeCrash, match="SIGSEGV"):
         run_ranks(_crash_on_rank_1, 2, timeout=120)  # crashes on the rerun too
+    assert (tmp_path / "reruns.txt").read_text().count("=== ") == 1  # the one rerun
     counter = tmp_path / "attempts"
     with pytest.raises(AssertionError, match="a Python error") as e:
         run_ranks(_count_and_fail, 2, str(counter), timeout=120)
