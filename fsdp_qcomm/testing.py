@@ -189,14 +189,13 @@ def run_ranks(
     **kwargs: Any
 ) -> list:
     reruns = _native_crash_reruns(native_crash_reruns)
-    for attempt in range(reruns + 1):
+    once = (fn, world_size, args, kwargs, timeout, may_exit, pg_timeout, env)
+    for attempt in range(1, reruns + 1):
         try:
-            return _run_once(fn, world_size, args, kwargs, timeout, may_exit, pg_timeout, env)
+            return _run_once(*once)
         except NativeCrash as e:
-            if attempt == reruns:
-                raise
-            _note_rerun(fn, attempt + 1, reruns, str(e))
-    raise AssertionError("unreachable")
+            _note_rerun(fn, attempt, reruns, str(e))
+    return _run_once(*once)  # the last try: its crash fails the caller
 
 
 def _note_rerun(fn: Callable, attempt: int, reruns: int, report: str) -> None:

@@ -111,17 +111,16 @@ void *calloc(size_t k, size_t n) {
     return p ? p : __libc_calloc(k, n);
 }
 
-int posix_memalign(void **out, size_t align, size_t n) {
-    void *p = guard_aligned(n, align) ? guarded(n, align < 16 ? 16 : align) : NULL;
-    if (!p) p = __libc_memalign(align, n);
-    if (!p) return ENOMEM;
-    *out = p;
-    return 0;
-}
-
 void *memalign(size_t align, size_t n) {
     void *p = guard_aligned(n, align) ? guarded(n, align < 16 ? 16 : align) : NULL;
     return p ? p : __libc_memalign(align, n);
+}
+
+int posix_memalign(void **out, size_t align, size_t n) {
+    void *p = memalign(align, n);
+    if (!p) return ENOMEM;
+    *out = p;
+    return 0;
 }
 
 void *aligned_alloc(size_t align, size_t n) { return memalign(align, n); }

@@ -57,9 +57,10 @@ cores_start() {
     want="|$handler %P %p %E"
     if ! (
         flock 9
-        if [[ "$(cat "$cores_pattern")" != "$want" || "$(_cores_live)" == 0 ]]; then
+        now=$(cat "$cores_pattern")
+        if [[ "$now" != "$want" || "$(_cores_live)" == 0 ]]; then
             # the first collector: remember what to restore (a stale handler line is not)
-            if [[ "$(cat "$cores_pattern")" != "|"*core_route.sh* ]]; then
+            if [[ "$now" != "|"*core_route.sh* ]]; then
                 cat "$cores_pattern" > "$cores_state/pattern"
                 cat "$cores_pipe_limit" > "$cores_state/pipe_limit"
             fi
