@@ -35,11 +35,13 @@ def _site_dirs() -> list[str]:
     return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
 
 
-def _python(code: str, path: list[str], cwd: Path, bare: bool = True) -> str:
+def _python(code: str, path: list[str], cwd: Path, bare: bool = True,
+            site_dirs: bool = True) -> str:
     """Run ``code`` in a fresh interpreter with ``path`` first on sys.path; returns stdout.
-    ``bare``: skip site (no .pth hooks such as an editable install's finder)."""
+    ``bare``: skip site (no .pth hooks such as an editable install's finder), but keep the
+    site-packages directories on the path unless ``site_dirs`` is false."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=os.pathsep.join(path + (_site_dirs() if bare else [])),
+    env.update(PYTHONPATH=os.pathsep.join(path + (_site_dirs() if bare and site_dirs else [])),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONDONTWRITEBYTECODE="1")
     cmd = [sys.executable, *(["-S"] if bare else []), "-c", code]
@@ -138,7 +140,8 @@ def test_kernels_import_from_an_installed_wheel(wheel, tmp_path):
 def test_no_top_level_kernels_package_of_ours(checkout, tmp_path):
     """With the checkout first on sys.path, ``kernels`` is at most an empty namespace portion:
     any regular ``kernels`` package later on sys.path wins, and none of our modules imports
-    under that name."""
+    under that name. Site-packages stays off the path: the environment may hold a regular
+    ``kernels`` of its own (transformers installs Hugging Face's), which would win here too."""
     code = """
 import importlib, importlib.util
 spec = importlib.util.find_spec("kernels")
@@ -151,14 +154,14 @@ try:
 except ImportError as e:
     print("ImportError")
 """
-    out = _python(code, [str(checkout)], cwd=tmp_path).splitlines()
+    out = _python(code, [str(checkout)], cwd=tmp_path, site_dirs=False).splitlines()
     assert out[0] == f"None {[str(checkout / 'kernels')]}"  # a namespace portion, no __init__
     assert out[1] == "[]" and out[2] == "ImportError"
     other = tmp_path / "other" / "kernels"
     other.mkdir(parents=True)
     (other / "__init__.py").write_text("FROM = 'another distribution'\n")
     code = "import kernels; print(kernels.FROM, kernels.__file__)"
-    out = _python(code, [str(checkout), str(other.parent)], cwd=tmp_path)
+    out = _python(code, [str(checkout), str(other.parent)], cwd=tmp_path, site_dirs=False)
     assert out.strip() == f"another distribution {other / '__init__.py'}"
 
 
