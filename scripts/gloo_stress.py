@@ -1,0 +1,189 @@
+"""Issue 30's crash path in plain torch: FSDP2 training and ``DTensor.full_tensor`` on gloo.
+
+The one native crash seen in ~600 contended runs of ``tests/test_weight_writes.py`` died in
+glibc's ``malloc`` on gloo's work thread, inside the all-gather of ``DTensor.full_tensor``: a
+free list corrupted by an earlier write into freed memory. This script repeats that path for as
+long as asked, in processes that never import fsdp_qcomm (no hooks, no C codec, no ctypes): a
+crash here names torch or gloo as the writer, with a reproducer that needs nothing of ours.
+
+Each rank, in a loop: builds a small tied-embedding transformer sharded with ``fully_shard``
+per block (as the test's ``TinyLM``), trains it ``--steps`` AdamW steps, gathers every
+parameter with ``full_tensor()``, runs an evaluation forward, and drops the model (the test
+builds 64 models per process). Every iteration also all-gathers ``--extra`` tensors of random
+small sizes through the functional collectives, to raise the rate of gloo's small all-gathers.
+
+    python scripts/gloo_stress.py --seconds 1800 --out results/gloo_stress
+
+One line per run is appended to ``<out>/gloo_stress.jsonl``: iterations, gathers, seconds, and
+each rank's exit code (negative: the signal that killed it). Exits 0 when every rank finished,
+1 otherwise. Ranks run with faulthandler on; under ``scripts/native_cores.sh`` a crash leaves
+a core for gdb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class _LM(nn.Module):
+    """tests/_models.TinyLM's shapes: odd sizes, so shards are uneven and padded."""
+
+    def __init__(self, vocab: int = 37, d: int = 22, hidden: int = 45, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_Block(d, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
+def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, 37, (3, 10), generator=g)
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    faulthandler.enable(all_threads=True)
+    from torch.distributed._functional_collectives import all_gather_tensor
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    group = dist.group.WORLD
+    rng = torch.Generator().manual_seed(1234)  # the same on every rank: same extra sizes
+    t0, it, gathers, stop = time.monotonic(), 0, 0, torch.zeros(1)
+    while True:
+        torch.manual_seed(it)
+        model = _LM()
+        for blk in model.blocks:
+            fully_shard(blk)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2, foreach=True)
+        for step in range(args.steps):
+            _loss(model, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        gathers += len(full)
+        with torch.no_grad():
+            _loss(model, 50, rank)
+        for _ in range(args.extra):
+            n = int(torch.randint(1, 4097, (1,), generator=rng))
+            out = all_gather_tensor(torch.full((n,), float(rank)), 0, group)
+            if out.numel() != world * n or out[n * (world - 1)].item() != world - 1:
+                raise AssertionError(f"iteration {it}: a gather of {n} elements came back wrong")
+            gathers += 1
+        del model, opt, full
+        it += 1
+        if rank == args.crash_rank:  # checks the report of a rank that dies in native code
+            os.kill(os.getpid(), signal.SIGSEGV)
+        stop.fill_(float(rank == 0 and time.monotonic() - t0 >= args.seconds))
+        dist.all_reduce(stop)  # every rank stops after the same iteration
+        if stop.item() > 0:
+            break
+        if rank == 0 and args.report and it % args.report == 0:
+            print(f"iteration {it}: {gathers} gathers in {time.monotonic() - t0:.0f} s",
+                  flush=True)
+    if rank == 0:
+        queue.put({"iterations": it, "gathers_per_rank": gathers,
+                   "seconds": round(time.monotonic() - t0, 1),
+                   "fsdp_qcomm_loaded": any(m.split(".")[0] == "fsdp_qcomm" for m in sys.modules)})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long to loop")
+    ap.add_argument("--world", type=int, default=2, help="ranks (gloo, this host)")
+    ap.add_argument("--steps", type=int, default=2, help="training steps per model")
+    ap.add_argument("--extra", type=int, default=16,
+                    help="extra functional all-gathers of random small sizes per iteration")
+    ap.add_argument("--report", type=int, default=100, help="print every this many iterations")
+    ap.add_argument("--crash-rank", type=int, default=-1,
+                    help="this rank kills itself with SIGSEGV after its first iteration (a "
+                    "check of how a crash is reported)")
+    ap.add_argument("--out", type=Path, help="append this run's line to OUT/gloo_stress.jsonl")
+    args = ap.parse_args(argv)
+    if args.world < 2 or args.seconds <= 0 or args.steps < 1 or args.extra < 0:
+        ap.error("needs --world >= 2, --seconds > 0, --steps >= 1 and --extra >= 0")
+    if args.crash_rank >= args.world:
+        ap.error(f"--crash-rank {args.crash_rank} is not a rank of --world {args.world}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue))
+             for r in range(args.world)]
+    for p in procs:
+        p.start()
+    killed = []
+    while any(p.is_alive() for p in procs):  # a dead rank leaves the others blocked: end them
+        time.sleep(0.5)
+        if any(p.exitcode not in (None, 0) for p in procs):
+            time.sleep(5)  # let the others print what they were doing
+            killed = [r for r, p in enumerate(procs) if p.is_alive()]
+            for r in killed:
+                procs[r].kill()
+    for p in procs:
+        p.join()
+    codes = [p.exitcode for p in procs]
+    line = {"start": start, "argv": sys.argv[1:] if argv is None else argv,
+            "torch": torch.__version__, "exitcodes": codes,
+            "signals": [signal.Signals(-c).name if c is not None and c < 0 else None
+                        for c in codes],
+            "killed_after_a_rank_died": killed,
+            **(queue.get() if all(c == 0 for c in codes) and not queue.empty() else {})}
+    print(json.dumps(line), flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "gloo_stress.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""scripts/gloo_stress.py, issue 30's crash path in plain torch: it counts what it ran, and a
+rank that dies in native code is reported by its signal, never as a pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gloo_stress.py"
+PARAMS = 27  # _LM's distinct parameters: the tied head is the embedding's
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--seconds", "0.01", "--extra", "3",
+                           "--out", str(tmp_path), *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    lines = (tmp_path / "gloo_stress.jsonl").read_text().splitlines()
+    return proc, json.loads(lines[-1])
+
+
+def test_a_run_counts_its_iterations_and_gathers_and_imports_nothing_of_ours(tmp_path):
+    proc, line = _run(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert line["exitcodes"] == [0, 0] and line["signals"] == [None, None]
+    assert line["iterations"] == 1  # stops after the first iteration past --seconds
+    assert line["gathers_per_rank"] == line["iterations"] * (PARAMS + 3)
+    assert line["fsdp_qcomm_loaded"] is False  # what crashes here is torch's or gloo's
+
+
+@pytest.mark.long  # a second 2-rank start-up (~12 s): the report path, not the hunt
+def test_a_rank_that_dies_of_a_signal_fails_the_run_and_is_named(tmp_path):
+    proc, line = _run(tmp_path, "--crash-rank", "1", "--seconds", "600")
+    assert proc.returncode == 1
+    assert line["signals"][1] == "SIGSEGV" and line["exitcodes"][1] == -11
+    # rank 0 fails in its next collective (the peer closed) or is ended by the launcher
+    assert line["exitcodes"][0] != 0 and line["killed_after_a_rank_died"] in ([], [0])
+    assert "iterations" not in line
+    assert "Fatal Python error: Segmentation fault" in proc.stderr
