@@ -87,7 +87,7 @@ def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     faulthandler.enable(all_threads=True)
-    from torch.distributed._functional_collectives import all_gather_tensor
+    from torch.distributed._functional_collectives import all_gather_single
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -112,7 +112,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
             _loss(model, 50, rank)
         for _ in range(args.extra):
             n = int(torch.randint(1, 4097, (1,), generator=rng))
-            out = all_gather_tensor(torch.full((n,), float(rank)), 0, group)
+            out = all_gather_single(torch.full((n,), float(rank)), 0, group)
             if out.numel() != world * n or out[n * (world - 1)].item() != world - 1:
                 raise AssertionError(f"iteration {it}: a gather of {n} elements came back wrong")
             gathers += 1
