@@ -158,16 +158,22 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue))
              for r in range(args.world)]
-    for p in procs:
-        p.start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     killed = []
-    while any(p.is_alive() for p in procs):  # a dead rank leaves the others blocked: end them
-        time.sleep(0.5)
-        if any(p.exitcode not in (None, 0) for p in procs):
-            time.sleep(5)  # let the others print what they were doing
-            killed = [r for r, p in enumerate(procs) if p.is_alive()]
-            for r in killed:
-                procs[r].kill()
+    try:
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs):  # a dead rank leaves the others blocked
+            time.sleep(0.5)
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(5)  # let the others print what they were doing
+                killed = [r for r, p in enumerate(procs) if p.is_alive()]
+                for r in killed:
+                    procs[r].kill()
+    finally:  # stopped (SIGTERM, Ctrl-C): no rank outlives its launcher
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     for p in procs:
         p.join()
     codes = [p.exitcode for p in procs]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,34 @@ def test_a_rank_that_dies_of_a_signal_fails_the_run_and_is_named(tmp_path):
     assert line["exitcodes"][0] != 0 and line["killed_after_a_rank_died"] in ([], [0])
     assert "iterations" not in line
     assert "Fatal Python error: Segmentation fault" in proc.stderr
+
+
+def test_a_stopped_launcher_takes_its_ranks_with_it(tmp_path):
+    """SIGTERM to the launcher (a loop stopped by hand) ends its ranks too: none keeps running
+    its collectives for the rest of --seconds."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--seconds", "600", "--report", "1"],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    assert proc.stdout.readline().startswith("iteration 1:")  # ranks are up and gathering
+    children = _children(proc.pid)
+    assert len(children) >= 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [c for c in children if _alive(c)]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
