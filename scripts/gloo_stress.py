@@ -6,8 +6,8 @@ free list corrupted by an earlier write into freed memory. This script repeats t
 long as asked, in processes that never import fsdp_qcomm (no hooks, no C codec, no ctypes): a
 crash here names torch or gloo as the writer, with a reproducer that needs nothing of ours.
 
-Each rank, in a loop: builds a small tied-embedding transformer sharded with ``fully_shard``
-per block (as the test's ``TinyLM``), trains it ``--steps`` AdamW steps, gathers every
+Each rank, in a loop: builds the test's ``TinyLM`` (tests/_models.py) sharded with
+``fully_shard`` per block, trains it ``--steps`` AdamW steps, gathers every
 parameter with ``full_tensor()``, runs an evaluation forward, and drops the model (the test
 builds 64 models per process). Every iteration also all-gathers ``--extra`` tensors of random
 small sizes through the functional collectives, to raise the rate of gloo's small all-gathers.
@@ -35,8 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
-import torch.nn.functional as F
+
+# The test's own model and batches (tests/_models.py imports torch only, nothing of ours): the
+# crashed test's exact shapes, uneven shards with padding, and tied embedding.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _models import TinyLM, batch, lm_loss, shard  # noqa: E402
 
 
 def _free_port() -> int:
@@ -45,50 +48,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Block(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class _LM(nn.Module):
-    """tests/_models.TinyLM's shapes: odd sizes, so shards are uneven and padded."""
-
-    def __init__(self, vocab: int = 37, d: int = 22, hidden: int = 45, layers: int = 2) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(_Block(d, hidden) for _ in range(layers))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens)
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.norm(x))
-
-
-def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    tokens = torch.randint(0, 37, (3, 10), generator=g)
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     faulthandler.enable(all_threads=True)
     from torch.distributed._functional_collectives import all_gather_single
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -97,19 +59,17 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     t0, it, gathers, stop = time.monotonic(), 0, 0, torch.zeros(1)
     while True:
         torch.manual_seed(it)
-        model = _LM()
-        for blk in model.blocks:
-            fully_shard(blk)
-        fully_shard(model)
+        model = TinyLM()
+        shard(model, True)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-2, foreach=True)
         for step in range(args.steps):
-            _loss(model, step, rank).backward()
+            lm_loss(model, batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()
         full = [p.full_tensor().detach().clone() for p in model.parameters()]
         gathers += len(full)
         with torch.no_grad():
-            _loss(model, 50, rank)
+            lm_loss(model, batch(50, rank))
         for _ in range(args.extra):
             n = int(torch.randint(1, 4097, (1,), generator=rng))
             out = all_gather_single(torch.full((n,), float(rank)), 0, group)

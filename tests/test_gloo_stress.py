@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gloo_stress.py"
-PARAMS = 27  # _LM's distinct parameters: the tied head is the embedding's
+PARAMS = 27  # TinyLM's distinct parameters: the tied head is the embedding's
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
