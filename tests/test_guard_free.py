@@ -90,9 +90,11 @@ def test_guard_max_guards_a_large_storage_up_to_its_end(shim):
     assert over.returncode == -11 and "written" not in over.stdout, (over.returncode,
                                                                       over.stdout)
     # default GUARD_MAX: the storage is glibc's; the overrun passes unseen (glibc may abort
-    # later, in another free: the crash that names no writer)
+    # later, in another free: the crash that names no writer; its exit code is glibc's). Its
+    # end offset is not asserted: a 64-byte-aligned glibc block ends at a page end by chance
+    # once in 64 runs.
     plain = _run(shim, "past", _LARGE)
-    assert "written" in plain.stdout and plain.stdout.split()[0] != "0", plain.stdout
+    assert "written" in plain.stdout, (plain.returncode, plain.stdout)
 
 
 def test_the_malloc_range_guards_small_mallocs(shim):
@@ -105,5 +107,7 @@ def test_the_malloc_range_guards_small_mallocs(shim):
     after = _run(shim, "after_free", _MALLOC, **guard)
     assert after.returncode == -11 and "written" not in after.stdout, (after.returncode,
                                                                         after.stdout)
-    off = _run(shim, "after_free", _MALLOC)  # default: mallocs are glibc's, nothing faults
-    assert off.returncode == 0 and off.stdout.split()[1] != "4064", off.stdout
+    # default: mallocs are glibc's, nothing faults (the address is not asserted: a glibc block
+    # lands 32 bytes before a page end by chance once in 256 runs)
+    off = _run(shim, "after_free", _MALLOC)
+    assert off.returncode == 0 and "written" in off.stdout, (off.returncode, off.stdout)
