@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional
 
@@ -67,7 +68,10 @@ class QuantSpec:
         False = min-max (asymmetric) scaling with levels 0..2^b-1 (QSDP / CGX).
     rounding: "nearest" (floor(x/s + 1/2)) or "stochastic" (floor(x/s + u), u ~ U[0,1) from a
         counter-based RNG, so unbiased and reproducible).
-    scale_dtype: dtype of the per-group scale (and minimum) on the wire.
+    scale_dtype: dtype of the per-group scale (and minimum) on the wire. A float16 scale
+        below 2^-14 (6.1e-5) is subnormal and below 2^-25 (3e-8) rounds to zero, so a group
+        whose range is under ``qmax`` x 3e-8 decodes as a constant; bfloat16 spends the same
+        2 bytes with float32's range.
     """
 
     bits: int = 4
@@ -314,6 +318,14 @@ class QCommConfig:
                 "QCommConfig.grad_hadamard=True needs a quantized gradient scheme; set "
                 f"grad_scheme='one_level' or 'two_level' (got {self.grad_scheme!r})"
             )
+        if self.scale_dtype == "float16" and (self.weight_scheme in ("direct", "qwd") or
+                                              self.grad_scheme in ("one_level", "two_level")):
+            warnings.warn(
+                "QCommConfig.scale_dtype='float16': float16 scales are subnormal below 6.1e-5 "
+                "and zero below 3e-8, so a group of small values (gradients and weight "
+                "differences often are; 4-bit min-max groups with a range under 4.5e-7) decodes "
+                "as a constant and the rest lose precision; scale_dtype='bfloat16' costs the "
+                "same 2 bytes per scale with float32's range", UserWarning, stacklevel=3)
 
     def _check_feedback_decay(self) -> None:
         d = self.grad_error_feedback_decay

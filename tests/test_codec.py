@@ -1,10 +1,11 @@
 """The torch codec against the wire format's definition and its error bounds."""
 
 import math
+import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fsdp_qcomm import QCommConfig, QuantSpec, codec
@@ -254,6 +255,30 @@ def test_quantspec_and_config_validation_messages():
     assert cfg.grad_intra_spec().bits == 8 and cfg.grad_inter_spec().bits == 4
 
 
+def test_float16_scales_underflow_and_the_config_warns():
+    """A 4-bit min-max group with a range of 2e-7 needs a scale of 1.3e-8, below float16's
+    smallest (2^-24): it decodes as a constant; bfloat16, the same 2 bytes, keeps it within half
+    a step. A config that would quantize with float16 scales says so and names bfloat16."""
+    x = torch.linspace(1e-7, 3e-7, 16)[None]
+    err = {}
+    for sdt in ("float16", "bfloat16"):
+        spec = QuantSpec(bits=4, group_size=16, symmetric=False, rounding="nearest",
+                         scale_dtype=sdt)
+        y = codec.dequantize(codec.quantize(x, spec), 16, spec)
+        err[sdt] = float((y - x).abs().max())
+        if sdt == "float16":
+            assert y.unique().numel() == 1, y
+    assert err["float16"] > 0.4 * 2e-7 and err["bfloat16"] <= 0.5 * 2e-7 / 15 * (1 + 2**-7)
+    with pytest.warns(UserWarning, match="scale_dtype='bfloat16' costs the same 2 bytes"):
+        QCommConfig.preset("sdp4bit", scale_dtype="float16")
+    with pytest.warns(UserWarning, match="float16 scales are subnormal"):
+        QCommConfig(weight_scheme="none", grad_scheme="one_level", scale_dtype="float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        QCommConfig.preset("sdp4bit", scale_dtype="bfloat16")
+        QCommConfig(weight_scheme="bf16", grad_scheme="bf16", scale_dtype="float16")  # unused
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 700),
@@ -265,6 +290,8 @@ def test_quantspec_and_config_validation_messages():
     mag=st.floats(1e-3, 1e3),
     seed=st.integers(0, 2**31 - 1),
 )
+# a subnormal float16 scale (8-bit steps of ~1.6e-5): beyond the one-ulp-relative bound alone
+@example(n=200, rows=2, bits=8, gs=8, symmetric=False, scale_dtype="float16", mag=1e-3, seed=1)
 def test_property_round_trip(n, rows, bits, gs, symmetric, scale_dtype, mag, seed):
     spec = QuantSpec(bits=bits, group_size=gs, symmetric=symmetric, rounding="nearest",
                      scale_dtype=scale_dtype)
@@ -274,11 +301,14 @@ def test_property_round_trip(n, rows, bits, gs, symmetric, scale_dtype, mag, see
     y = codec.dequantize(data, n, spec)
     # Low-precision scales are rounded, which may clip the extreme value by up to one ulp of
     # the scale dtype relative to absmax (2^-8 for bf16): allow that on top of half a step.
+    # A float16 scale below 2^-14 (6.1e-5) is subnormal, spaced 2^-24 apart whatever its size:
+    # rounding it moves the top level by up to qmax * 2^-25 (mag=1e-3 with 8 bits gets there).
     s = _scale(x, spec)
     ulp = {"float32": 0.0, "bfloat16": 2**-8, "float16": 2**-11}[scale_dtype]
+    subnormal = spec.qmax * 2**-25 if scale_dtype == "float16" else 0.0
     g = _groups(x, gs)
     rng = (g.abs().amax(-1) if symmetric else g.amax(-1) - g.amin(-1))
     rng = rng[..., None].expand_as(g).reshape(rows, -1)[:, :n]
-    bound = 0.5 * s * (1 + 1e-5) + ulp * rng * 2 + 1e-30
+    bound = 0.5 * s * (1 + 1e-5) + ulp * rng * 2 + subnormal + 1e-30
     assert bool(((y - x).abs() <= bound).all())
     assert math.isfinite(float(y.abs().max()))
