@@ -58,7 +58,15 @@ cores_start() {
     if ! (
         flock 9
         now=$(cat "$cores_pattern")
-        if [[ "$now" != "$want" || "$(_cores_live)" == 0 ]]; then
+        live=$(_cores_live)
+        # Another checkout's handler with collectors still live stays: it routes by the same
+        # variable, and replacing it would leave ours behind when we leave (the last collector
+        # restores only when none is live) and lose its cores if that checkout goes first.
+        other=${now#|}
+        other=${other%% *}
+        if [[ "$live" != 0 && "$now" == "|"*/core_route.sh" "* && -x "$other" ]]; then
+            :
+        elif [[ "$now" != "$want" || "$live" == 0 ]]; then
             # the first collector: remember what to restore (a stale handler line is not)
             if [[ "$now" != "|"*core_route.sh* ]]; then
                 cat "$cores_pattern" > "$cores_state/pattern"

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,51 @@ def test_two_collectors_at_once_each_get_their_own_cores(tmp_path):
     assert PATTERN.read_text() == before  # the last to leave restored it
 
 
-def _wait_for(paths: list[Path], procs: list[subprocess.Popen], timeout: float = 60) -> None:
-    import time
+_HOLD = """
+source "$SCRIPTS/native_cores.sh"
+cores_start "$DIR" || exit 3
+cat /proc/sys/kernel/core_pattern > "$DIR.tmp" && mv "$DIR.tmp" "$DIR.pattern"
+while [[ ! -e "$STOP" ]]; do sleep 0.1; done
+cores_stop
+"""
 
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("gdb") is None or
+                    shutil.which("flock") is None, reason="needs root, gdb and flock")
+def test_a_live_collector_from_another_checkout_keeps_its_handler(tmp_path):
+    """A loop collecting from another checkout (a clone in /tmp) is live: a collector from this
+    one neither replaces its handler nor leaves its own behind; the last to leave restores."""
+    before = PATTERN.read_text()
+    other = tmp_path / "clone" / "scripts"
+    other.mkdir(parents=True)
+    for name in ("native_cores.sh", "core_route.sh"):
+        shutil.copy2(ROOT / "scripts" / name, other / name)
+    stop, held = tmp_path / "stop", tmp_path / "held"
+    env = dict(os.environ, SCRIPTS=str(other), DIR=str(held), STOP=str(stop))
+    proc = subprocess.Popen(["bash", "-c", _HOLD], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for([Path(f"{held}.pattern")], [proc])
+        handler = Path(f"{held}.pattern").read_text()
+        # the clone's handler, or one that was live before the test (a hunt loop's): kept
+        assert "core_route.sh" in handler and PATTERN.read_text() == handler
+        ours = subprocess.run(
+            ["bash", "-c", f'source "{ROOT}/scripts/native_cores.sh"; cores_start '
+             f'"{tmp_path}/ours" || exit 3; cat {PATTERN}; cores_stop; cat {PATTERN}'],
+            capture_output=True, text=True, timeout=60)
+        assert ours.returncode == 0, ours.stdout + ours.stderr
+        assert ours.stdout == handler * 2, (ours.stdout, handler)
+        stop.touch()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+    finally:
+        stop.touch()
+        if proc.poll() is None:
+            proc.kill()
+    assert PATTERN.read_text() == before
+
+
+def _wait_for(paths: list[Path], procs: list[subprocess.Popen], timeout: float = 60) -> None:
     t0 = time.monotonic()
     while not all(p.exists() for p in paths):
         dead = [p for p in procs if p.poll() is not None]
