@@ -2,17 +2,17 @@
 processes) and bring back results or tracebacks; compare tensors across ranks bit for bit.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes with OMP_NUM_THREADS=1,
-joins them in a gloo group on a free local port, calls ``fn(rank, world_size, *args)`` on each
-and returns the list of return values (rank order). If any rank raises, the other ranks are
-killed and an AssertionError carries every failing rank's traceback; if a rank hangs (a
-mismatched collective), the run is killed after ``timeout`` seconds and the error says which
-ranks never finished. ``fn`` must be a module-level function (it is pickled by reference).
-Ranks listed in ``may_exit`` are allowed to die without a result (their entry is None): for
-tests that kill a rank on purpose and check what its peers do; ``pg_timeout`` (default
-``timeout``) is the process group's own timeout; ``env`` adds environment variables (for
-example ``LOCAL_WORLD_SIZE``) in every rank. A rank that dies in native code is reported with
-its signal, every thread's Python stack and its latest ``crash_note`` (which case of a loop it
-was running).
+joins them in a gloo group (its store hosted by the caller, on a port it holds), calls
+``fn(rank, world_size, *args)`` on each and returns the list of return values (rank order). If
+any rank raises, the other ranks are killed and an AssertionError carries every failing rank's
+traceback; if a rank hangs (a mismatched collective), the run is killed after ``timeout``
+seconds and the error says which ranks never finished. ``fn`` must be a module-level function
+(it is pickled by reference). Ranks listed in ``may_exit`` are allowed to die without a result
+(their entry is None): for tests that kill a rank on purpose and check what its peers do;
+``pg_timeout`` (default ``timeout``) is the process group's own timeout; ``env`` adds
+environment variables (for example ``LOCAL_WORLD_SIZE``) in every rank. A rank that dies in
+native code is reported with its signal, every thread's Python stack and its latest
+``crash_note`` (which case of a loop it was running).
 
 A native crash (a rank killed by SIGSEGV, SIGABRT or SIGBUS) is rerun ``native_crash_reruns``
 times (default ``$FSDP_QCOMM_NATIVE_CRASH_RERUNS``, else 0) before it fails the caller; each
@@ -52,6 +52,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
 #: what the forkserver imports once, so that no rank imports it again. Per process, measured on a
 #: 2-core machine: torch.distributed.fsdp with DTensor ~1.3 s, fsdp_qcomm ~1.4 s more, and
@@ -111,8 +112,12 @@ def _worker(
 
     torch.set_num_threads(1)
     try:
+        # the launcher hosts the store (on a port it holds, so no other process can take it
+        # between choosing and binding); MASTER_PORT above names it for code that reads it
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                              timeout=timedelta(seconds=timeout))
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
         )
         payload = (rank, True, pickle.dumps(fn(rank, world, *args, **kwargs)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -120,12 +125,15 @@ def _worker(
         # fail too, and their errors must not arrive first.
         payload = (rank, False, traceback.format_exc())
     q.put(payload)
+    # The report is in the pipe before the teardown below makes the peers fail: the launcher
+    # waits only briefly for more reports once one is an error, and theirs must not come alone.
+    q.close()
+    q.join_thread()
     if dist.is_initialized():
         if payload[1]:
-            # Rank 0 hosts the store: leaving before a slower peer's last store operation (a
-            # subgroup it is still creating, say) resets that peer's connection. Wait for every
-            # rank first; a peer that failed never arrives, and the parent kills this process as
-            # soon as it has every report.
+            # A slower peer may still be inside its last collective: leaving first would reset
+            # its connection. Wait for every rank; a peer that failed never arrives, and the
+            # parent kills this process as soon as it has every report.
             try:
                 dist.barrier()
             except Exception:  # noqa: BLE001 - a broken group here changes no result
@@ -223,7 +231,12 @@ def _run_once(
         ctx.set_forkserver_preload([*_PRELOAD,
                                     *(m for m in _PRELOAD_IF_LOADED if m in sys.modules)])
     q = ctx.Queue()
-    port = free_port()
+    # The store on a port bound here and held until the ranks are gone: a port found free and
+    # bound later by rank 0 could be taken in between by another run's ranks (two test runs or
+    # loops on one machine), a failure no rerun would catch.
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=pg_timeout or timeout))
+    port = store.port
     # inherited by the children before torch loads
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", *fresh)}
     os.environ.update(OMP_NUM_THREADS="1", **fresh)
@@ -287,6 +300,7 @@ def _run_once(
                 p.kill()
         for p in procs:
             p.join(timeout=10)
+        del store
         shutil.rmtree(crash_dir, ignore_errors=True)
     if errors or crashed:
         errors.update(crashed)

@@ -61,7 +61,7 @@ def test_a_rank_killed_by_a_signal_is_reported_beside_the_peer_error_it_caused()
     of the signal must still be reported, with its signal and faulthandler's stack: without it
     the cause of a crash is lost (a CI run once showed only the peer's gloo error)."""
     with pytest.raises(AssertionError) as e:
-        run_ranks(_abort_on_rank_0, 2, timeout=120, pg_timeout=20, native_crash_reruns=0)
+        run_ranks(_abort_on_rank_0, 2, timeout=180, pg_timeout=120, native_crash_reruns=0)
     msg = str(e.value)
     assert "failed on rank(s) [0" in msg, msg
     assert "exited with code -6 (SIGABRT)" in msg, msg
