@@ -242,6 +242,10 @@ def test_stats_count_the_wire_bytes_per_inner_step():
 
 
 # ---- the overlap thread -------------------------------------------------------------------------
+#: inner steps after which ``_overlap_run``'s schedule launches an all-reduce (6 steps, 2 fragments)
+_LAUNCHES = (3, 6, 9, 12)
+
+
 def _overlap_run(rank: int, world: int, overlap: bool) -> dict:
     import threading
 
@@ -257,12 +261,17 @@ def _overlap_run(rank: int, world: int, overlap: bool) -> dict:
         with cond:
             cond.wait_for(lambda: training["t"] > t_launch, timeout=30)
             started[t_launch] = (training["t"], threading.current_thread().name)
+            cond.notify_all()
 
     diloco._overlap.on_start = on_start
     losses = []
     for _ in range(13):
+        n = diloco.inner_steps + 1  # the inner step about to run (1-based)
         with cond:
-            training["t"] = diloco.inner_steps + 1  # the inner step now running (1-based)
+            if overlap:  # each all-reduce has seen step L + 1 running before step L + 2 starts
+                cond.wait_for(lambda: all(L in started for L in _LAUNCHES if L + 1 < n),
+                              timeout=30)
+            training["t"] = n
             cond.notify_all()
         loss = _inner_step(model, opt, mesh, diloco.inner_steps)
         diloco.step()
@@ -283,7 +292,7 @@ def test_overlap_runs_during_inner_steps_and_matches_sync():
         assert a["started"] and not b["started"]
         for t, (training, thread) in a["started"].items():
             assert training == t + 1 and thread.startswith("qcomm-diloco")
-        assert sorted(a["started"]) == [3, 6, 9, 12]
+        assert sorted(a["started"]) == list(_LAUNCHES)
         assert a["losses"] == b["losses"]
         assert a["shards"] == b["shards"] and a["shards1"] == b["shards1"]
 
