@@ -15,11 +15,14 @@ native code is reported with its signal, every thread's Python stack and its lat
 ``crash_note`` (which case of a loop it was running).
 
 A native crash (a rank killed by SIGSEGV, SIGABRT or SIGBUS) is rerun ``native_crash_reruns``
-times (default ``$FSDP_QCOMM_NATIVE_CRASH_RERUNS``, else 0) before it fails the caller; each
-rerun is warned about and its full report appended to ``$FSDP_QCOMM_RERUN_LOG`` when set. CI
-sets both (``.ci/run`` prints the log): issue 30's rare heap corruption inside gloo's worker
-thread, whose writer is not yet named, must not fail CI by chance, nor go unseen. A Python
-error, a timeout or a crash that repeats is never hidden.
+times (default ``$FSDP_QCOMM_NATIVE_CRASH_RERUNS``, else 0) before it fails the caller; so is a
+run that stalls in issue 30's gloo hang (``GLOO_HANG_FRAME``: a timed-out run is examined before
+its ranks are killed, with gdb when there is one, and every stalled rank's native stacks join
+the report). Each rerun is warned about and its full report appended to
+``$FSDP_QCOMM_RERUN_LOG`` when set. CI sets both (``.ci/run`` prints the log): issue 30's rare
+heap corruption inside gloo's worker thread (gloo frees a buffer's reference-count block while
+the buffer owns it; ``results/gloo_stress_pair``) must not fail CI by chance, nor go unseen. A
+Python error, any other timeout or a crash that repeats is never hidden.
 
 Processes come from a forkserver that imported torch once: a fresh interpreter per rank spends
 seconds importing torch on a loaded 2-core machine, a fork from the server milliseconds, and the
@@ -43,6 +46,7 @@ import queue
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -147,7 +151,74 @@ _NATIVE_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
 
 
 class NativeCrash(AssertionError):
-    """A ``run_ranks`` failure in which a rank died of a native crash signal."""
+    """A ``run_ranks`` failure in which a rank died of a native crash signal, or hung in issue
+    30's gloo bug (:data:`GLOO_HANG_FRAME`)."""
+
+
+#: issue 30's gloo bug in its other form: gloo frees a tcp ``UnboundBuffer``'s reference-count
+#: block while the buffer owns it; the buffer's destructor (on a gloo worker thread, at the end
+#: of a collective) then writes into the freed block and, when the bytes there are glibc's
+#: free-list key, spins forever waiting for a count that never reaches zero, while the peer
+#: waits for its send (``results/gloo_stress_pair``). A timed-out run with a rank in this frame
+#: is rerun like a native crash.
+GLOO_HANG_FRAME = "gloo::transport::tcp::UnboundBuffer::~UnboundBuffer"
+
+
+def _native_stacks(pid: int) -> str:
+    """Every thread's native stack of a live process through gdb ('' without gdb or ptrace
+    rights)."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    try:
+        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex",
+                              "thread apply all bt 12"], capture_output=True, text=True,
+                             timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return "\n".join(ln for ln in out.splitlines() if ln.startswith(("Thread ", "#")))
+
+
+def _gloo_threads_cpu(pid: int) -> dict[str, int]:
+    """CPU ticks used so far by each of a process's gloo worker threads (``pt_gloo_runloop``)."""
+    ticks = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return ticks
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        if comm.startswith("pt_gloo_runloop"):
+            fields = stat[stat.rindex(")") + 2:].split()
+            ticks[tid] = int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks
+
+
+def _hang_report(pids: dict[int, int]) -> tuple[str, bool]:
+    """What the stalled ranks (rank -> pid) are doing: each one's native stacks (with gdb) or
+    its gloo worker threads' CPU use over one second, and whether that is issue 30's gloo hang
+    (the frame, or without gdb a gloo worker thread spinning while the run makes no progress:
+    a gloo worker waiting for a peer sleeps)."""
+    before = {r: _gloo_threads_cpu(pid) for r, pid in pids.items()}
+    time.sleep(1.0)
+    parts, gloo_hang = [], False
+    for r, pid in sorted(pids.items()):
+        now = _gloo_threads_cpu(pid)
+        spin = {t: now[t] - before[r].get(t, now[t]) for t in now}
+        stacks = _native_stacks(pid)
+        if stacks:
+            gloo_hang |= GLOO_HANG_FRAME in stacks
+        else:
+            gloo_hang |= any(d >= 10 for d in spin.values())  # >= 0.1 s of CPU in 1 s
+        parts.append(f"--- rank {r} (pid {pid}) still running; gloo worker threads' CPU ticks "
+                     f"in 1 s: {sorted(spin.values())} ---\n" +
+                     (stacks or "(no native stacks: gdb is not installed or may not attach)"))
+    return "\n".join(parts), gloo_hang
 
 
 def _native_crash_reruns(value: Optional[int]) -> int:
@@ -209,7 +280,9 @@ def run_ranks(
 def _note_rerun(fn: Callable, attempt: int, reruns: int, report: str) -> None:
     import warnings
 
-    head = (f"run_ranks({fn.__module__}.{fn.__qualname__}): a rank died of a native crash; "
+    what = ("hung in issue 30's gloo hang" if "issue 30's gloo hang" in report else
+            "died of a native crash")
+    head = (f"run_ranks({fn.__module__}.{fn.__qualname__}): a rank {what}; "
             f"rerun {attempt} of {reruns}")
     warnings.warn(f"{head}:\n{report[:4000]}", RuntimeWarning, stacklevel=3)
     log = os.environ.get("FSDP_QCOMM_RERUN_LOG")
@@ -295,6 +368,14 @@ def _run_once(
         # could report is the likely cause of its peers' errors ("Connection reset by peer"),
         # which may arrive first: read its stacks before the launcher kills the rest.
         crashed = _died(procs, crash_logs, {*results, *errors, *may_exit}, signalled)
+        # A run that timed out, or whose error is a gloo timeout: what the ranks still running
+        # are doing, before they are killed.
+        stalled = {r: p.pid for r, p in enumerate(procs)
+                   if p.is_alive() and r not in results and r not in errors}
+        hang, gloo_hang = "", False
+        if stalled and not crashed and (len(results) < world_size and not errors or any(
+                "Timed out" in tb for tb in errors.values())):
+            hang, gloo_hang = _hang_report(stalled)
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -302,16 +383,19 @@ def _run_once(
             p.join(timeout=10)
         del store
         shutil.rmtree(crash_dir, ignore_errors=True)
+    why = (f"\nissue 30's gloo hang: a rank is stuck in {GLOO_HANG_FRAME} (gloo freed the "
+           "buffer's reference-count block; results/gloo_stress_pair)" if gloo_hang else "")
     if errors or crashed:
         errors.update(crashed)
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        kind = NativeCrash if signalled else AssertionError
-        raise kind(f"{fn.__name__} failed on rank(s) {sorted(errors)}:\n{msg}")
+        kind = NativeCrash if signalled or gloo_hang else AssertionError
+        raise kind(f"{fn.__name__} failed on rank(s) {sorted(errors)}:\n{msg}" +
+                   (f"\n{hang}" if hang else "") + why)
     missing = [r for r in range(world_size) if r not in results]
     if missing:
-        raise AssertionError(
+        raise (NativeCrash if gloo_hang else AssertionError)(
             f"{fn.__name__}: rank(s) {missing} did not finish within {timeout:.0f} s "
-            "(a collective mismatch or deadlock?)"
+            "(a collective mismatch or deadlock?)" + (f"\n{hang}" if hang else "") + why
         )
     return [None if results[r] is None else pickle.loads(results[r]) for r in range(world_size)]
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import shutil
+from pathlib import Path
 
 import pytest
 
-from fsdp_qcomm.testing import NativeCrash, crash_note, run_ranks
+from fsdp_qcomm import testing
+from fsdp_qcomm.testing import GLOO_HANG_FRAME, NativeCrash, crash_note, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _crash_on_rank_1(rank: int, world: int) -> int:
@@ -151,3 +156,61 @@ def test_a_crash_that_repeats_or_a_python_error_is_never_hidden(tmp_path, monkey
     monkeypatch.setenv("FSDP_QCOMM_NATIVE_CRASH_RERUNS", "once")
     with pytest.raises(ValueError, match="FSDP_QCOMM_NATIVE_CRASH_RERUNS='once'"):
         run_ranks(_crash_once, 2, "unused", timeout=120)
+
+
+# ---- a run that stalls: examined before its ranks are killed ---------------------------------
+_RECORDED_HANG = (ROOT / "results" / "gloo_stress_pair" / "hang_B1" /
+                  "gdb_threads_rank1_pid32099.txt")
+
+
+def _stall_on_rank_1(rank: int, world: int, spin: bool) -> int:
+    """Rank 1 never arrives at the barrier; with ``spin`` a thread named like gloo's worker
+    spins in it meanwhile (issue 30's hang as /proc shows it: a busy gloo worker thread)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        if spin:
+            def busy() -> None:
+                ctypes.CDLL(None).prctl(15, b"pt_gloo_runloop", 0, 0, 0)  # PR_SET_NAME
+                while True:
+                    pass
+
+            threading.Thread(target=busy, daemon=True).start()
+        time.sleep(3600)
+    dist.barrier()
+    return rank
+
+
+def test_a_deadlock_fails_once_with_the_stalled_ranks_native_state(monkeypatch):
+    """An ordinary deadlock (a rank that never arrives): not rerun, and the report says what
+    each stalled rank was doing (native stacks when gdb is here)."""
+    with pytest.raises(AssertionError) as e:
+        run_ranks(_stall_on_rank_1, 2, False, timeout=6, native_crash_reruns=1)
+    assert not isinstance(e.value, NativeCrash), str(e.value)
+    msg = str(e.value)
+    assert "did not finish within 6 s" in msg and "rank 1 (pid" in msg, msg
+    assert "gloo hang" not in msg, msg
+    if shutil.which("gdb"):
+        assert "Thread " in msg and "#0 " in msg, msg
+
+
+def test_issue_30s_gloo_hang_is_rerun_like_a_native_crash(monkeypatch, tmp_path):
+    """A stalled rank in gloo's UnboundBuffer destructor (the frame recorded in
+    results/gloo_stress_pair) makes the run a NativeCrash, rerun once and warned about; without
+    gdb, a gloo worker thread spinning in a stalled rank is that hang."""
+    recorded = _RECORDED_HANG.read_text()
+    assert GLOO_HANG_FRAME in recorded
+    monkeypatch.setattr(testing, "_native_stacks", lambda pid: recorded)
+    with pytest.warns(RuntimeWarning, match="a rank hung in issue 30's gloo hang; rerun 1 of 1"):
+        with pytest.raises(NativeCrash, match="issue 30's gloo hang"):
+            run_ranks(_stall_on_rank_1, 2, False, timeout=6, native_crash_reruns=1)
+    monkeypatch.setattr(testing, "_native_stacks", lambda pid: "")  # no gdb
+    with pytest.raises(NativeCrash, match="issue 30's gloo hang") as e:
+        run_ranks(_stall_on_rank_1, 2, True, timeout=6, native_crash_reruns=0)
+    assert "no native stacks" in str(e.value), str(e.value)
+    with pytest.raises(AssertionError) as e:  # nothing spins: an ordinary deadlock
+        run_ranks(_stall_on_rank_1, 2, False, timeout=6, native_crash_reruns=0)
+    assert not isinstance(e.value, NativeCrash), str(e.value)
