@@ -17,7 +17,10 @@ small sizes through the functional collectives, to raise the rate of gloo's smal
 One line per run is appended to ``<out>/gloo_stress.jsonl``: iterations, gathers, seconds, and
 each rank's exit code (negative: the signal that killed it). Exits 0 when every rank finished,
 1 otherwise. Ranks run with faulthandler on; under ``scripts/native_cores.sh`` a crash leaves
-a core for gdb.
+a core for gdb. A run whose ranks finish no iteration for ``--stall-seconds`` has stalled (the
+other form of the bug: a gloo worker spinning in a tcp ``UnboundBuffer`` destructor,
+``results/gloo_stress_pair``): each live rank's native state is written beside the log
+(gdb), the line says whether a rank was in that frame, and the ranks are killed.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,7 +53,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue, progress) -> None:
     faulthandler.enable(all_threads=True)
     from torch.distributed._functional_collectives import all_gather_single
 
@@ -78,6 +83,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
             gathers += 1
         del model, opt, full
         it += 1
+        progress[rank] = it
+        if rank == args.stall_rank:  # checks the report of a run that stalls
+            time.sleep(1e6)
         if rank == args.crash_rank:  # checks the report of a rank that dies in native code
             os.kill(os.getpid(), signal.SIGSEGV)
         stop.fill_(float(rank == 0 and time.monotonic() - t0 >= args.seconds))
@@ -94,6 +102,42 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     dist.destroy_process_group()
 
 
+#: issue 30's gloo hang: a gloo worker spins in a tcp UnboundBuffer's destructor, whose
+#: reference-count block gloo already freed (results/gloo_stress_pair/NOTES.md)
+GLOO_HANG_FRAME = "gloo::transport::tcp::UnboundBuffer::~UnboundBuffer"
+
+
+def _gdb(pid: int, *commands: str) -> str:
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(gdb is not installed: no native stacks)\n"
+    cmd = [gdb, "-p", str(pid), "-batch", "-nx"]
+    for c in commands:
+        cmd += ["-ex", c]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(gdb failed: {e})\n"
+
+
+def _stall_report(pid: int) -> tuple[str, bool]:
+    """A stalled rank's native state: every thread's stack; for a thread in GLOO_HANG_FRAME
+    also the destructor frame's registers, the words around the block its frame pointer names
+    (this build keeps the control block there) and glibc's tcache key, to read as in
+    results/gloo_stress_pair/hang_B1."""
+    stacks = _gdb(pid, "thread apply all bt 30")
+    thread = None
+    for line in stacks.splitlines():
+        if line.startswith("Thread "):
+            thread = line.split()[1]
+        elif GLOO_HANG_FRAME in line and thread is not None:
+            frame = line.split()[0].lstrip("#")
+            words = _gdb(pid, f"thread {thread}", f"frame {frame}", "info registers",
+                         "x/6gx $rbp-16", "x/6gx $rbx", "p/x tcache_key")
+            return stacks + f"\n=== thread {thread}, frame {frame} ===\n" + words, True
+    return stacks, False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="how long to loop")
@@ -105,28 +149,59 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--crash-rank", type=int, default=-1,
                     help="this rank kills itself with SIGSEGV after its first iteration (a "
                     "check of how a crash is reported)")
+    ap.add_argument("--stall-seconds", type=float, default=180.0,
+                    help="a run whose ranks finish no iteration for this long has stalled: each "
+                    "rank's native state goes to OUT/stall_<start>_rank<r>.txt (gdb), then the "
+                    "ranks are killed")
+    ap.add_argument("--stall-rank", type=int, default=-1,
+                    help="this rank sleeps after its first iteration (a check of how a stall is "
+                    "reported)")
     ap.add_argument("--out", type=Path, help="append this run's line to OUT/gloo_stress.jsonl")
     args = ap.parse_args(argv)
     if args.world < 2 or args.seconds <= 0 or args.steps < 1 or args.extra < 0:
         ap.error("needs --world >= 2, --seconds > 0, --steps >= 1 and --extra >= 0")
-    if args.crash_rank >= args.world:
-        ap.error(f"--crash-rank {args.crash_rank} is not a rank of --world {args.world}")
+    for name in ("crash_rank", "stall_rank"):
+        if getattr(args, name) >= args.world:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} is not a rank of "
+                     f"--world {args.world}")
+    if args.stall_seconds <= 0:
+        ap.error("needs --stall-seconds > 0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue))
+    progress = ctx.Array("q", args.world, lock=False)  # iterations each rank has finished
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue, progress))
              for r in range(args.world)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    killed = []
+    killed, stall = [], {}
     try:
         for p in procs:
             p.start()
+        seen, moved = list(progress), time.monotonic()
         while any(p.is_alive() for p in procs):  # a dead rank leaves the others blocked
             time.sleep(0.5)
             if any(p.exitcode not in (None, 0) for p in procs):
                 time.sleep(5)  # let the others print what they were doing
+                killed = [r for r, p in enumerate(procs) if p.is_alive()]
+                for r in killed:
+                    procs[r].kill()
+            elif list(progress) != seen:
+                seen, moved = list(progress), time.monotonic()
+            elif time.monotonic() - moved > args.stall_seconds:
+                stall = {"stalled_after_s": round(time.monotonic() - moved, 1),
+                         "stalled_at_iterations": seen, "gloo_hang": False}
+                for r, p in enumerate(procs):
+                    if not p.is_alive():
+                        continue
+                    text, hung = _stall_report(p.pid)
+                    stall["gloo_hang"] |= hung
+                    if args.out is not None:
+                        args.out.mkdir(parents=True, exist_ok=True)
+                        (args.out / f"stall_{start}_rank{r}.txt").write_text(text)
+                    print(f"rank {r} stalled{' in ' + GLOO_HANG_FRAME if hung else ''}",
+                          flush=True)
                 killed = [r for r, p in enumerate(procs) if p.is_alive()]
                 for r in killed:
                     procs[r].kill()
@@ -141,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "exitcodes": codes,
             "signals": [signal.Signals(-c).name if c is not None and c < 0 else None
                         for c in codes],
-            "killed_after_a_rank_died": killed,
+            "killed_after_a_rank_died": [] if stall else killed,
+            **({"killed_after_the_stall": killed, **stall} if stall else {}),
             **(queue.get() if all(c == 0 for c in codes) and not queue.empty() else {})}
     print(json.dumps(line), flush=True)
     if args.out is not None:

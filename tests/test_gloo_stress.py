@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,3 +78,19 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.long  # a 2-rank start-up and a 4 s stall: the report path, not the hunt
+def test_a_run_that_stalls_is_reported_with_each_ranks_native_state(tmp_path):
+    """A rank stops after its first iteration: the launcher sees no progress for --stall-seconds,
+    writes each live rank's threads (gdb) beside the log and ends the run as failed; an ordinary
+    stall is not issue 30's gloo hang."""
+    proc, line = _run(tmp_path, "--stall-rank", "1", "--stall-seconds", "4", "--seconds", "600")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert line["stalled_after_s"] >= 4 and line["stalled_at_iterations"] == [1, 1]
+    assert line["gloo_hang"] is False and sorted(line["killed_after_the_stall"]) == [0, 1]
+    assert line["signals"] == ["SIGKILL", "SIGKILL"] and "iterations" not in line
+    reports = sorted(tmp_path.glob("stall_*_rank*.txt"))
+    assert [r.name[-9:] for r in reports] == ["rank0.txt", "rank1.txt"], reports
+    if shutil.which("gdb"):
+        assert "Thread " in reports[1].read_text()
