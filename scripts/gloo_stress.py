@@ -107,6 +107,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue, pro
 GLOO_HANG_FRAME = "gloo::transport::tcp::UnboundBuffer::~UnboundBuffer"
 
 
+#: before the first iteration a run has stalled only after this long at least (spawned ranks
+#: import torch and build their first model: ~12 s on an idle 2-core machine)
+_START_UP_S = 120.0
+
+
 def _gdb(pid: int, *commands: str) -> str:
     gdb = shutil.which("gdb")
     if gdb is None:
@@ -150,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="this rank kills itself with SIGSEGV after its first iteration (a "
                     "check of how a crash is reported)")
     ap.add_argument("--stall-seconds", type=float, default=180.0,
-                    help="a run whose ranks finish no iteration for this long has stalled: each "
-                    "rank's native state goes to OUT/stall_<start>_rank<r>.txt (gdb), then the "
-                    "ranks are killed")
+                    help="a run whose ranks finish no iteration for this long (before the first "
+                    f"one: {_START_UP_S:.0f} s at least) has stalled: each rank's native state "
+                    "goes to OUT/stall_<start>_rank<r>.txt (gdb), then the ranks are killed")
     ap.add_argument("--stall-rank", type=int, default=-1,
                     help="this rank sleeps after its first iteration (a check of how a stall is "
                     "reported)")
@@ -189,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     procs[r].kill()
             elif list(progress) != seen:
                 seen, moved = list(progress), time.monotonic()
-            elif time.monotonic() - moved > args.stall_seconds:
+            elif time.monotonic() - moved > (args.stall_seconds if any(seen) else
+                                             max(args.stall_seconds, _START_UP_S)):
                 stall = {"stalled_after_s": round(time.monotonic() - moved, 1),
                          "stalled_at_iterations": seen, "gloo_hang": False}
                 for r, p in enumerate(procs):
@@ -205,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 killed = [r for r, p in enumerate(procs) if p.is_alive()]
                 for r in killed:
                     procs[r].kill()
+                break
     finally:  # stopped (SIGTERM, Ctrl-C): no rank outlives its launcher
         for p in procs:
             if p.is_alive():
