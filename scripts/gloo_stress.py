@@ -57,8 +57,25 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue, pro
     faulthandler.enable(all_threads=True)
     from torch.distributed._functional_collectives import all_gather_single
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    backend = "gloo"
+    if args.gloo_threads != _GLOO_THREADS:
+        # torch's init_process_group builds gloo with its default worker threads and passes no
+        # options: the same ProcessGroupGloo, registered under another name with ours
+        def gloo(store, group_rank: int, group_size: int, timeout):
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            opts._threads = args.gloo_threads
+            return dist.ProcessGroupGloo(store, group_rank, group_size, opts)
+
+        backend = f"gloo_{args.gloo_threads}_threads"
+        dist.Backend.register_backend(backend, gloo, devices=["cpu"])
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    threads = dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
+    if threads != args.gloo_threads:
+        raise RuntimeError(f"gloo runs {threads} worker threads, not --gloo-threads "
+                           f"{args.gloo_threads}")
     group = dist.group.WORLD
     rng = torch.Generator().manual_seed(1234)  # the same on every rank: same extra sizes
     t0, it, gathers, stop = time.monotonic(), 0, 0, torch.zeros(1)
@@ -107,6 +124,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue, pro
 GLOO_HANG_FRAME = "gloo::transport::tcp::UnboundBuffer::~UnboundBuffer"
 
 
+#: ProcessGroupGloo's worker threads when built by init_process_group (2 per device)
+_GLOO_THREADS = 2
 #: before the first iteration a run has stalled only after this long at least (spawned ranks
 #: import torch and build their first model: ~12 s on an idle 2-core machine)
 _START_UP_S = 120.0
@@ -161,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-rank", type=int, default=-1,
                     help="this rank sleeps after its first iteration (a check of how a stall is "
                     "reported)")
+    ap.add_argument("--gloo-threads", type=int, default=_GLOO_THREADS,
+                    help="ProcessGroupGloo's worker threads (torch's default: 2); 1 runs every "
+                    "collective on one thread, the A/B of whether issue 30's block is freed by "
+                    "a second worker")
     ap.add_argument("--out", type=Path, help="append this run's line to OUT/gloo_stress.jsonl")
     args = ap.parse_args(argv)
     if args.world < 2 or args.seconds <= 0 or args.steps < 1 or args.extra < 0:
@@ -169,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) >= args.world:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} is not a rank of "
                      f"--world {args.world}")
-    if args.stall_seconds <= 0:
-        ap.error("needs --stall-seconds > 0")
+    if args.stall_seconds <= 0 or args.gloo_threads < 1:
+        ap.error("needs --stall-seconds > 0 and --gloo-threads >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -220,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         p.join()
     codes = [p.exitcode for p in procs]
     line = {"start": start, "argv": sys.argv[1:] if argv is None else argv,
-            "torch": torch.__version__, "exitcodes": codes,
+            "torch": torch.__version__, "gloo_threads": args.gloo_threads, "exitcodes": codes,
             "signals": [signal.Signals(-c).name if c is not None and c < 0 else None
                         for c in codes],
             "killed_after_a_rank_died": [] if stall else killed,

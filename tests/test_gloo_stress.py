@@ -36,6 +36,16 @@ def test_a_run_counts_its_iterations_and_gathers_and_imports_nothing_of_ours(tmp
     assert line["iterations"] == 1  # stops after the first iteration past --seconds
     assert line["gathers_per_rank"] == line["iterations"] * (PARAMS + 3)
     assert line["fsdp_qcomm_loaded"] is False  # what crashes here is torch's or gloo's
+    assert line["gloo_threads"] == 2  # torch's default
+
+
+@pytest.mark.long  # another 2-rank start-up: the A/B arm, not the hunt
+def test_one_gloo_worker_thread_runs_the_same_iterations(tmp_path):
+    """--gloo-threads 1: gloo built with one worker (the ranks check the group they got)."""
+    proc, line = _run(tmp_path, "--gloo-threads", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert line["gloo_threads"] == 1 and line["iterations"] == 1
+    assert line["gathers_per_rank"] == PARAMS + 3 and line["fsdp_qcomm_loaded"] is False
 
 
 @pytest.mark.long  # a second 2-rank start-up (~12 s): the report path, not the hunt
