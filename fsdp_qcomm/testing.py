@@ -20,8 +20,8 @@ run that stalls in issue 30's gloo hang (``GLOO_HANG_FRAME``: a timed-out run is
 its ranks are killed, with gdb when there is one, and every stalled rank's native stacks join
 the report). Each rerun is warned about and its full report appended to
 ``$FSDP_QCOMM_RERUN_LOG`` when set. CI sets both (``.ci/run`` prints the log): issue 30's rare
-heap corruption inside gloo's worker thread (gloo frees a buffer's reference-count block while
-the buffer owns it; ``results/gloo_stress_pair``) must not fail CI by chance, nor go unseen. A
+heap corruption inside gloo's worker thread (one ProcessGroupGloo worker frees a block that is
+live on the other; ``results/gloo_stress_pair``) must not fail CI by chance, nor go unseen. A
 Python error, any other timeout or a crash that repeats is never hidden.
 
 Processes come from a forkserver that imported torch once: a fresh interpreter per rank spends
@@ -155,12 +155,12 @@ class NativeCrash(AssertionError):
     30's gloo bug (:data:`GLOO_HANG_FRAME`)."""
 
 
-#: issue 30's gloo bug in its other form: gloo frees a tcp ``UnboundBuffer``'s reference-count
-#: block while the buffer owns it; the buffer's destructor (on a gloo worker thread, at the end
-#: of a collective) then writes into the freed block and, when the bytes there are glibc's
-#: free-list key, spins forever waiting for a count that never reaches zero, while the peer
-#: waits for its send (``results/gloo_stress_pair``). A timed-out run with a rank in this frame
-#: is rerun like a native crash.
+#: issue 30's bug in its other form: one ProcessGroupGloo worker thread frees a small block a
+#: second time while it is live as a tcp ``UnboundBuffer``'s reference-count block on the other;
+#: the buffer's destructor (at the end of a collective) then writes into the freed block and,
+#: when the bytes there are glibc's free-list key, spins forever waiting for a count that never
+#: reaches zero, while the peer waits for its send (``results/gloo_stress_pair``). A timed-out
+#: run with a rank in this frame is rerun like a native crash.
 GLOO_HANG_FRAME = "gloo::transport::tcp::UnboundBuffer::~UnboundBuffer"
 
 
@@ -383,8 +383,9 @@ def _run_once(
             p.join(timeout=10)
         del store
         shutil.rmtree(crash_dir, ignore_errors=True)
-    why = (f"\nissue 30's gloo hang: a rank is stuck in {GLOO_HANG_FRAME} (gloo freed the "
-           "buffer's reference-count block; results/gloo_stress_pair)" if gloo_hang else "")
+    why = (f"\nissue 30's gloo hang: a rank is stuck in {GLOO_HANG_FRAME} (its reference-"
+           "count block was freed by the other gloo worker; results/gloo_stress_pair)"
+           if gloo_hang else "")
     if errors or crashed:
         errors.update(crashed)
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))

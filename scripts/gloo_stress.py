@@ -1,10 +1,11 @@
 """Issue 30's crash path in plain torch: FSDP2 training and ``DTensor.full_tensor`` on gloo.
 
-The one native crash seen in ~600 contended runs of ``tests/test_weight_writes.py`` died in
+The one native crash seen in 977 contended runs of ``tests/test_weight_writes.py`` died in
 glibc's ``malloc`` on gloo's work thread, inside the all-gather of ``DTensor.full_tensor``: a
-free list corrupted by an earlier write into freed memory. This script repeats that path for as
-long as asked, in processes that never import fsdp_qcomm (no hooks, no C codec, no ctypes): a
-crash here names torch or gloo as the writer, with a reproducer that needs nothing of ours.
+corrupted free list. This script repeats that path for as long as asked, in processes that
+never import fsdp_qcomm (no hooks, no C codec, no ctypes): a crash or hang here is torch's or
+gloo's, with a reproducer that needs nothing of ours. One such hang showed the cause: a gloo
+worker thread freeing a block live on the other (``results/gloo_stress_pair/NOTES.md``).
 
 Each rank, in a loop: builds the test's ``TinyLM`` (tests/_models.py) sharded with
 ``fully_shard`` per block, trains it ``--steps`` AdamW steps, gathers every
@@ -120,7 +121,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue, pro
 
 
 #: issue 30's gloo hang: a gloo worker spins in a tcp UnboundBuffer's destructor, whose
-#: reference-count block gloo already freed (results/gloo_stress_pair/NOTES.md)
+#: reference-count block the other gloo worker freed (results/gloo_stress_pair/NOTES.md)
 GLOO_HANG_FRAME = "gloo::transport::tcp::UnboundBuffer::~UnboundBuffer"
 
 
