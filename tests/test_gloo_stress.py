@@ -104,3 +104,21 @@ def test_a_run_that_stalls_is_reported_with_each_ranks_native_state(tmp_path):
     assert [r.name[-9:] for r in reports] == ["rank0.txt", "rank1.txt"], reports
     if shutil.which("gdb"):
         assert "Thread " in reports[1].read_text()
+
+
+@pytest.mark.long  # two 2-rank start-ups: the reproducer's report, not the hunt
+@pytest.mark.parametrize("threads", [2, 1])
+def test_the_status_race_reproducer_counts_its_collectives(tmp_path, threads):
+    """scripts/gloo_status_race.py: rounds of in-flight all-gathers on gloo's default two
+    workers or on one, counted."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gloo_status_race.py"),
+                           "--seconds", "0.01", "--inflight", "3", "--gloo-threads",
+                           str(threads), "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = json.loads((tmp_path / "gloo_status_race.jsonl").read_text().splitlines()[-1])
+    assert line["exitcodes"] == [0, 0] and line["gloo_threads"] == threads
+    assert line["rounds"] == 200  # the first stop check comes after 200 rounds
+    assert line["collectives_per_rank"] == 600

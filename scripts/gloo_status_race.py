@@ -1,0 +1,137 @@
+"""Issue 30's double free, provoked directly: ProcessGroupGloo's two worker threads completing
+collectives at the same moment.
+
+After each collective a gloo worker thread sets ``pgStatus_->lastCompletedWorkName`` in
+``ProcessGroupGloo::runLoop`` with no lock held (torch 2.13 and 2.15): a move-assignment that
+deletes the string's old heap buffer. ``all_gather_into_tensor``'s name, "ALLGATHER_COALESCED",
+is too long for the string's inline buffer, so each update frees a 32-byte chunk, and two
+workers updating at once free the same one twice (``results/gloo_stress_pair/NOTES.md``). Here
+each rank keeps ``--inflight`` tiny asynchronous all-gathers in flight, so the two workers finish
+collectives back to back all the time. Under ``scripts/free_quarantine.c`` a second free is
+reported with both stacks at once:
+
+    gcc -O2 -shared -fPIC -o /tmp/libfree_quarantine.so scripts/free_quarantine.c
+    LD_PRELOAD=/tmp/libfree_quarantine.so QUARANTINE_DIR=/tmp/fq \\
+        python scripts/gloo_status_race.py --seconds 120 --out /tmp/fq
+
+``--gloo-threads 1`` runs the same collectives on one worker, which leaves one writer. Nothing of
+this package is imported. One line per run goes to ``<out>/gloo_status_race.jsonl``: rounds,
+collectives, each rank's exit code or signal (SIGABRT: the shim's report, or glibc's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: ProcessGroupGloo's worker threads when init_process_group builds it (2 per device)
+_GLOO_THREADS = 2
+
+
+def _init(rank: int, world: int, port: int, threads: int) -> None:
+    backend = "gloo"
+    if threads != _GLOO_THREADS:
+        # init_process_group passes gloo no options: the same class under another name, ours
+        def gloo(store, group_rank: int, group_size: int, timeout):
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            opts._threads = threads
+            return dist.ProcessGroupGloo(store, group_rank, group_size, opts)
+
+        backend = f"gloo_{threads}_threads"
+        dist.Backend.register_backend(backend, gloo, devices=["cpu"])
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    got = dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
+    if got != threads:
+        raise RuntimeError(f"gloo runs {got} worker threads, not {threads}")
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    _init(rank, world, port, args.gloo_threads)
+    ins = [torch.full((1,), float(rank)) for _ in range(args.inflight)]
+    outs = [torch.empty(world) for _ in range(args.inflight)]
+    t0, rounds, stop = time.monotonic(), 0, torch.zeros(1)
+    while True:
+        works = [dist.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outs, ins)]
+        for w in works:
+            w.wait()
+        rounds += 1
+        if rounds % 200 == 0:  # every rank stops after the same round
+            stop.fill_(float(rank == 0 and time.monotonic() - t0 >= args.seconds))
+            dist.all_reduce(stop)
+            if stop.item() > 0:
+                break
+    if any(o.tolist() != [float(r) for r in range(world)] for o in outs):
+        raise AssertionError("an all-gather came back wrong")
+    if rank == 0:
+        queue.put({"rounds": rounds, "collectives_per_rank": rounds * args.inflight,
+                   "seconds": round(time.monotonic() - t0, 1)})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long to loop")
+    ap.add_argument("--inflight", type=int, default=8,
+                    help="asynchronous all-gathers each rank keeps in flight per round")
+    ap.add_argument("--gloo-threads", type=int, default=_GLOO_THREADS,
+                    help="ProcessGroupGloo's worker threads (torch's default: 2)")
+    ap.add_argument("--out", type=Path, help="append the run's line to OUT/gloo_status_race.jsonl")
+    args = ap.parse_args(argv)
+    if args.seconds <= 0 or args.inflight < 1 or args.gloo_threads < 1:
+        ap.error("needs --seconds > 0, --inflight >= 1 and --gloo-threads >= 1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, queue)) for r in range(2)]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs):
+            time.sleep(0.5)
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(5)  # the peer fails in its next collective, or is ended here
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for p in procs:
+        p.join()
+    codes = [p.exitcode for p in procs]
+    line = {"start": start, "argv": sys.argv[1:] if argv is None else argv,
+            "torch": torch.__version__, "gloo_threads": args.gloo_threads, "exitcodes": codes,
+            "signals": [signal.Signals(-c).name if c is not None and c < 0 else None
+                        for c in codes],
+            "preload": os.environ.get("LD_PRELOAD", ""),
+            **(queue.get() if all(c == 0 for c in codes) and not queue.empty() else {})}
+    print(json.dumps(line), flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "gloo_status_race.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
