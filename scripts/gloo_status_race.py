@@ -6,8 +6,10 @@ After each collective a gloo worker thread sets ``pgStatus_->lastCompletedWorkNa
 deletes the string's old heap buffer. ``all_gather_into_tensor``'s name, "ALLGATHER_COALESCED",
 is too long for the string's inline buffer, so each update frees a 32-byte chunk, and two
 workers updating at once free the same one twice (``results/gloo_stress_pair/NOTES.md``). Here
-each rank keeps ``--inflight`` tiny asynchronous all-gathers in flight, so the two workers finish
-collectives back to back all the time. Under ``scripts/free_quarantine.c`` a second free is
+each rank keeps ``--inflight`` tiny functional all-gathers (the ones DTensor runs) in flight, so
+the two workers finish collectives back to back all the time; ``--op base`` runs
+``dist.all_gather_into_tensor`` instead, whose name (``_ALLGATHER_BASE``) fits the inline
+buffer: nothing to free twice, the control. Under ``scripts/free_quarantine.c`` a second free is
 reported with both stacks at once:
 
     gcc -O2 -shared -fPIC -o /tmp/libfree_quarantine.so scripts/free_quarantine.c
@@ -16,7 +18,8 @@ reported with both stacks at once:
 
 ``--gloo-threads 1`` runs the same collectives on one worker, which leaves one writer. Nothing of
 this package is imported. One line per run goes to ``<out>/gloo_status_race.jsonl``: rounds,
-collectives, each rank's exit code or signal (SIGABRT: the shim's report, or glibc's).
+collectives, each rank's exit code or signal (SIGABRT: the shim's report, or glibc's), and the
+seconds from launch to the end (to the first report, when a rank aborts).
 """
 
 from __future__ import annotations
@@ -59,13 +62,19 @@ def _init(rank: int, world: int, port: int, threads: int) -> None:
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     _init(rank, world, port, args.gloo_threads)
+    functional = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
     ins = [torch.full((1,), float(rank)) for _ in range(args.inflight)]
     outs = [torch.empty(world) for _ in range(args.inflight)]
     t0, rounds, stop = time.monotonic(), 0, torch.zeros(1)
     while True:
-        works = [dist.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outs, ins)]
-        for w in works:
-            w.wait()
+        if args.op == "coalesced":  # what DTensor and the functional collectives run
+            outs = [functional.all_gather_into_tensor(i, world, group) for i in ins]
+            outs = [functional.wait_tensor(o) for o in outs]
+        else:
+            works = [dist.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outs, ins)]
+            for w in works:
+                w.wait()
         rounds += 1
         if rounds % 200 == 0:  # every rank stops after the same round
             stop.fill_(float(rank == 0 and time.monotonic() - t0 >= args.seconds))
@@ -85,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="how long to loop")
     ap.add_argument("--inflight", type=int, default=8,
                     help="asynchronous all-gathers each rank keeps in flight per round")
+    ap.add_argument("--op", choices=("coalesced", "base"), default="coalesced",
+                    help="coalesced: the functional all-gather (gloo's ALLGATHER_COALESCED, a "
+                    "19-character name: a heap buffer); base: all_gather_into_tensor "
+                    "(_ALLGATHER_BASE, 15 characters: the string's inline buffer, nothing "
+                    "freed; the control)")
     ap.add_argument("--gloo-threads", type=int, default=_GLOO_THREADS,
                     help="ProcessGroupGloo's worker threads (torch's default: 2)")
     ap.add_argument("--out", type=Path, help="append the run's line to OUT/gloo_status_race.jsonl")
@@ -99,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    start, t_start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.monotonic()
     procs = [ctx.Process(target=_rank, args=(r, 2, port, args, queue)) for r in range(2)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
@@ -120,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         p.join()
     codes = [p.exitcode for p in procs]
     line = {"start": start, "argv": sys.argv[1:] if argv is None else argv,
-            "torch": torch.__version__, "gloo_threads": args.gloo_threads, "exitcodes": codes,
+            "torch": torch.__version__, "op": args.op, "gloo_threads": args.gloo_threads,
+            "exitcodes": codes,
             "signals": [signal.Signals(-c).name if c is not None and c < 0 else None
                         for c in codes],
             "preload": os.environ.get("LD_PRELOAD", ""),
+            "wall_s": round(time.monotonic() - t_start, 1),  # start-up and the run: to the end
             **(queue.get() if all(c == 0 for c in codes) and not queue.empty() else {})}
     print(json.dumps(line), flush=True)
     if args.out is not None:
