@@ -20,9 +20,9 @@ run that stalls in issue 30's gloo hang (``GLOO_HANG_FRAME``: a timed-out run is
 its ranks are killed, with gdb when there is one, and every stalled rank's native stacks join
 the report). Each rerun is warned about and its full report appended to
 ``$FSDP_QCOMM_RERUN_LOG`` when set. CI sets both (``.ci/run`` prints the log): issue 30's rare
-heap corruption inside gloo's worker thread (one ProcessGroupGloo worker frees a block that is
-live on the other; ``results/gloo_stress_pair``) must not fail CI by chance, nor go unseen. A
-Python error, any other timeout or a crash that repeats is never hidden.
+heap corruption inside gloo's worker thread (torch's: ProcessGroupGloo's two workers free a
+shared status string's buffer twice; ``results/gloo_status_race``) must not fail CI by chance,
+nor go unseen. A Python error, any other timeout or a crash that repeats is never hidden.
 
 Processes come from a forkserver that imported torch once: a fresh interpreter per rank spends
 seconds importing torch on a loaded 2-core machine, a fork from the server milliseconds, and the
@@ -155,8 +155,9 @@ class NativeCrash(AssertionError):
     30's gloo bug (:data:`GLOO_HANG_FRAME`)."""
 
 
-#: issue 30's bug in its other form: one ProcessGroupGloo worker thread frees a small block a
-#: second time while it is live as a tcp ``UnboundBuffer``'s reference-count block on the other;
+#: issue 30's bug (torch's: ProcessGroupGloo's two worker threads free a shared status string's
+#: buffer twice, ``results/gloo_status_race``) in its other form: the second free hits the block
+#: after it was handed out again as a tcp ``UnboundBuffer``'s reference-count block;
 #: the buffer's destructor (at the end of a collective) then writes into the freed block and,
 #: when the bytes there are glibc's free-list key, spins forever waiting for a count that never
 #: reaches zero, while the peer waits for its send (``results/gloo_stress_pair``). A timed-out

@@ -4,8 +4,9 @@ The one native crash seen in 977 contended runs of ``tests/test_weight_writes.py
 glibc's ``malloc`` on gloo's work thread, inside the all-gather of ``DTensor.full_tensor``: a
 corrupted free list. This script repeats that path for as long as asked, in processes that
 never import fsdp_qcomm (no hooks, no C codec, no ctypes): a crash or hang here is torch's or
-gloo's, with a reproducer that needs nothing of ours. One such hang showed the cause: a gloo
-worker thread freeing a block live on the other (``results/gloo_stress_pair/NOTES.md``).
+gloo's, with a reproducer that needs nothing of ours. One such hang showed the cause
+(``results/gloo_stress_pair/NOTES.md``): ProcessGroupGloo's two workers free a shared status
+string's buffer twice, which ``scripts/gloo_status_race.py`` provokes in seconds.
 
 Each rank, in a loop: builds the test's ``TinyLM`` (tests/_models.py) sharded with
 ``fully_shard`` per block, trains it ``--steps`` AdamW steps, gathers every
