@@ -25,7 +25,6 @@ seconds from launch to the end (to the first report, when a rank aborts).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -35,33 +34,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-#: ProcessGroupGloo's worker threads when init_process_group builds it (2 per device)
-_GLOO_THREADS = 2
-
-
-def _init(rank: int, world: int, port: int, threads: int) -> None:
-    backend = "gloo"
-    if threads != _GLOO_THREADS:
-        # init_process_group passes gloo no options: the same class under another name, ours
-        def gloo(store, group_rank: int, group_size: int, timeout):
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-            opts._threads = threads
-            return dist.ProcessGroupGloo(store, group_rank, group_size, opts)
-
-        backend = f"gloo_{threads}_threads"
-        dist.Backend.register_backend(backend, gloo, devices=["cpu"])
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    got = dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
-    if got != threads:
-        raise RuntimeError(f"gloo runs {got} worker threads, not {threads}")
+from _gloo_run import GLOO_THREADS, free_port, init_gloo, report
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    _init(rank, world, port, args.gloo_threads)
+    init_gloo(rank, world, port, args.gloo_threads)
     functional = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
     ins = [torch.full((1,), float(rank)) for _ in range(args.inflight)]
@@ -99,18 +76,14 @@ def main(argv: list[str] | None = None) -> int:
                     "19-character name: a heap buffer); base: all_gather_into_tensor "
                     "(_ALLGATHER_BASE, 15 characters: the string's inline buffer, nothing "
                     "freed; the control)")
-    ap.add_argument("--gloo-threads", type=int, default=_GLOO_THREADS,
+    ap.add_argument("--gloo-threads", type=int, default=GLOO_THREADS,
                     help="ProcessGroupGloo's worker threads (torch's default: 2)")
     ap.add_argument("--out", type=Path, help="append the run's line to OUT/gloo_status_race.jsonl")
     args = ap.parse_args(argv)
     if args.seconds <= 0 or args.inflight < 1 or args.gloo_threads < 1:
         ap.error("needs --seconds > 0, --inflight >= 1 and --gloo-threads >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     start, t_start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.monotonic()
@@ -130,23 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             if p.is_alive():
                 p.kill()
-    for p in procs:
-        p.join()
-    codes = [p.exitcode for p in procs]
-    line = {"start": start, "argv": sys.argv[1:] if argv is None else argv,
-            "torch": torch.__version__, "op": args.op, "gloo_threads": args.gloo_threads,
-            "exitcodes": codes,
-            "signals": [signal.Signals(-c).name if c is not None and c < 0 else None
-                        for c in codes],
-            "preload": os.environ.get("LD_PRELOAD", ""),
-            "wall_s": round(time.monotonic() - t_start, 1),  # start-up and the run: to the end
-            **(queue.get() if all(c == 0 for c in codes) and not queue.empty() else {})}
-    print(json.dumps(line), flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "gloo_status_race.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
-    return 0 if all(c == 0 for c in codes) else 1
+    return report(procs, queue, args.out, "gloo_status_race.jsonl",
+                  {"start": start, "argv": sys.argv[1:] if argv is None else argv,
+                   "torch": torch.__version__, "op": args.op, "gloo_threads": args.gloo_threads},
+                  {"preload": os.environ.get("LD_PRELOAD", ""),
+                   # start-up and the run: to the end (to the first report when a rank aborts)
+                   "wall_s": round(time.monotonic() - t_start, 1)})
 
 
 if __name__ == "__main__":

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,41 +41,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# The test's own model and batches (tests/_models.py imports torch only, nothing of ours): the
-# crashed test's exact shapes, uneven shards with padding, and tied embedding.
+# scripts/_gloo_run.py (torch only), and the test's own model and batches (tests/_models.py
+# imports torch only, nothing of ours): the crashed test's exact shapes, uneven shards with
+# padding, and tied embedding.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _gloo_run import GLOO_THREADS, free_port, init_gloo, report  # noqa: E402
 from _models import TinyLM, batch, lm_loss, shard  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue, progress) -> None:
     faulthandler.enable(all_threads=True)
     from torch.distributed._functional_collectives import all_gather_single
 
-    backend = "gloo"
-    if args.gloo_threads != _GLOO_THREADS:
-        # torch's init_process_group builds gloo with its default worker threads and passes no
-        # options: the same ProcessGroupGloo, registered under another name with ours
-        def gloo(store, group_rank: int, group_size: int, timeout):
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-            opts._threads = args.gloo_threads
-            return dist.ProcessGroupGloo(store, group_rank, group_size, opts)
-
-        backend = f"gloo_{args.gloo_threads}_threads"
-        dist.Backend.register_backend(backend, gloo, devices=["cpu"])
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    threads = dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
-    if threads != args.gloo_threads:
-        raise RuntimeError(f"gloo runs {threads} worker threads, not --gloo-threads "
-                           f"{args.gloo_threads}")
+    init_gloo(rank, world, port, args.gloo_threads)
     group = dist.group.WORLD
     rng = torch.Generator().manual_seed(1234)  # the same on every rank: same extra sizes
     t0, it, gathers, stop = time.monotonic(), 0, 0, torch.zeros(1)
@@ -126,8 +102,6 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue, pro
 GLOO_HANG_FRAME = "gloo::transport::tcp::UnboundBuffer::~UnboundBuffer"
 
 
-#: ProcessGroupGloo's worker threads when built by init_process_group (2 per device)
-_GLOO_THREADS = 2
 #: before the first iteration a run has stalled only after this long at least (spawned ranks
 #: import torch and build their first model: ~12 s on an idle 2-core machine)
 _START_UP_S = 120.0
@@ -182,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-rank", type=int, default=-1,
                     help="this rank sleeps after its first iteration (a check of how a stall is "
                     "reported)")
-    ap.add_argument("--gloo-threads", type=int, default=_GLOO_THREADS,
+    ap.add_argument("--gloo-threads", type=int, default=GLOO_THREADS,
                     help="ProcessGroupGloo's worker threads (torch's default: 2); 1 runs every "
                     "collective on one thread, the A/B of whether issue 30's block is freed by "
                     "a second worker")
@@ -200,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    port = _free_port()
+    port = free_port()
     progress = ctx.Array("q", args.world, lock=False)  # iterations each rank has finished
     procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue, progress))
              for r in range(args.world)]
@@ -241,22 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             if p.is_alive():
                 p.kill()
-    for p in procs:
-        p.join()
-    codes = [p.exitcode for p in procs]
-    line = {"start": start, "argv": sys.argv[1:] if argv is None else argv,
-            "torch": torch.__version__, "gloo_threads": args.gloo_threads, "exitcodes": codes,
-            "signals": [signal.Signals(-c).name if c is not None and c < 0 else None
-                        for c in codes],
-            "killed_after_a_rank_died": [] if stall else killed,
-            **({"killed_after_the_stall": killed, **stall} if stall else {}),
-            **(queue.get() if all(c == 0 for c in codes) and not queue.empty() else {})}
-    print(json.dumps(line), flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "gloo_stress.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
-    return 0 if all(c == 0 for c in codes) else 1
+    return report(procs, queue, args.out, "gloo_stress.jsonl",
+                  {"start": start, "argv": sys.argv[1:] if argv is None else argv,
+                   "torch": torch.__version__, "gloo_threads": args.gloo_threads},
+                  {"killed_after_a_rank_died": [] if stall else killed,
+                   **({"killed_after_the_stall": killed, **stall} if stall else {})})
 
 
 if __name__ == "__main__":
