@@ -204,9 +204,13 @@ def test_issue_30s_gloo_hang_is_rerun_like_a_native_crash(monkeypatch, tmp_path)
     recorded = _RECORDED_HANG.read_text()
     assert GLOO_HANG_FRAME in recorded
     monkeypatch.setattr(testing, "_native_stacks", lambda pid: recorded)
+    log = tmp_path / "reruns.txt"  # not CI's own log: these reruns are staged
+    monkeypatch.setenv("FSDP_QCOMM_RERUN_LOG", str(log))
     with pytest.warns(RuntimeWarning, match="a rank hung in issue 30's gloo hang; rerun 1 of 1"):
         with pytest.raises(NativeCrash, match="issue 30's gloo hang"):
             run_ranks(_stall_on_rank_1, 2, False, timeout=6, native_crash_reruns=1)
+    text = log.read_text()
+    assert text.count("=== ") == 1 and GLOO_HANG_FRAME in text, text
     monkeypatch.setattr(testing, "_native_stacks", lambda pid: "")  # no gdb
     with pytest.raises(NativeCrash, match="issue 30's gloo hang") as e:
         run_ranks(_stall_on_rank_1, 2, True, timeout=6, native_crash_reruns=0)
