@@ -238,11 +238,16 @@ def expert_mesh(ranks_per_node: int, expert_parallel: int):
 def _expert_placement(model: GPT, mesh):
     """``shard_placement_fn``: the expert parameters sharded (whole experts, ``Shard(0)``) over
     their expert-data-parallel mesh, everything else FSDP's default."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        FSDPMeshInfo,
-        ShardPlacementResult,
-    )
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
     from torch.distributed.tensor import Shard
+
+    if not hasattr(_fsdp_common, "ShardPlacementResult"):
+        raise RuntimeError(
+            f"expert parallelism needs per-parameter meshes (ShardPlacementResult), which FSDP2 "
+            f"has from torch 2.13; this is torch {torch.__version__}: upgrade torch, or run the "
+            "MoE workload with expert parallelism 1")
+    FSDPMeshInfo, ShardPlacementResult = (_fsdp_common.FSDPMeshInfo,
+                                          _fsdp_common.ShardPlacementResult)
 
     info = FSDPMeshInfo(mesh=mesh[EXPERT_DIM], shard_mesh_dim=0)
     ids = {id(p) for blk in model.blocks for p in blk.moe.experts.parameters()}

@@ -143,12 +143,15 @@ class Capture:
 
 
 class GatherBytes:
-    """Counts the bytes of every input handed to dist.all_gather_single."""
+    """Counts the bytes of every input handed to dist.all_gather_single (all_gather_into_tensor
+    before torch 2.13)."""
 
     def __init__(self) -> None:
         self.sent = 0
         self.calls = 0
-        self._orig = dist.all_gather_single
+        self._name = ("all_gather_single" if hasattr(dist, "all_gather_single")
+                      else "all_gather_into_tensor")
+        self._orig = getattr(dist, self._name)
 
     def __enter__(self):
         def counting(output, input, *args, **kwargs):
@@ -156,11 +159,11 @@ class GatherBytes:
             self.calls += 1
             return self._orig(output, input, *args, **kwargs)
 
-        dist.all_gather_single = counting
+        setattr(dist, self._name, counting)
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_single = self._orig
+        setattr(dist, self._name, self._orig)
 
 
 def units(model: nn.Module) -> list:
@@ -168,7 +171,9 @@ def units(model: nn.Module) -> list:
     groups = []
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            groups.extend(m._get_fsdp_state()._fsdp_param_groups)
+            state = m._get_fsdp_state()  # torch 2.13+: a list; 2.9-2.12: one group or None
+            one = getattr(state, "_fsdp_param_group", None)
+            groups.extend(getattr(state, "_fsdp_param_groups", [one] if one is not None else []))
     return groups
 
 

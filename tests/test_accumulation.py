@@ -205,7 +205,7 @@ def _spmd(rank, world):
     model.set_requires_gradient_sync(False)  # a micro-batch: the next gathers reuse the key
     lm_loss(model, batch(0, rank)).backward()
     if rank == 1:
-        model.blocks[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.reset()
+        _groups(model.blocks[0])[0]._all_gather_comm.reset()
     with pytest.raises(RuntimeError, match=r"disagree about what changed .*'blocks\.0'.*"
                        r"global rank\(s\) \[1\]: handle\.reset\(\)"):
         lm_loss(model, batch(1, rank)).backward()

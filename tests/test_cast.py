@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.collectives.cast import all_reduce_cast, cast_all_gather, reduce_scatter_cast
+from fsdp_qcomm.collectives.grad_reduce import premul_sum
 from fsdp_qcomm.stats import CommStats
 from fsdp_qcomm.testing import digest, run_ranks
 
@@ -50,7 +51,7 @@ def _collectives(rank: int, world: int) -> dict:
     m = 53
     x = _inputs(rank, world * m, seed=1)
     for op, name in ((ReduceOp.SUM, "sum"), (ReduceOp.AVG, "avg"),
-                     (ReduceOp.PREMUL_SUM(0.25), "premul")):
+                     (premul_sum(0.25), "premul")):
         got = torch.empty(m)
         stats = CommStats()
         reduce_scatter_cast(got, x, None, op=op, stats=stats)

@@ -33,6 +33,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
     TrainingState,
 )
 
+from fsdp_qcomm.collectives import _c10d
+from fsdp_qcomm.collectives.grad_reduce import PremulSum, reduce_op_finisher
 from fsdp_qcomm.fsdp import internals
 from fsdp_qcomm.fsdp.all_gather import QuantizedAllGather
 from fsdp_qcomm.fsdp.reduce_scatter import QuantizedReduceScatter
@@ -206,10 +208,10 @@ class RecordingAllGather(AllGather):
             "autograd": internals.autograd_running(),
         })
         if self.ret == "work":
-            self.returned = WaitedWork(dist.all_gather_single(out, inp, group=group,
+            self.returned = WaitedWork(_c10d.all_gather_single(out, inp, group=group,
                                                                    async_op=True))
             return self.returned
-        dist.all_gather_single(out, inp, group=group)
+        _c10d.all_gather_single(out, inp, group=group)
         self.returned = Duck() if self.ret == "duck" else None
         return self.returned
 
@@ -224,7 +226,7 @@ def reduce_rows(output: torch.Tensor, input: torch.Tensor, group, op) -> None:
     out = recv.sum(0)
     if op == ReduceOp.AVG:
         out /= world
-    elif op == ReduceOp.PREMUL_SUM:
+    elif isinstance(op, PremulSum) or op == ReduceOp.PREMUL_SUM:
         out *= float(op.factor)
     elif op != ReduceOp.SUM:
         raise ValueError(f"unexpected op {op!r}")
@@ -250,6 +252,7 @@ class RecordingReduceScatter(ReduceScatter):
         op = kwargs.get("op", args[3] if len(args) > 3 else None)
         bound = _bind(QuantizedReduceScatter.__call__, args, kwargs)
         segs = [internals.padded_shard_numel(fp) for fp in internals.fsdp_params(self.pg)]
+        readable = internals.readable_reduce_op(op, self.pg)  # the factor, on every torch
         self.calls.append({
             "positional": len(args), "keywords": sorted(kwargs),
             "binds": bound.get("output_tensor") is out and bound.get("input_tensor") is inp
@@ -257,13 +260,13 @@ class RecordingReduceScatter(ReduceScatter):
             "layout": inp.numel() == group.size() * sum(segs) and out.numel() == sum(segs),
             "op": "AVG" if op == ReduceOp.AVG else "SUM" if op == ReduceOp.SUM
             else "PREMUL_SUM" if op == ReduceOp.PREMUL_SUM else repr(op),
-            "factor": float(op.factor) if op == ReduceOp.PREMUL_SUM else None,
+            "factor": float(readable.factor) if op == ReduceOp.PREMUL_SUM else None,
             "dtype": str(inp.dtype),
             "replica_seq": (internals.sequence_number(self.replicate)
                             if self.replicate is not None else None),
         })
         self.output_ptr = out.data_ptr()
-        reduce_rows(out, inp, group, op)
+        reduce_rows(out, inp, group, readable)
         return object()  # FSDP ignores the return value (fsdp_qcomm returns None)
 
 
@@ -345,6 +348,9 @@ def test_gradient_divide_factors_results(rs, ar, dtype, factor, force_sum, expec
 
     def name(op):
         if op == ReduceOp.PREMUL_SUM:
+            # before torch 2.13 the factor is not readable: internals rebuilds it from the group's
+            # divide factor, which is what this checks then
+            op = internals.readable_reduce_op(op, _Group(factor))
             return ("PREMUL_SUM", float(op.factor))
         return "AVG" if op == ReduceOp.AVG else "SUM" if op == ReduceOp.SUM else repr(op)
 
@@ -355,11 +361,29 @@ def test_gradient_divide_factors_results(rs, ar, dtype, factor, force_sum, expec
         "fsdp/hsdp.py replica_op, fsdp/internals.py post_divide_factor and fsdp/enable.py")
 
 
+class _Group:
+    """What ``internals.readable_reduce_op`` reads of a parameter group."""
+
+    def __init__(self, factor) -> None:
+        self.gradient_divide_factor = factor
+
+
 def test_premul_sum_op_carries_its_factor():
-    op = ReduceOp.PREMUL_SUM(0.25)
-    assert op == ReduceOp.PREMUL_SUM and op != ReduceOp.SUM and float(op.factor) == 0.25, moved(
-        "builds ReduceOp.PREMUL_SUM(f) that compares equal to PREMUL_SUM and exposes .factor",
-        "collectives/grad_reduce.py reduce_op_finisher")
+    if internals.torch_minor() >= (2, 13):
+        op = ReduceOp.PREMUL_SUM(0.25)
+        assert op == ReduceOp.PREMUL_SUM and op != ReduceOp.SUM and float(op.factor) == 0.25, \
+            moved("builds ReduceOp.PREMUL_SUM(f) that compares equal to PREMUL_SUM and exposes "
+                  ".factor", "collectives/grad_reduce.py reduce_op_finisher")
+    else:  # FSDP's own op has no readable factor: internals rebuilds it from FSDP's factor
+        op = dist._make_nccl_premul_sum(0.25)
+        assert op == ReduceOp.PREMUL_SUM and op != ReduceOp.SUM, moved(
+            "builds _make_nccl_premul_sum(f) that compares equal to PREMUL_SUM",
+            "fsdp/internals.py readable_reduce_op")
+        op = internals.readable_reduce_op(op, _Group(4.0))
+    assert float(internals.readable_reduce_op(op, _Group(4.0)).factor) == 0.25
+    t = torch.ones(3)
+    reduce_op_finisher(op, 4)(t)
+    assert t.tolist() == [0.25] * 3
 
 
 # ---- 1-D FSDP on 2 ranks ------------------------------------------------------------------------

@@ -17,8 +17,10 @@ from torch.distributed import ReduceOp
 
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.codec import RngKey, hadamard_len, wire_bytes
+from fsdp_qcomm.collectives import _c10d
 from fsdp_qcomm.collectives.grad_reduce import (
     chunk_spans,
+    premul_sum,
     reduce_op_finisher,
     reduce_scatter_quantized,
 )
@@ -27,6 +29,7 @@ from fsdp_qcomm.collectives.topology import (
     plan_layout,
     resolve_ranks_per_node,
 )
+from fsdp_qcomm.fsdp import internals as fsdp_internals
 from fsdp_qcomm.fsdp.reduce_scatter import QuantizedReduceScatter
 from fsdp_qcomm.stats import CommStats
 from fsdp_qcomm.testing import run_ranks
@@ -88,7 +91,7 @@ def _inputs(rank: int, world: int, m: int, kind: str) -> torch.Tensor:
 
 def _exact(x: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.Tensor:
     out = torch.empty(x.numel() // dist.get_world_size(group), dtype=x.dtype)
-    dist.reduce_scatter_single(out, x.clone(), op=op, group=group)
+    _c10d.reduce_scatter_single(out, x.clone(), op=op, group=group)
     return out
 
 
@@ -183,8 +186,8 @@ def _collectives(rank: int, world: int) -> dict:
     for name, op in (
         ("sum", ReduceOp.SUM),
         ("avg", ReduceOp.AVG),
-        ("premul_float", ReduceOp.PREMUL_SUM(0.25)),
-        ("premul_tensor", ReduceOp.PREMUL_SUM(torch.tensor(0.5))),
+        ("premul_float", premul_sum(0.25)),
+        ("premul_tensor", premul_sum(torch.tensor(0.5))),
     ):
         o = torch.empty(M)
         reduce_scatter_quantized(o, x, None, _cfg("tlq", ranks_per_node=2), key, op=op)
@@ -543,9 +546,13 @@ def test_reduce_op_finisher():
     t = torch.tensor([4.0, 8.0])
     assert reduce_op_finisher(ReduceOp.SUM, 4) is None
     assert reduce_op_finisher(ReduceOp.AVG, 4)(t.clone()).tolist() == [1.0, 2.0]
-    assert reduce_op_finisher(ReduceOp.PREMUL_SUM(0.5), 4)(t.clone()).tolist() == [2.0, 4.0]
-    fin = reduce_op_finisher(dist._make_nccl_premul_sum(torch.tensor(0.25)), 4)
-    assert fin(t.clone()).tolist() == [1.0, 2.0]
+    assert reduce_op_finisher(premul_sum(0.5), 4)(t.clone()).tolist() == [2.0, 4.0]
+    nccl_op = dist._make_nccl_premul_sum(torch.tensor(0.25))
+    if hasattr(nccl_op, "factor"):  # torch >= 2.13
+        assert reduce_op_finisher(nccl_op, 4)(t.clone()).tolist() == [1.0, 2.0]
+    else:  # before, the factor cannot be read back: refused, never applied wrong
+        with pytest.raises(ValueError, match="needs its factor"):
+            reduce_op_finisher(nccl_op, 4)
     with pytest.raises(ValueError, match="needs its factor"):
         reduce_op_finisher(ReduceOp.PREMUL_SUM, 4)
     with pytest.raises(ValueError, match="SUM, AVG and PREMUL_SUM"):
@@ -576,7 +583,8 @@ class _RecordingHook(QuantizedReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         if op == ReduceOp.PREMUL_SUM:
-            self.ops.append(f"PREMUL_SUM({float(op.factor)})")
+            readable = fsdp_internals.readable_reduce_op(op, self.param_group)
+            self.ops.append(f"PREMUL_SUM({float(readable.factor)})")
         else:
             name = {ReduceOp.AVG: "AVG", ReduceOp.SUM: "SUM"}.get(op, repr(op))
             self.ops.append(name)
@@ -616,7 +624,9 @@ def _train(rank: int, scheme, steps: int, divide_factor=None, force_sum=False) -
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for i, m in enumerate(mods):
         if scheme is not None:
-            hooks.append(_RecordingHook(_cfg(scheme, ranks_per_node=2), stats, i))
+            groups = fsdp_internals.param_groups(m)  # torch < 2.13: the PREMUL_SUM factor
+            hooks.append(_RecordingHook(_cfg(scheme, ranks_per_node=2), stats, i,
+                                        groups[0] if groups else None))
             m.set_custom_reduce_scatter(hooks[-1])
         if divide_factor is not None:
             m.set_gradient_divide_factor(divide_factor)

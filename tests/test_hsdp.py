@@ -27,6 +27,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_
 
 from fsdp_qcomm import QCommConfig, enable
 from fsdp_qcomm.codec import hadamard_len, wire_bytes
+from fsdp_qcomm.collectives.grad_reduce import premul_sum
 from fsdp_qcomm.collectives.replica_reduce import all_reduce_quantized, replica_key
 from fsdp_qcomm.collectives.topology import check_placement
 from fsdp_qcomm.fsdp import internals
@@ -146,8 +147,8 @@ def test_replica_op_gives_native_hsdp_scaling(shards, replicas, force_sum, facto
         for op, n in ((rs_op, s), (ar_op, r)):
             if op == ReduceOp.AVG:
                 f *= n
-            elif op == ReduceOp.PREMUL_SUM:
-                f /= op.factor if not isinstance(op.factor, torch.Tensor) else float(op.factor)
+            elif op == ReduceOp.PREMUL_SUM:  # before torch 2.13 FSDP's 1 / factor, unreadable
+                f /= float(getattr(op, "factor", 1.0 / factor))
         return f
 
     native = _get_gradient_divide_factors(G(shards), G(replicas), dtype, "cpu", factor, force_sum)
@@ -219,7 +220,7 @@ def _collective(rank: int, mesh) -> dict:
     exact = x.clone()
     dist.all_reduce(exact, group=group)
     for label, op, want in (("sum", ReduceOp.SUM, exact), ("avg", ReduceOp.AVG, exact / R),
-                            ("premul", ReduceOp.PREMUL_SUM(0.25), exact * 0.25)):
+                            ("premul", premul_sum(0.25), exact * 0.25)):
         y = x.clone()
         all_reduce_quantized(y, group, spec, replica_key(1, 0, dist.get_rank(), 0), op=op)
         out[label] = float((y - want).norm() / want.norm())

@@ -28,7 +28,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from fsdp_qcomm import QCommConfig, enable
 from fsdp_qcomm.fsdp import internals
-from fsdp_qcomm.fsdp.internals import FSDPInternalsChanged
+from fsdp_qcomm.fsdp.internals import FSDPInternalsChanged, unverified_param_groups
 from fsdp_qcomm.testing import run_ranks
 
 D, H = 8, 13
@@ -81,7 +81,7 @@ def _build(shape: tuple[int, ...]) -> nn.Module:
 
 def _groups(model: nn.Module) -> list:
     return [g for m in model.modules() if isinstance(m, FSDPModule)
-            for g in m._get_fsdp_state()._fsdp_param_groups]  # unverified on purpose
+            for g in unverified_param_groups(m)]  # unverified on purpose
 
 
 def _step(model: nn.Module, rank: int) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import fsdp_qcomm
 import fsdp_qcomm.fsdp.all_gather as ag_mod
 from fsdp_qcomm import QCommConfig
+from fsdp_qcomm.fsdp.internals import unverified_param_groups
 from fsdp_qcomm.testing import digest as _digest
 from fsdp_qcomm.testing import run_ranks
 from fsdp_qcomm.testing import same_on_all_ranks as _same_on_all_ranks
@@ -99,7 +100,7 @@ def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _units(model: nn.Module) -> list:
     return [g for m in model.modules() if isinstance(m, FSDPModule)
-            for g in m._get_fsdp_state()._fsdp_param_groups]
+            for g in unverified_param_groups(m)]
 
 
 def _save(path: str, model, opt, handle=None) -> None:
@@ -297,7 +298,7 @@ def _guard(rank, world):
         assert all("forward gather #1 " in c or "forward gather #4 " in c for c in calls)
         # corrupt rank 1's copy of rank 0's slot of blocks.1.fc2.weight (one flipped mantissa
         # bit; a one-ulp change would be rounded away by the next added difference)
-        g = model.blocks[1]._get_fsdp_state()._fsdp_param_groups[0]
+        g = unverified_param_groups(model.blocks[1])[0]
         q = g._all_gather_comm._qwd
         names = g._all_gather_comm._param_names()
         k = names.index("blocks.1.fc2.weight")

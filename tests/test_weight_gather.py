@@ -24,12 +24,15 @@ from _models import shard as _shard
 from _models import units as _units
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.fsdp._fully_shard import _fsdp_common
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.tensor import Shard
 
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig, RngKey, wire_bytes
+from fsdp_qcomm.collectives import _c10d
 from fsdp_qcomm.collectives import weight_gather as wg
+from fsdp_qcomm.fsdp.internals import unverified_param_groups
 from fsdp_qcomm.testing import run_ranks
 from fsdp_qcomm.testing import same_on_all_ranks as _same_on_all_ranks
 
@@ -285,20 +288,23 @@ def _misuse_and_lifecycle(rank, world):
         fsdp_qcomm.enable(TinyLM(), _preset("qwd"))
     with pytest.raises(TypeError, match="QCommConfig"):
         fsdp_qcomm.enable(TinyLM(), {"weight_scheme": "qwd"})
-    # several parameter groups in one module (per-parameter meshes): one install per group,
-    # each named apart (tests/test_moe.py trains such models)
-    other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
-    info = FSDPMeshInfo(other, shard_mesh_dim=0)
-    two = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    def biases_elsewhere(p):
-        return ShardPlacementResult(Shard(0), info) if p.dim() == 1 else None
+    # several parameter groups in one module (per-parameter meshes, torch >= 2.13): one install
+    # per group, each named apart (tests/test_moe.py trains such models)
+    placement_result = getattr(_fsdp_common, "ShardPlacementResult", None)
+    if placement_result is not None:
+        other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
+        info = FSDPMeshInfo(other, shard_mesh_dim=0)
+        two = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
 
-    fully_shard(two, shard_placement_fn=biases_elsewhere)
-    assert len(two._get_fsdp_state()._fsdp_param_groups) == 2
-    h2 = fsdp_qcomm.enable(two, _preset("qwd"))
-    assert [i.label for i in h2._installs] == ["<root> [group 1/2: 2 params on 2 ranks]",
-                                               "<root> [group 2/2: 2 params on 2 ranks]"]
-    h2.disable()
+        def biases_elsewhere(p):
+            return placement_result(Shard(0), info) if p.dim() == 1 else None
+
+        fully_shard(two, shard_placement_fn=biases_elsewhere)
+        assert len(unverified_param_groups(two)) == 2
+        h2 = fsdp_qcomm.enable(two, _preset("qwd"))
+        assert [i.label for i in h2._installs] == ["<root> [group 1/2: 2 params on 2 ranks]",
+                                                   "<root> [group 2/2: 2 params on 2 ranks]"]
+        h2.disable()
 
     torch.manual_seed(0)
     model = TinyLM()
@@ -408,7 +414,7 @@ def _misuse_and_lifecycle(rank, world):
     fully_shard(lin)
     lin.set_gradient_divide_factor(1.0)  # sum the gradients (torchtitan does this)
     h = fsdp_qcomm.enable(lin, _preset("qwd"))
-    assert lin._get_fsdp_state()._fsdp_param_groups[0].force_sum_reduction_for_comms
+    assert unverified_param_groups(lin)[0].force_sum_reduction_for_comms
     assert any("PREMUL_SUM" in n for n in h.stats()["notes"])
     x = torch.full((2, 4), float(rank + 1))
     lin(x).sum().backward()
@@ -417,7 +423,7 @@ def _misuse_and_lifecycle(rank, world):
     got = lin.weight.grad.full_tensor()
     assert torch.allclose(got, want.expand_as(got)), (got, want)
     h.disable()
-    assert not lin._get_fsdp_state()._fsdp_param_groups[0].force_sum_reduction_for_comms
+    assert not unverified_param_groups(lin)[0].force_sum_reduction_for_comms
     return True
 
 
@@ -447,7 +453,7 @@ def _flat_gathers(rank, world):
     g = torch.Generator().manual_seed(rank)
     shard = torch.randn(n, generator=g) * torch.tensor([0.01] * 5 + [1.0] * 40 + [5.0] + [0.1] * 17)
     exact = torch.empty(world * n)
-    dist.all_gather_single(exact, shard)
+    _c10d.all_gather_single(exact, shard)
     key = RngKey(7, 1, rank, 3)
     outs = []
     for async_op in (False, True):
@@ -477,7 +483,7 @@ def _flat_gathers(rank, world):
     w = shard.clone()
     for step in range(30):
         exact = torch.empty(world * n)
-        dist.all_gather_single(exact, w)
+        _c10d.all_gather_single(exact, w)
         prev = q.ref.clone()
         work = q(w, RngKey(7, step, rank, 4), async_op=step % 2 == 1)
         if work is not None:

@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from ..codec import FLOAT_DTYPES
 from ..stats import CommStats
+from . import _c10d
 from .grad_reduce import _check_buffers, reduce_op_finisher
 from .topology import Topology
 from .weight_gather import GatherOutcome, OnDone, _check_shapes, _launch, plain_all_gather
@@ -157,7 +158,7 @@ def all_reduce_cast(
         acc += rows[j].to(torch.float32)
     mine = _bytes(acc.to(wire_dtype))
     gathered = torch.empty(replicas * mine.numel(), dtype=torch.uint8, device=tensor.device)
-    dist.all_gather_single(gathered, mine, group=group)
+    _c10d.all_gather_single(gathered, mine, group=group)
     res = gathered.view(wire_dtype)[:m].to(torch.float32)
     tensor.copy_((finish(res) if finish is not None else res).view(tensor.shape))
     if stats is not None:

@@ -69,6 +69,7 @@ from ..codec import levels as _levels
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QCommConfig, QuantSpec
 from ..stats import CommStats
+from . import _c10d
 from .error_feedback import Feedback, Site, compensated, open_residuals
 from .topology import NodeLayout, Topology, group_layout, known_ranks_per_node, node_topology
 
@@ -78,24 +79,44 @@ _MAX_CALL_ELEMENTS = 1 << 31
 Finish = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 
-def reduce_op_finisher(op: Union[ReduceOp, "ReduceOp.RedOpType"], world: int) -> Finish:
+@dataclass(frozen=True)
+class PremulSum:
+    """``ReduceOp.PREMUL_SUM`` with its factor, for a torch whose op does not expose it: before
+    2.13 FSDP builds the op with ``dist._make_nccl_premul_sum`` and Python cannot read the factor
+    back (``fsdp.internals.readable_reduce_op`` recovers it from FSDP's divide factor)."""
+
+    factor: Union[float, torch.Tensor]
+
+
+def premul_sum(factor: Union[float, torch.Tensor]) -> Union[ReduceOp, PremulSum]:
+    """PREMUL_SUM(``factor``) as the collectives here take it: ``ReduceOp.PREMUL_SUM(factor)``
+    where torch exposes the factor (2.13+), else a ``PremulSum``."""
+    if callable(ReduceOp.PREMUL_SUM):  # torch >= 2.13: an op whose factor reads back
+        return ReduceOp.PREMUL_SUM(factor)
+    return PremulSum(factor)
+
+
+def reduce_op_finisher(op: Union[ReduceOp, "ReduceOp.RedOpType", PremulSum],
+                       world: int) -> Finish:
     """What to apply to the fp32 sum for ``op``: None (SUM), ``/ world`` (AVG) or ``* factor``
     (PREMUL_SUM). Any other op is an error: min/max/product do not commute with quantization."""
-    if op == ReduceOp.SUM:
-        return None
-    if op == ReduceOp.AVG:
-        return lambda t: t.div_(world)
-    if op == ReduceOp.PREMUL_SUM:
+    if isinstance(op, PremulSum) or op == ReduceOp.PREMUL_SUM:
         try:
             factor = op.factor
         except (AttributeError, RuntimeError):
             raise ValueError(
                 "ReduceOp.PREMUL_SUM needs its factor: build the op with "
-                "ReduceOp.PREMUL_SUM(factor) (FSDP does) instead of passing the bare enum"
+                "ReduceOp.PREMUL_SUM(factor) (FSDP does; before torch 2.13 "
+                "fsdp_qcomm.collectives.grad_reduce.premul_sum(factor)) instead of passing the "
+                "bare enum"
             ) from None
         if isinstance(factor, torch.Tensor):
             return lambda t: t.mul_(factor.to(device=t.device, dtype=torch.float32))
         return lambda t: t.mul_(float(factor))
+    if op == ReduceOp.SUM:
+        return None
+    if op == ReduceOp.AVG:
+        return lambda t: t.div_(world)
     raise ValueError(
         f"quantized reduce-scatter supports ReduceOp SUM, AVG and PREMUL_SUM, got {op!r}; "
         "use dist.reduce_scatter_single for other ops"
@@ -293,7 +314,7 @@ def reduce_scatter_plain(
         res = input.reshape(-1).to(torch.float32)
         output.view(-1).copy_(finish(res.clone()) if finish is not None else res)
         return
-    dist.reduce_scatter_single(output.view(-1), input.reshape(-1), op=ReduceOp.SUM, group=group)
+    _c10d.reduce_scatter_single(output.view(-1), input.reshape(-1), op=ReduceOp.SUM, group=group)
     if finish is not None:
         output.copy_(finish(output.to(torch.float32)))
     if stats is not None:
@@ -452,5 +473,5 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: 
     return t1, t2
 
 
-__all__ = ["chunk_spans", "feedback_shapes", "feedback_sites", "reduce_op_finisher",
+__all__ = ["PremulSum", "chunk_spans", "premul_sum", "feedback_shapes", "feedback_sites", "reduce_op_finisher",
            "reduce_scatter_plain", "reduce_scatter_quantized"]

@@ -43,6 +43,7 @@ from ..codec._checks import FLOAT_DTYPES
 from ..codec.wire import HADAMARD_BLOCK
 from ..config import QuantSpec
 from ..stats import CommStats
+from . import _c10d
 from .error_feedback import Feedback, Site, compensated, open_residuals
 from .grad_reduce import _MAX_CALL_ELEMENTS, chunk_spans, reduce_op_finisher
 
@@ -161,7 +162,7 @@ def all_reduce_quantized(
             mine = compensated(e_requant[off:off + n], codec.reduce_dequantize(got, n, spec),
                                *_codec_pair(spec, key.fold(s).fold(2), False, n))
         every = torch.empty(replicas * mine.numel(), dtype=torch.uint8, device=tensor.device)
-        gwork = dist.all_gather_single(every, mine, group=group, async_op=True)
+        gwork = _c10d.all_gather_single(every, mine, group=group, async_op=True)
         sent += mine.numel()
         recv += every.numel()
         row += mine.numel()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..codec import FLOAT_DTYPES, RngKey, dequantize, hadamard_len, quantize, wire_bytes
 from ..codec.levels import dequantize_levels, levels_wire_bytes, quantize_levels
 from ..config import QuantSpec
+from . import _c10d
 from .topology import NodeLayout
 
 _WEIGHT_SALT = 1 << 40
@@ -139,7 +140,7 @@ def _launch(
     finish: Callable[[], None],
 ) -> Optional[dist.Work]:
     """One ``all_gather_single``, then ``finish`` (now or in the returned Work's wait)."""
-    work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+    work = _c10d.all_gather_single(output, input, group=group, async_op=async_op)
     if async_op:
         return _DeferredWork(work, finish, (output, input))
     finish()
@@ -451,7 +452,7 @@ class QwdAllGather(KeptWeights):
         """Re-assemble a saved reference from every rank's own shard ``own`` (one
         full-precision all-gather); returns the bytes this rank sent."""
         self.own_ref.copy_(own)
-        dist.all_gather_single(self.ref, self.own_ref, group=self.group)
+        _c10d.all_gather_single(self.ref, self.own_ref, group=self.group)
         self.valid = True
         return self.numel * self.ref.element_size()
 
@@ -598,7 +599,7 @@ class NodeShardedQwd:
         n = self.numel
         gathered = torch.empty(self.local * self.nodes * n, dtype=self.slices.dtype,
                                device=self.slices.device)
-        dist.all_gather_single(gathered, self.slices.view(-1), group=self.intra)
+        _c10d.all_gather_single(gathered, self.slices.view(-1), group=self.intra)
         output.view(self.world, n).index_copy_(0, self._slots, gathered.view(-1, n))
         return self.slices.nbytes, gathered.nbytes, self.nodes * n
 
@@ -617,7 +618,7 @@ class NodeShardedQwd:
         """Re-assemble a saved reference from every rank's own slice: hop 1 at full
         precision; returns the bytes this rank sent."""
         self.own_ref.copy_(own)
-        dist.all_gather_single(self.slices.view(-1), self.own_ref.clone(), group=self.inter)
+        _c10d.all_gather_single(self.slices.view(-1), self.own_ref.clone(), group=self.inter)
         self.valid = True
         return self._base()
 

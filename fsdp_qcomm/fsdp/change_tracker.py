@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import cpu_native
+from ..collectives import _c10d
 from . import internals as fsdp
 
 
@@ -280,7 +281,7 @@ class Agreement:
         if world == 1:
             return mine.cpu().tolist()
         every = torch.empty(world * len(trackers), dtype=torch.int64, device=device)
-        dist.all_gather_single(every, mine, group=self.group)
+        _c10d.all_gather_single(every, mine, group=self.group)
         if self.stats is not None:
             self.stats.record(KIND, sent_bytes=mine.nbytes, recv_bytes=every.nbytes, elements=0,
                               baseline_bytes=0)

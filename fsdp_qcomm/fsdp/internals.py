@@ -17,7 +17,10 @@ time where they are used (``fsdp.hsdp``: FSDP's own all-reduce ran on the one-ra
 pins each behaviour with one test, so a torch upgrade fails there first;
 ``tests/test_internals_guard.py`` breaks each read on purpose and expects these errors.
 
-Checked against torch 2.13.0, 2.14.1 and 2.15.0. What 2.15 changed that matters here:
+Checked against torch 2.11.0, 2.13.0, 2.14.1 and 2.15.0. Before 2.13 ``FSDPState`` holds one
+``_fsdp_param_group`` instead of the list ``_fsdp_param_groups``, there are no per-parameter
+meshes (``ShardPlacementResult``), and FSDP's PREMUL_SUM reduce op does not expose its factor
+(``readable_reduce_op`` rebuilds it). What 2.15 changed that matters here:
 ``FSDPParamGroup.mp_policy`` and ``FSDPParamGroup._orig_dtype`` are gone (the policy is resolved
 per parameter, ``FSDPParam.mp_policy``), reduced gradients are cast to each parameter's
 ``sharded_grad_dtype`` (new), and ``reduce_dtype=None`` now reduces in the gradients' dtype.
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-TESTED_TORCH = ("2.13", "2.14", "2.15")
+TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14", "2.15")
 
 try:  # the classes fsdp_qcomm subclasses or tests against: a release without them fails here
     from torch.distributed.fsdp import FSDPModule
@@ -88,18 +91,29 @@ def param_groups(module: nn.Module) -> list[ParamGroup]:
     anyone reads it: a renamed or removed attribute raises ``FSDPInternalsChanged`` naming it,
     not an ``AttributeError`` from whichever read comes first (``enable`` reads the installed
     comms and the reduction settings before anything else)."""
+    groups = unverified_param_groups(module)
+    for group in groups:
+        verify_group(group)
+    return groups
+
+
+def unverified_param_groups(module: nn.Module) -> list[ParamGroup]:
+    """``param_groups`` without the attribute checks (tests that break an attribute on purpose
+    read the groups this way). torch 2.13+ keeps a list ``_fsdp_param_groups``; torch 2.9-2.12
+    one ``_fsdp_param_group`` (None without parameters)."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{type(module).__name__} is not an FSDP module")
     get_state = getattr(module, "_get_fsdp_state", None)
     if get_state is None:
         raise changed("FSDPModule has no _get_fsdp_state()")
     state = get_state()
-    if not hasattr(state, "_fsdp_param_groups"):  # torch >= 2.13: a list (empty without params)
-        raise changed("FSDPState has no _fsdp_param_groups")
-    groups = list(state._fsdp_param_groups)
-    for group in groups:
-        verify_group(group)
-    return groups
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise changed("FSDPState has neither _fsdp_param_groups (torch >= 2.13) nor "
+                  "_fsdp_param_group (torch 2.9-2.12)")
 
 
 def fsdp_params(group: ParamGroup) -> list[FSDPParam]:
@@ -290,6 +304,26 @@ def post_divide_factor(group: ParamGroup, reduce_dtype: torch.dtype) -> Optional
         group.device.type, gradient_divide_factor(group), force_sum(group),
     )
     return None if post is None or post == 1 else post
+
+
+def readable_reduce_op(op: Any, group: ParamGroup) -> Any:
+    """FSDP's reduce-scatter ``op`` with its PREMUL_SUM factor readable.
+
+    torch 2.13+ exposes ``op.factor``; before, FSDP builds the op with
+    ``dist._make_nccl_premul_sum(1 / factor)`` from the group's ``gradient_divide_factor`` and
+    the factor cannot be read back, so it is rebuilt from that factor as a ``PremulSum`` (the
+    only PREMUL_SUM FSDP makes: ``_get_gradient_divide_factors``, pinned by
+    ``tests/test_fsdp_canaries.py``)."""
+    from torch.distributed import ReduceOp
+
+    from ..collectives.grad_reduce import PremulSum
+
+    if isinstance(op, PremulSum) or op != ReduceOp.PREMUL_SUM or hasattr(op, "factor"):
+        return op
+    factor = gradient_divide_factor(group)
+    if not factor:
+        raise changed("FSDP passed a PREMUL_SUM reduce op without a gradient divide factor set")
+    return PremulSum(1.0 / float(factor))
 
 
 def orig_dtype(group: ParamGroup) -> Optional[torch.dtype]:
@@ -584,6 +618,7 @@ __all__ = [
     "post_accumulate_grad_hooks",
     "post_divide_factor",
     "reduce_grads",
+    "readable_reduce_op",
     "reduce_scatter_group",
     "reduction_params",
     "replicate_group",
@@ -601,6 +636,7 @@ __all__ = [
     "swap_record",
     "swap_replicate_group",
     "torch_minor",
+    "unverified_param_groups",
     "uses_post_forward_mesh",
     "verify_group",
     "verify_torch",

@@ -112,6 +112,8 @@ class QuantizedReduceScatter(ReduceScatter):
     ) -> None:
         if self.replica is not None:
             self.replica.check_installed()
+        if self.param_group is not None:
+            op = fsdp.readable_reduce_op(op, self.param_group)
         key = RngKey(self.config.seed, self.call_count, dist.get_rank(), self.bucket)
         levels = None
         if self.levels is not None and group.size() > 1:

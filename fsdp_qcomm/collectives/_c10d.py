@@ -1,0 +1,43 @@
+"""The c10d collectives whose names changed between the torch releases fsdp-qcomm supports.
+
+torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
+``all_gather_single`` / ``reduce_scatter_single`` (the old names warn from 2.13); torch 2.9-2.12
+have only the old ones. The name is looked up at each call, not at import, so a test or
+benchmark that wraps ``torch.distributed``'s function to count bytes sees every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor,
+                      group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
+    """``dist.all_gather_single`` (torch >= 2.13) or ``dist.all_gather_into_tensor``."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+                          group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
+    """``dist.reduce_scatter_single`` (torch >= 2.13) or ``dist.reduce_scatter_tensor``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_name() -> str:
+    """The name this torch gives the single-tensor all-gather (what a byte counter wraps)."""
+    return "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def reduce_scatter_name() -> str:
+    return ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+            else "reduce_scatter_tensor")
+
+
+__all__ = ["all_gather_name", "all_gather_single", "reduce_scatter_name",
+           "reduce_scatter_single"]
