@@ -1,30 +1,35 @@
 """The GPU path checked in one run on a single-GPU machine (``scripts/gpu_check.sh`` runs this).
 
-Steps, each timed and recorded whatever the others do:
+Steps, ordered by what their figures are worth, each run in a child process of its own (a step
+that hangs, crashes or poisons the CUDA context costs only itself) with a time limit taken
+from ``--budget``; a step that no longer fits is recorded as skipped:
 
-1. ``environment``: torch, triton, CUDA, the device, its peak memory bandwidth (NVML's memory
-   clock x bus width, else a table of known parts);
-2. ``kernel_tests``: ``pytest tests/test_kernels.py`` for real: its bit-exactness tests run on
-   CUDA tensors, and the ahead-of-time compile tests;
+1. ``environment``: torch, triton, CUDA, the device, its peak memory bandwidth;
+2. ``step_cost``: ``benchmarks/gpu_step_cost.py``: a Llama-shaped model (1B, and 4 layers of
+   an 8B) as rank 0 of W = 8 and 64 ranks through torch's ``fake`` backend, bf16 parameters and
+   fp32 reduction: step time without and with ``enable(sdp4bit)`` (the codec's share of the
+   step; goal <= 10% at W = 8), peak memory, host syncs after the first step, bytes sent to
+   other nodes and the step time they imply at 25, 100 and 400 Gbit/s;
 3. ``exactness_sweep``: every kernel against the torch codec (``torch_codec`` on the CPU), bit
-   for bit, over all widths 2..8, group sizes from 8 to 4104, both scalings and roundings, the
-   three scale dtypes and odd lengths (NaN/Inf/-0 groups included);
+   for bit, over every width 2..8, group sizes from 8 to 4104, both scalings and roundings,
+   the three scale dtypes and odd lengths (NaN/Inf/-0 groups included);
 4. ``bandwidth``: ``benchmarks/gpu_kernels_bench.py`` at 64M elements: each kernel against
-   ``torch.clone`` and against the device's peak; goal >= 70% of clone for every
-   quantize/dequantize kernel;
-5. ``fsdp_one_rank``: FSDP2 on one rank over NCCL, ``enable()`` with each preset, against a run
-   without ``enable()``: the weights must be bit-identical (one rank: FSDP2 calls no
-   collective, so nothing may change), bf16 mixed precision;
-6. ``fsdp_hooks``: the hooks on CUDA inside FSDP2: a two-rank group of torch's ``fake``
-   backend on the one GPU (its collectives move no data, so values are not checked) for each
-   preset: kernels on FSDP's streams, stats against the wire-format formulas, no host sync
-   after the first step (``torch.cuda.set_sync_debug_mode("error")``), an asynchronous unshard
-   waited on another stream.
+   ``torch.clone`` and the device's peak; goal >= 70% of clone for quantize/dequantize;
+5. ``fsdp_hooks``: every preset's hooks inside FSDP2 on CUDA: two ranks of the ``fake``
+   backend, kernels on FSDP's streams, stats against the wire format, no host sync after the
+   first step (``torch.cuda.set_sync_debug_mode("error")``), an asynchronous unshard waited on
+   another stream;
+6. ``fsdp_one_rank``: FSDP2 on one NCCL rank, ``enable()`` with each preset against a run
+   without it: bit-identical weights (one rank calls no collective), bf16 mixed precision;
+7. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors.
 
-Writes one JSON file (``--out``, default ``results/gpu_check/<device>.json``) and prints a
-summary table; exit status 1 if a step failed. ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs
-the same steps on the CPU with small sizes: the Triton interpreter for the kernels, gloo for
-NCCL; only the CUDA calls themselves are left out (``tests/test_gpu_check.py`` runs it).
+Results go to ``$OUT`` when it is set (the device tool brings that folder back), else
+``--out`` (default ``results/gpu_check/``): ``gpu_check.json`` (every step, rewritten as each
+ends, so a run cut short still returns everything finished), ``summary.md`` and ``log.txt``
+(each step's output). Exit status 1 if a step failed. Nothing is installed: the machine's
+torch, triton, numpy, pytest and hypothesis are used, and the package runs from this checkout.
+``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs every step on the CPU with small sizes: the
+Triton interpreter for the kernels, gloo for NCCL (``tests/test_gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every named preset, and QSDP's learned levels on both sides.
@@ -54,9 +58,24 @@ def _args() -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
                    help="CPU only, small sizes: the interpreter for kernels, gloo for NCCL")
-    p.add_argument("--out", default="", help="results file (JSON)")
+    p.add_argument("--out", default="",
+                   help="results folder (default: $OUT when set, else results/gpu_check)")
     p.add_argument("--only", default="", help="comma-separated steps to run (default: all)")
+    p.add_argument("--budget", type=float, default=480.0,
+                   help="seconds for the whole run (default 480); steps that no longer fit "
+                        "are skipped")
+    p.add_argument("--step", default="", help=argparse.SUPPRESS)  # child: run this step
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)  # child: write it here
+    p.add_argument("--limit", type=float, default=0.0, help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+class StepFailed(RuntimeError):
+    """A step that ran to the end and found a problem: its figures are kept."""
+
+    def __init__(self, message: str, result: dict) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -90,11 +109,12 @@ def _peak_gbps(torch) -> tuple[float | None, str]:
 
 # ---- steps ------------------------------------------------------------------------------------
 def step_environment(ctx: dict) -> dict:
+    import numpy
     import torch
     import triton
 
     out = {"python": platform.python_version(), "torch": torch.__version__,
-           "triton": triton.__version__, "cuda": torch.version.cuda,
+           "triton": triton.__version__, "numpy": numpy.__version__, "cuda": torch.version.cuda,
            "cuda_available": torch.cuda.is_available(), "dry_run": ctx["dry_run"]}
     if ctx["dry_run"]:
         out["device"] = "cpu (dry run)"
@@ -116,11 +136,44 @@ def step_kernel_tests(ctx: dict) -> dict:
     if ctx["dry_run"]:  # a few tests under the interpreter (the whole file: CI does it)
         env["TRITON_INTERPRET"] = "1"
         cmd += ["-k", "two_level_pipeline or groups_larger_than_a_tile"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    else:  # on CUDA tensors; the interpreter's own run is CI's
+        cmd += ["-k", "not under_the_interpreter"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=max(10.0, ctx["limit"] - 5))
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     if proc.returncode:
         raise RuntimeError(f"pytest failed: {last}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
     return {"summary": last}
+
+
+def step_step_cost(ctx: dict) -> dict:
+    """The codec's share of a training step, peak memory, host syncs, bytes and the step time
+    they imply per link speed (``benchmarks/gpu_step_cost.py``)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_step_cost
+
+    out = Path(ctx["partial"])
+    argv = ["--json", str(out), "--budget", str(max(30.0, ctx["limit"] - 40))]
+    if ctx["dry_run"]:
+        argv.append("--dry-run")
+    rc = gpu_step_cost.main(argv)
+    res = json.loads(out.read_text())
+    problems = list(res["failed"])
+    for row in res["rows"]:
+        for run in ("fsdp2", "enabled"):
+            sync = row[run]["host_syncs"]
+            if sync not in ("none", "not checked (CPU)"):
+                problems.append(f"{row['shape']['name']} W={row['world']} {run}: host sync "
+                                f"after the first step: {sync}")
+        goal = row["world"] == 8 and not ctx["dry_run"]
+        row["goal"] = "codec <= 10% of the step at W=8" if goal else None
+        if goal:
+            row["goal_met"] = row["codec_share"] <= 0.10
+    res["goal_missed"] = [f"{r['shape']['name']} W={r['world']}: {100 * r['codec_share']:.1f}%"
+                          for r in res["rows"] if r.get("goal_met") is False]
+    if rc or problems:
+        raise StepFailed("; ".join(problems) or f"gpu_step_cost exited {rc}", res)
+    return res
 
 
 def step_exactness_sweep(ctx: dict) -> dict:
@@ -136,11 +189,13 @@ def step_exactness_sweep(ctx: dict) -> dict:
     dev = "cpu" if ctx["dry_run"] else "cuda"
     key = RngKey(11, 5, 3, 1)
     sdts = ("float32", "bfloat16", "float16")
-    # Every width with two group sizes each, so every group size meets several widths (each
-    # (width, group size) pair is a Triton compile; tests/test_kernels.py covers more pairings
-    # at short lengths); odd lengths, one spanning many tiles and groups.
+    # Every width once with the group sizes spread over them, and the papers' (4, 128),
+    # (8, 128), (4, 2048): each (width, group size) pair is a set of Triton compiles, the cost
+    # of this step; tests/test_kernels.py covers more pairings at short lengths. Odd lengths,
+    # one spanning many tiles and groups.
     groups = (8, 24, 40, 128, 1024, 2048, 4104)
-    pairs = [(b, groups[(2 * b + k) % len(groups)]) for b in range(2, 9) for k in (0, 3)]
+    pairs = [(b, groups[b % len(groups)]) for b in range(2, 9)] + [(4, 128), (8, 128),
+                                                                    (4, 2048)]
     lengths = (7, 203, 20011)
     if ctx["dry_run"]:
         pairs, lengths = [(4, 8), (4, 40)], (203,)
@@ -202,7 +257,8 @@ def step_exactness_sweep(ctx: dict) -> dict:
                  K.dequantize_levels_sum([lv.to(dev)], n, spec),
                  torch_codec.dequantize_levels_sum([lv], n, spec))
     if failures:
-        raise RuntimeError(f"{len(failures)} of {checked} comparisons differ: {failures[:20]}")
+        raise StepFailed(f"{len(failures)} of {checked} comparisons differ: {failures[:20]}",
+                         {"comparisons": checked, "failures": failures})
     return {"comparisons": checked, "pairs": pairs, "lengths": list(lengths)}
 
 
@@ -215,7 +271,7 @@ def step_bandwidth(ctx: dict) -> dict:
     else:
         cmd += ["--numel", str(64 * 1024 * 1024), "--iters", "20"]
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=max(10.0, ctx["limit"] - 5))
     print(proc.stdout[-6000:], flush=True)
     if not out.is_file():
         raise RuntimeError(f"the benchmark wrote no results:\n{proc.stderr[-3000:]}")
@@ -236,7 +292,7 @@ def step_bandwidth(ctx: dict) -> dict:
     res["goal"] = f">= {GOAL}x clone for quantize/dequantize kernels"
     res["goal_missed"] = below
     if proc.returncode or res["failures"]:
-        raise RuntimeError(f"kernel exactness failed in the benchmark: {res['failures']}")
+        raise StepFailed(f"kernel exactness failed in the benchmark: {res['failures']}", res)
     return res
 
 
@@ -263,28 +319,29 @@ def _shard(torch, model, mixed: bool):
     fully_shard(model, **kw)
 
 
-def _train(torch, model, dev: str, steps: int, rank: int = 0, guard: Callable | None = None):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
+def _batches(torch, model, dev: str, steps: int, rank: int = 0) -> list:
+    """The inputs of ``steps`` steps, made on the CPU and moved before any step runs (a copy
+    from the host inside a step would be a host sync of our making)."""
+    out = []
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(8, model[0].norm.normalized_shape[0], generator=g).to(dev)
-        y = torch.randint(0, 97, (8,), generator=g).to(dev)
-        with (guard(step) if guard is not None else _nullcontext()):
-            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-            loss.backward()
+        x = torch.randn(8, model[0].norm.normalized_shape[0], generator=g)
+        y = torch.randint(0, 97, (8,), generator=g)
+        out.append((x.to(dev), y.to(dev)))
+    return out
+
+
+def _train(torch, model, batches: list, opt=None) -> tuple[list, object]:
+    """Steps over ``batches``; the losses stay on the device (reading them syncs)."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return [float(v) for v in losses]
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return losses, opt
 
 
 def _init_group(torch, backend: str, world: int, **kw) -> None:
@@ -317,7 +374,8 @@ def step_fsdp_one_rank(ctx: dict) -> dict:
     try:
         ref = _model(torch, d, layers).to(dev)
         _shard(torch, ref, mixed=dev == "cuda")
-        ref_losses = _train(torch, ref, dev, steps)
+        batches = _batches(torch, ref, dev, steps)
+        ref_losses = [float(v) for v in _train(torch, ref, batches)[0]]
         want = {n: _digest(p.to_local()) for n, p in ref.named_parameters()}
         out = {"backend": dist.get_backend(), "steps": steps, "presets": {}}
         bad = []
@@ -325,7 +383,7 @@ def step_fsdp_one_rank(ctx: dict) -> dict:
             model = _model(torch, d, layers).to(dev)
             _shard(torch, model, mixed=dev == "cuda")
             handle = fsdp_qcomm.enable(model, fsdp_qcomm.QCommConfig.preset(name))
-            losses = _train(torch, model, dev, steps)
+            losses = [float(v) for v in _train(torch, model, batches)[0]]
             got = {n: _digest(p.to_local()) for n, p in model.named_parameters()}
             calls = {k: v["calls"] for k, v in handle.stats().items()
                      if isinstance(v, dict) and "calls" in v}
@@ -336,7 +394,7 @@ def step_fsdp_one_rank(ctx: dict) -> dict:
             if not equal:
                 bad.append(name)
         if bad:
-            raise RuntimeError(f"weights differ from the run without enable() for {bad}")
+            raise StepFailed(f"weights differ from the run without enable() for {bad}", out)
         return out
     finally:
         dist.destroy_process_group()
@@ -354,10 +412,8 @@ def step_fsdp_hooks(ctx: dict) -> dict:
     world = 2
     _init_group(torch, "fake", world)
 
-    def guard(step: int):
-        if dev == "cuda" and step >= 1:
-            return _SyncDebug(torch)
-        return _nullcontext()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_step_cost import host_syncs
 
     out = {"backend": "fake", "world": world, "steps": steps, "presets": {}}
     problems = []
@@ -367,7 +423,15 @@ def step_fsdp_hooks(ctx: dict) -> dict:
             _shard(torch, model, mixed=dev == "cuda")
             cfg = fsdp_qcomm.QCommConfig.preset(name, ranks_per_node=1)
             handle = fsdp_qcomm.enable(model, cfg)
-            _train(torch, model, dev, steps, guard=guard)
+            batches = _batches(torch, model, dev, steps)
+            _, opt = _train(torch, model, batches[:1])  # the first step may sync (lazy init)
+            syncs = "not checked (CPU)"
+            if dev == "cuda":
+                syncs = host_syncs(lambda: _train(torch, model, batches[1:], opt))
+                if syncs != "none":
+                    problems.append(f"{name}: host sync after the first step: {syncs}")
+            else:
+                _train(torch, model, batches[1:], opt)
             # An asynchronous unshard waited on another stream (explicit prefetch).
             block = model[0]
             if dev == "cuda":
@@ -382,9 +446,10 @@ def step_fsdp_hooks(ctx: dict) -> dict:
             modes = handle.gather_modes()
             handle.disable()
             kinds = {k: v for k, v in stats.items() if isinstance(v, dict) and "calls" in v}
-            row = {"modes": modes, "kinds": {k: {"calls": v["calls"], "bits_per_element":
-                                                round(v["bits_per_element"], 3)}
-                                            for k, v in kinds.items()}}
+            row = {"modes": modes, "host_syncs": syncs,
+                   "kinds": {k: {"calls": v["calls"],
+                                 "bits_per_element": round(v["bits_per_element"], 3)}
+                             for k, v in kinds.items()}}
             out["presets"][name] = row
             w = kinds.get("weight_allgather")
             if w is None or w["calls"] == 0:
@@ -402,35 +467,23 @@ def step_fsdp_hooks(ctx: dict) -> dict:
                     problems.append(f"{name}: weight bits/element {w['bits_per_element']:.3f}, "
                                     f"expected {lo:.3f} .. {hi:.3f} from the wire format")
         if problems:
-            raise RuntimeError("; ".join(problems))
+            raise StepFailed("; ".join(problems), out)
         return out
     finally:
         dist.destroy_process_group()
 
 
-class _SyncDebug:
-    """``torch.cuda.set_sync_debug_mode("error")`` for the duration of a step."""
-
-    def __init__(self, torch) -> None:
-        self.torch = torch
-
-    def __enter__(self):
-        self.torch.cuda.set_sync_debug_mode("error")
-        return self
-
-    def __exit__(self, *exc):
-        self.torch.cuda.set_sync_debug_mode("default")
-        return False
-
-
+# In order of value; each with the most seconds it may take (the budget may give it less).
 STEPS = {
-    "environment": step_environment,
-    "kernel_tests": step_kernel_tests,
-    "exactness_sweep": step_exactness_sweep,
-    "bandwidth": step_bandwidth,
-    "fsdp_one_rank": step_fsdp_one_rank,
-    "fsdp_hooks": step_fsdp_hooks,
+    "environment": (step_environment, 60),
+    "step_cost": (step_step_cost, 220),
+    "exactness_sweep": (step_exactness_sweep, 150),
+    "bandwidth": (step_bandwidth, 100),
+    "fsdp_hooks": (step_fsdp_hooks, 100),
+    "fsdp_one_rank": (step_fsdp_one_rank, 80),
+    "kernel_tests": (step_kernel_tests, 200),
 }
+_MIN_STEP_S = 20  # a step is not started with less left than this
 
 
 def _summary_line(name: str, rec: dict) -> str:
@@ -447,9 +500,66 @@ def _summary_line(name: str, rec: dict) -> str:
     elif name == "bandwidth":
         what = f"clone {r.get('clone_gbps', 0):.0f} GB/s; goal missed by " \
                f"{len(r.get('goal_missed', []))} kernels"
+    elif name == "step_cost":
+        what = "; ".join(f"{row['shape']['name']} W={row['world']}: codec "
+                         f"{100 * row['codec_share']:.1f}%" for row in r.get("rows", []))
     else:
         what = ", ".join(f"{p}" for p in r.get("presets", {}))
-    return f"{name:16s} {rec['status']:7s} {rec['seconds']:7.1f}s  {what}"
+    return f"{name:16s} {rec['status']:7s} {rec.get('seconds', 0):7.1f}s  {what}"
+
+
+def _summary(results: dict) -> str:
+    lines = [f"# GPU check {'(dry run) ' if results['dry_run'] else ''}{results['started']}", "",
+             f"budget {results['budget']:.0f} s, spent {results.get('seconds', 0):.0f} s", "",
+             "```", f"{'step':16s} {'status':7s} {'time':>8s}  result"]
+    lines += [_summary_line(n, rec) for n, rec in results["steps"].items()]
+    lines.append("```")
+    cost = (results["steps"].get("step_cost", {}).get("result") or {}).get("rows")
+    if cost:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import gpu_step_cost
+
+        lines += ["", "## Step cost (fake backend; formula in benchmarks/gpu_step_cost.py)", "",
+                  gpu_step_cost.table(cost)]
+    bench = results["steps"].get("bandwidth", {}).get("result") or {}
+    if bench.get("cases"):
+        lines += ["", "## Kernel bandwidth", "", "| kernel | GB/s | x clone | x peak |",
+                  "|---|---|---|---|"]
+        for row in bench["cases"]:
+            if "gbps" in row:
+                xp = f"{row['x_peak']:.2f}" if "x_peak" in row else "-"
+                flag = "" if row.get("goal_met", True) else " (< goal)"
+                lines.append(f"| {row['case']} | {row['gbps']:.1f} | {row['x_copy']:.2f}{flag} "
+                             f"| {xp} |")
+    return "\n".join(lines) + "\n"
+
+
+def _run_child(args: argparse.Namespace) -> int:
+    """One step, in this process; its record goes to ``--result``."""
+    import tempfile
+
+    ctx = {"dry_run": args.dry_run, "tmp": tempfile.mkdtemp(prefix="gpu_check_"),
+           "limit": args.limit, "partial": args.result + ".partial"}
+    env_file = Path(args.result).with_name("environment.ctx.json")
+    if env_file.is_file():
+        ctx.update(json.loads(env_file.read_text()))
+    fn, _ = STEPS[args.step]
+    t0 = time.perf_counter()
+    rec: dict = {}
+    try:
+        rec["result"] = fn(ctx)
+        rec["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - recorded for the parent
+        if isinstance(e, StepFailed):
+            rec["result"] = e.result
+        rec["status"] = "FAILED"
+        rec["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        print(rec["error"], flush=True)
+    rec["seconds"] = round(time.perf_counter() - t0, 1)
+    Path(args.result).write_text(json.dumps(rec, indent=1, default=str))
+    if args.step == "environment" and rec["status"] == "ok":
+        env_file.write_text(json.dumps({"peak_gbps": rec["result"].get("peak_gbps")}))
+    return 0
 
 
 def main() -> int:
@@ -458,48 +568,76 @@ def main() -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     sys.path.insert(0, str(ROOT))
+    if args.step:
+        return _run_child(args)
+    import shutil
+    import signal
     import tempfile
 
-    ctx = {"dry_run": args.dry_run, "tmp": tempfile.mkdtemp(prefix="gpu_check_")}
     wanted = [s for s in args.only.split(",") if s] or list(STEPS)
     unknown = set(wanted) - set(STEPS)
     if unknown:
         print(f"unknown steps {sorted(unknown)}; known: {', '.join(STEPS)}")
         return 2
-    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}
+    wanted = [s for s in STEPS if s in wanted]  # always in order of value
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "results" / "gpu_check")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
+                     "budget": args.budget, "steps": {}}
+    log = open(out_dir / "log.txt", "w")
     t_all = time.perf_counter()
+
+    def save() -> None:
+        results["seconds"] = round(time.perf_counter() - t_all, 1)
+        (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+        (out_dir / "summary.md").write_text(_summary(results))
+
     for name in wanted:
-        print(f"== {name}", flush=True)
+        left = args.budget - (time.perf_counter() - t_all)
+        limit = min(STEPS[name][1], left)
+        if limit < _MIN_STEP_S:
+            results["steps"][name] = {"status": "skipped", "error": f"budget: {left:.0f} s left"}
+            save()
+            continue
+        print(f"== {name} (at most {limit:.0f} s)", flush=True)
+        log.write(f"== {name} (at most {limit:.0f} s)\n")
+        log.flush()
+        result_file = work / f"{name}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--step", name,
+               "--result", str(result_file), "--limit", str(limit)]
+        if args.dry_run:
+            cmd.append("--dry-run")
         t0 = time.perf_counter()
-        rec: dict = {}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
-            rec["result"] = STEPS[name](ctx)
-            rec["status"] = "ok"
-        except Exception as e:  # noqa: BLE001 - recorded; the other steps still run
-            rec["status"] = "FAILED"
-            rec["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-            print(rec["error"], flush=True)
+            text, _ = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+            text += f"\n(killed after {limit:.0f} s)"
+        print(text[-8000:], flush=True)
+        log.write(text)
+        log.flush()
+        if result_file.is_file():
+            rec = json.loads(result_file.read_text())
+        else:
+            rec = {"status": "FAILED" if proc.returncode != -signal.SIGKILL else "timeout",
+                   "error": f"the step's process ended ({proc.returncode}) without a result: "
+                            f"{text.strip().splitlines()[-1][:300] if text.strip() else ''}"}
+            partial = Path(str(result_file) + ".partial")
+            if partial.is_file():  # what the step stored before it was stopped
+                rec["result"] = json.loads(partial.read_text())
         rec["seconds"] = round(time.perf_counter() - t0, 1)
         results["steps"][name] = rec
-    results["seconds"] = round(time.perf_counter() - t_all, 1)
-    results["dry_run"] = args.dry_run
-    env = results["steps"].get("environment", {}).get("result") or {}
-    device = str(env.get("device", "unknown")).replace(" ", "_").replace("(", "").replace(")", "")
-    out = Path(args.out) if args.out else ROOT / "results" / "gpu_check" / f"{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=str))
-    print("\n" + f"{'step':16s} {'status':7s} {'time':>8s}  result")
-    for name, rec in results["steps"].items():
-        print(_summary_line(name, rec))
-    bench = results["steps"].get("bandwidth", {}).get("result") or {}
-    if bench.get("cases"):
-        print(f"\n{'kernel':46s} {'GB/s':>8s} {'x clone':>8s} {'x peak':>7s}")
-        for row in bench["cases"]:
-            if "gbps" in row:
-                xp = f"{row['x_peak']:.2f}" if "x_peak" in row else "-"
-                flag = "" if row.get("goal_met", True) else "  < goal"
-                print(f"{row['case']:46s} {row['gbps']:8.1f} {row['x_copy']:8.2f} {xp:>7s}{flag}")
-    print(f"\ntotal {results['seconds']:.0f} s (budget 480 s); results: {out}")
+        save()
+    log.close()
+    shutil.rmtree(work, ignore_errors=True)
+    save()
+    summary = (out_dir / "summary.md").read_text()
+    print("\n" + summary)
+    print(f"total {results['seconds']:.0f} s (budget {args.budget:.0f} s); results: {out_dir}")
     return 0 if all(r["status"] == "ok" for r in results["steps"].values()) else 1
 
 
