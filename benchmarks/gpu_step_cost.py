@@ -168,10 +168,13 @@ def host_syncs(fn) -> str:
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return show(message, category, filename, lineno, file, line)
-        frames = [f for f in traceback.extract_stack()[:-1]
-                  if "/torch/" not in f.filename or "/fsdp/" in f.filename]
-        seen.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
-                                for f in reversed(frames[-3:])))
+        stack = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+        ours = [f for f in stack if "/torch/" not in f.filename or "/fsdp/" in f.filename]
+        def name(fs):
+            return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                               for f in reversed(fs))
+
+        seen.append(f"{name(stack[-2:])} (from {name(ours[-2:])})")
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -190,8 +193,9 @@ def host_syncs(fn) -> str:
 
 
 def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str], steps: int,
-            warmup: int, dev: str) -> dict:
-    """One model, one configuration: timed steps, peak memory, host syncs, bytes."""
+            warmup: int, dev: str, profile: bool = False) -> dict:
+    """One model, one configuration: timed steps, peak memory, host syncs, bytes; with
+    ``profile``, where two more steps spend their time (``profile_steps``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import fsdp_qcomm
@@ -250,6 +254,8 @@ def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str],
         "host_syncs": syncs, "padded_params": padded,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
+    if profile:
+        out["profile"] = profile_steps(step, dev)
     if handle is not None:
         st = handle.stats()
         kinds = {k: v for k, v in st.items() if isinstance(v, dict) and "calls" in v}
@@ -259,6 +265,79 @@ def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str],
         out["notes"] = st.get("notes", [])
         handle.disable()
     dist.destroy_process_group()
+    return out
+
+
+def _our_kernels() -> set[str]:
+    """The Triton kernels' function names (``kernels/*.py``)."""
+    import re
+
+    names = set()
+    for f in (ROOT / "kernels").glob("*.py"):
+        names |= set(re.findall(r"^def (\w+_kernel)\(", f.read_text(), re.M))
+    return names
+
+
+def profile_steps(step, dev: str, steps: int = 2, top: int = 15) -> dict:
+    """Where ``steps`` training steps spend their time: the GPU kernels by total time (ours
+    marked), the share of the wall time the GPU is busy (idle gaps mean the CPU cannot launch
+    fast enough, or a host sync), and the Python functions of fsdp_qcomm by cumulative CPU time
+    (``cProfile``, one more step)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    ours = _our_kernels()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    out: dict[str, Any] = {"steps": steps, "wall_ms": wall_ms}
+    if dev == "cuda":
+        kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+                   and "CUDA" in str(e.device_type)]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        busy, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        first = spans[0][0] if spans else 0.0
+        out["gpu_busy_ms"] = busy / 1e3
+        out["gpu_span_ms"] = (end - first) / 1e3 if spans else 0.0
+        by: dict[str, list[float]] = {}
+        for e in kernels:
+            by.setdefault(e.name, [0, 0.0])
+            by[e.name][0] += 1
+            by[e.name][1] += (e.time_range.end - e.time_range.start) / 1e3
+        rows = sorted(by.items(), key=lambda kv: -kv[1][1])
+        out["kernels"] = [{"name": n[:120], "ours": any(k in n for k in ours), "count": c,
+                           "ms": round(ms, 3)} for n, (c, ms) in rows[:top]]
+        out["ours_ms"] = round(sum(ms for n, (c, ms) in rows if any(k in n for k in ours)), 3)
+        out["all_kernels_ms"] = round(sum(ms for _, (c, ms) in rows), 3)
+    pr = cProfile.Profile()
+    pr.enable()
+    step()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    pr.disable()
+    st = pstats.Stats(pr)
+    funcs = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+        if file.startswith((str(ROOT / "fsdp_qcomm"), str(ROOT / "kernels"))):
+            funcs.append({"function": f"{Path(file).parent.name}/{Path(file).name}:{line} {fn}",
+                          "calls": nc, "cumulative_ms": round(ct * 1e3, 3),
+                          "own_ms": round(tt * 1e3, 3)})
+    funcs.sort(key=lambda f: -f["cumulative_ms"])
+    out["python_top"] = funcs[:top]
+    out["python_step_ms"] = round(st.total_tt * 1e3, 3)
     return out
 
 

@@ -10,18 +10,21 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    fp32 reduction: step time without and with ``enable(sdp4bit)`` (the codec's share of the
    step; goal <= 10% at W = 8), peak memory, host syncs after the first step, bytes sent to
    other nodes and the step time they imply at 25, 100 and 400 Gbit/s;
-3. ``exactness_sweep``: every kernel against the torch codec (``torch_codec`` on the CPU), bit
+3. ``step_profile``: the same step (1B, W=8) with and without ``enable`` under
+   ``torch.profiler`` and ``cProfile``: the kernels by time (ours marked), how much of the wall
+   time the GPU is busy, fsdp_qcomm's Python by cumulative time;
+4. ``exactness_sweep``: every kernel against the torch codec (``torch_codec`` on the CPU), bit
    for bit, over every width 2..8, group sizes from 8 to 4104, both scalings and roundings,
    the three scale dtypes and odd lengths (NaN/Inf/-0 groups included);
-4. ``bandwidth``: ``benchmarks/gpu_kernels_bench.py`` at 64M elements: each kernel against
+5. ``bandwidth``: ``benchmarks/gpu_kernels_bench.py`` at 64M elements: each kernel against
    ``torch.clone`` and the device's peak; goal >= 70% of clone for quantize/dequantize;
-5. ``fsdp_hooks``: every preset's hooks inside FSDP2 on CUDA: two ranks of the ``fake``
+6. ``fsdp_hooks``: every preset's hooks inside FSDP2 on CUDA: two ranks of the ``fake``
    backend, kernels on FSDP's streams, stats against the wire format, no host sync after the
    first step (``torch.cuda.set_sync_debug_mode("error")``), an asynchronous unshard waited on
    another stream;
-6. ``fsdp_one_rank``: FSDP2 on one NCCL rank, ``enable()`` with each preset against a run
+7. ``fsdp_one_rank``: FSDP2 on one NCCL rank, ``enable()`` with each preset against a run
    without it: bit-identical weights (one rank calls no collective), bf16 mixed precision;
-7. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors.
+8. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors.
 
 Results go to ``$OUT`` when it is set (the device tool brings that folder back), else
 ``--out`` (default ``results/gpu_check/``): ``gpu_check.json`` (every step, rewritten as each
@@ -174,6 +177,24 @@ def step_step_cost(ctx: dict) -> dict:
     if rc or problems:
         raise StepFailed("; ".join(problems) or f"gpu_step_cost exited {rc}", res)
     return res
+
+
+def step_step_profile(ctx: dict) -> dict:
+    """Where the codec's share of the step goes: 1B at W=8 (one rank per node) with and without
+    ``enable(sdp4bit)`` under ``torch.profiler`` (kernels, ours marked; how much of the wall
+    time the GPU is busy) and ``cProfile`` (fsdp_qcomm's Python by cumulative time)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_step_cost as g
+
+    dev = "cpu" if ctx["dry_run"] else "cuda"
+    shape = g.SHAPES["tiny" if ctx["dry_run"] else "1B"]
+    out = {}
+    for label, preset in (("fsdp2", None), ("sdp4bit", "sdp4bit")):
+        run = g.run_one(shape, 8, 1, preset, steps=2, warmup=3 if dev == "cuda" else 1, dev=dev,
+                        profile=True)
+        out[label] = {"ms": run["ms"], "profile": run["profile"]}
+        g._free(dev)
+    return out
 
 
 def step_exactness_sweep(ctx: dict) -> dict:
@@ -477,6 +498,7 @@ def step_fsdp_hooks(ctx: dict) -> dict:
 STEPS = {
     "environment": (step_environment, 60),
     "step_cost": (step_step_cost, 220),
+    "step_profile": (step_step_profile, 100),
     "exactness_sweep": (step_exactness_sweep, 150),
     "bandwidth": (step_bandwidth, 100),
     "fsdp_hooks": (step_fsdp_hooks, 100),
@@ -500,6 +522,10 @@ def _summary_line(name: str, rec: dict) -> str:
     elif name == "bandwidth":
         what = f"clone {r.get('clone_gbps', 0):.0f} GB/s; goal missed by " \
                f"{len(r.get('goal_missed', []))} kernels"
+    elif name == "step_profile":
+        what = "; ".join(f"{k}: GPU busy {v['profile'].get('gpu_busy_ms', 0):.0f} of "
+                         f"{v['profile']['wall_ms']:.0f} ms, ours "
+                         f"{v['profile'].get('ours_ms', 0):.0f} ms" for k, v in r.items())
     elif name == "step_cost":
         what = "; ".join(f"{row['shape']['name']} W={row['world']}: codec "
                          f"{100 * row['codec_share']:.1f}%" for row in r.get("rows", []))

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["environment", "step_cost", "exactness_sweep", "bandwidth", "fsdp_hooks",
+STEPS = ["environment", "step_cost", "step_profile", "exactness_sweep", "bandwidth", "fsdp_hooks",
          "fsdp_one_rank", "kernel_tests"]
 
 
@@ -43,6 +43,10 @@ def test_gpu_check_dry_run(tmp_path):
         assert 6 < r["bytes_ratio"] == b["fsdp2"] / b["sdp4bit"] < 12, r["bytes_ratio"]
         for link in r["implied_step_s"]["fsdp2"].values():
             assert link["overlap_s"] <= link["serial_s"]
+    prof = steps["step_profile"]["result"]
+    assert prof["fsdp2"]["profile"]["python_top"] == []  # nothing of ours runs without enable
+    assert any("weight" in f["function"] or "grad" in f["function"]
+               for f in prof["sdp4bit"]["profile"]["python_top"])
     assert steps["kernel_tests"]["result"]["summary"].startswith("3 passed")
     assert steps["exactness_sweep"]["result"]["comparisons"] == 12
     bench = steps["bandwidth"]["result"]
