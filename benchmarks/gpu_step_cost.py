@@ -50,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _provenance
 LINKS_GBIT = (25, 100, 400)
 
 
@@ -156,40 +157,59 @@ def _init_fake(world: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
-def host_syncs(fn) -> str:
-    """Runs ``fn`` under ``set_sync_debug_mode("warn")`` (the step completes either way);
-    "none", or how many synchronizing calls and where the first ones came from (the nearest
-    frames outside torch)."""
+#: the one designed host read of a training step (``verify_weight_writes``, on by default):
+#: the ranks' agreed change codes decide which collectives run (``fsdp/change_tracker.py``)
+AGREEMENT_READ = "change_tracker.py"
+
+
+def host_syncs(fn) -> dict:
+    """Runs ``fn`` under ``set_sync_debug_mode("warn")`` (the step completes either way) and
+    sorts the synchronizing calls it made: ``agreement`` (the designed read before each root
+    forward) and ``other`` (each with its innermost frames and the nearest frames outside
+    torch); ``ok``: no other."""
     import warnings
 
-    seen: list[str] = []
+    found: list[tuple[bool, str]] = []
     show = warnings.showwarning
+    inside = False
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
+        if not inside or "synchroniz" not in str(message):  # enabling the mode warns once
             return show(message, category, filename, lineno, file, line)
         stack = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
         ours = [f for f in stack if "/torch/" not in f.filename or "/fsdp/" in f.filename]
+
         def name(fs):
             return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
                                for f in reversed(fs))
 
-        seen.append(f"{name(stack[-2:])} (from {name(ours[-2:])})")
+        agreement = any(AGREEMENT_READ in f.filename and f.name == "agree" for f in stack)
+        found.append((agreement, f"{name(stack[-2:])} (from {name(ours[-2:])})"))
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
+        inside = True
         try:
             fn()
         finally:
+            inside = False
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = show
     torch.cuda.synchronize()
-    if not seen:
-        return "none"
-    firsts = list(dict.fromkeys(seen))[:3]
-    return f"{len(seen)} synchronizing call(s): " + " | ".join(firsts)
+    other = [w for a, w in found if not a]
+    return {"agreement": sum(a for a, _ in found), "other": len(other),
+            "other_sites": list(dict.fromkeys(other))[:4], "ok": not other}
+
+
+def describe_syncs(s) -> str:
+    if not isinstance(s, dict):
+        return str(s)
+    text = f"{s['agreement']} agreement read(s)" if s["agreement"] else "none"
+    if s["other"]:
+        text += f", {s['other']} other: " + " | ".join(s["other_sites"])
+    return text
 
 
 def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str], steps: int,
@@ -394,7 +414,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['shape']['name']} ({r['params'] / 1e9:.2f}B) | {r['world']} x "
             f"{r['ranks_per_node']} | {b['ms']:.1f} | {q['ms']:.1f} | "
-            f"{100 * r['codec_share']:.1f}% | {peak_s} | {q['host_syncs'][:40]} | "
+            f"{100 * r['codec_share']:.1f}% | {peak_s} | {describe_syncs(q['host_syncs'])[:60]} | "
             f"{cb['fsdp2'] / 1e9:.2f} / {cb[r['preset']] / 1e9:.2f} | {links} |")
     return "\n".join(lines)
 
@@ -412,6 +432,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if a.json:
+        import _provenance
+
+        _provenance.record(Path(a.json).resolve().parent,
+                           argv=None if argv is None else [__file__, *argv])
     dev = "cpu" if a.dry_run or not torch.cuda.is_available() else "cuda"
     shapes = ["tiny"] if a.dry_run else [s for s in a.shapes.split(",") if s]
     worlds = [tuple(int(v) for v in w.split(":")) for w in a.worlds.split(",") if w]

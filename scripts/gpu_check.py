@@ -28,9 +28,12 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
 
 Results go to ``$OUT`` when it is set (the device tool brings that folder back), else
 ``--out`` (default ``results/gpu_check/``): ``gpu_check.json`` (every step, rewritten as each
-ends, so a run cut short still returns everything finished), ``summary.md`` and ``log.txt``
-(each step's output). Exit status 1 if a step failed. Nothing is installed: the machine's
-torch, triton, numpy, pytest and hypothesis are used, and the package runs from this checkout.
+ends, so a run cut short still returns everything finished), ``summary.md``, ``log.txt``
+(each step's output) and the run's ``provenance.json`` / ``COMMANDS.md``. A session that
+commits a run puts the folder under ``results/gpu_check/<device>_<date>/`` and appends its
+invocation to ``results/gpu_check/provenance.json``. Exit status 1 if a step failed. Nothing
+is installed: the machine's torch, triton, numpy, pytest and hypothesis are used, and the
+package runs from this checkout.
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs every step on the CPU with small sizes: the
 Triton interpreter for the kernels, gloo for NCCL (``tests/test_gpu_check.py``).
 """
@@ -165,9 +168,9 @@ def step_step_cost(ctx: dict) -> dict:
     for row in res["rows"]:
         for run in ("fsdp2", "enabled"):
             sync = row[run]["host_syncs"]
-            if sync not in ("none", "not checked (CPU)"):
+            if isinstance(sync, dict) and not sync["ok"]:
                 problems.append(f"{row['shape']['name']} W={row['world']} {run}: host sync "
-                                f"after the first step: {sync}")
+                                f"after the first step: {gpu_step_cost.describe_syncs(sync)}")
         goal = row["world"] == 8 and not ctx["dry_run"]
         row["goal"] = "codec <= 10% of the step at W=8" if goal else None
         if goal:
@@ -434,23 +437,27 @@ def step_fsdp_hooks(ctx: dict) -> dict:
     _init_group(torch, "fake", world)
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_step_cost import host_syncs
+    from gpu_step_cost import describe_syncs, host_syncs
 
     out = {"backend": "fake", "world": world, "steps": steps, "presets": {}}
     problems = []
+    # every preset, and sdp4bit without the change agreement: no host read at all
+    cases = [(p, p, {}) for p in PRESETS] + [("sdp4bit unverified", "sdp4bit",
+                                              {"verify_weight_writes": False})]
     try:
-        for name in PRESETS:
+        for name, preset, overrides in cases:
             model = _model(torch, d, layers).to(dev)
             _shard(torch, model, mixed=dev == "cuda")
-            cfg = fsdp_qcomm.QCommConfig.preset(name, ranks_per_node=1)
+            cfg = fsdp_qcomm.QCommConfig.preset(preset, ranks_per_node=1, **overrides)
             handle = fsdp_qcomm.enable(model, cfg)
             batches = _batches(torch, model, dev, steps)
             _, opt = _train(torch, model, batches[:1])  # the first step may sync (lazy init)
             syncs = "not checked (CPU)"
             if dev == "cuda":
                 syncs = host_syncs(lambda: _train(torch, model, batches[1:], opt))
-                if syncs != "none":
-                    problems.append(f"{name}: host sync after the first step: {syncs}")
+                if not syncs["ok"] or (overrides and syncs["agreement"]):
+                    problems.append(f"{name}: host sync after the first step: "
+                                    f"{describe_syncs(syncs)}")
             else:
                 _train(torch, model, batches[1:], opt)
             # An asynchronous unshard waited on another stream (explicit prefetch).
@@ -608,6 +615,10 @@ def main() -> int:
     wanted = [s for s in STEPS if s in wanted]  # always in order of value
     out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "results" / "gpu_check")
     out_dir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _provenance
+
+    _provenance.record(out_dir)  # provenance.json, COMMANDS.md: the command, commit, load
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
                      "budget": args.budget, "steps": {}}

@@ -27,8 +27,10 @@ def _dry_run(out: Path, *extra: str, env_out: str = ""):
 def test_gpu_check_dry_run(tmp_path):
     proc = _dry_run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "log.txt",
-                                                          "summary.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "COMMANDS.md", "gpu_check.json", "log.txt", "provenance.json", "summary.md"]
+    prov = json.loads((tmp_path / "provenance.json").read_text())["invocations"]
+    assert len(prov) == 1 and "gpu_check" in prov[0]["command"]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = res["steps"]
     assert list(steps) == STEPS  # in order of value

@@ -473,5 +473,5 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: 
     return t1, t2
 
 
-__all__ = ["PremulSum", "chunk_spans", "premul_sum", "feedback_shapes", "feedback_sites", "reduce_op_finisher",
-           "reduce_scatter_plain", "reduce_scatter_quantized"]
+__all__ = ["PremulSum", "chunk_spans", "feedback_shapes", "feedback_sites", "premul_sum",
+           "reduce_op_finisher", "reduce_scatter_plain", "reduce_scatter_quantized"]

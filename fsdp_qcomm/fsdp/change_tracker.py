@@ -268,15 +268,33 @@ class Agreement:
     def __init__(self, group: Optional[dist.ProcessGroup], stats: Optional[Any] = None) -> None:
         self.group = group
         self.stats = stats
+        self._pinned: Optional[torch.Tensor] = None  # CUDA: the flags' host staging buffer
+        self._copied: Optional[Any] = None  # the event after its last copy to the device
+
+    def _to_device(self, flags: list[int], device: torch.device) -> torch.Tensor:
+        """The local flags on ``device``. On CUDA through a pinned buffer with an asynchronous
+        copy: a copy from pageable memory waits for the stream to drain, a second host stall
+        per forward beside the one read below (``results/gpu_check/h200_2026-12-04``)."""
+        local = torch.tensor(flags, dtype=torch.int64)
+        if device.type != "cuda":
+            return local.to(device)
+        buf = self._pinned
+        if buf is None or buf.numel() != len(flags) or (
+                self._copied is not None and not self._copied.query()):
+            buf = self._pinned = torch.empty(len(flags), dtype=torch.int64, pin_memory=True)
+        buf.copy_(local)
+        out = buf.to(device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
 
     def agree(self, trackers: Sequence[ChangeTracker], where: str) -> list[int]:
         if not trackers:
             return []
-        local = torch.tensor([t.local_flags(backward=False) for t in trackers],
-                             dtype=torch.int64)
         content = torch.stack([t.content_changed() for t in trackers])
         device = content.device
-        mine = local.to(device) | (content.to(torch.int64) * int(Change.CONTENT))
+        local = self._to_device([t.local_flags(backward=False) for t in trackers], device)
+        mine = local | (content.to(torch.int64) * int(Change.CONTENT))
         world = dist.get_world_size(self.group)
         if world == 1:
             return mine.cpu().tolist()
