@@ -141,6 +141,15 @@ def test_reordered_divide_factor_arguments_are_refused(monkeypatch):
     _assert_names(e.value, "_get_gradient_divide_factors", "all_reduce_group")
 
 
+def test_torch_below_the_minimum_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    with pytest.raises(FSDPInternalsChanged) as e:
+        internals.verify_torch()
+    assert "needs torch >= 2.10; this is torch 2.9.1" in str(e.value), e.value
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cpu")
+    internals.verify_torch()
+
+
 def test_missing_pre_backward_state_is_refused(monkeypatch):
     from enum import Enum
 

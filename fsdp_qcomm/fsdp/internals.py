@@ -37,7 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14", "2.15")
+TESTED_TORCH = ("2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+#: the oldest torch whose FSDP2 passes tests/test_fsdp_canaries.py: 2.9.1 fails one canary
+#: (``_get_gradient_divide_factors`` turns a divide factor equal to the shard group's size into
+#: PREMUL_SUM instead of AVG), and 2.8 has no custom all-gather / reduce-scatter at all
+MIN_TORCH = (2, 10)
 
 try:  # the classes fsdp_qcomm subclasses or tests against: a release without them fails here
     from torch.distributed.fsdp import FSDPModule
@@ -501,6 +505,13 @@ def verify_torch() -> None:
     helper whose positional order ``post_divide_factor`` relies on."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
+    if torch_minor() < MIN_TORCH:
+        raise FSDPInternalsChanged(
+            f"fsdp_qcomm needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}; this is torch "
+            f"{_torch_version()}, whose FSDP2 does not pass fsdp_qcomm's canaries "
+            "(tests/test_fsdp_canaries.py). Upgrade torch (tested: "
+            f"{', '.join(TESTED_TORCH)}), or train without fsdp_qcomm.enable()."
+        )
     for cls, name in ((AllGather, "AllGather"), (ReduceScatter, "ReduceScatter")):
         if not callable(getattr(cls, "allocate", None)) or not callable(cls.__call__):
             raise changed(f"_fsdp_api.{name} has no allocate()/__call__")
@@ -587,6 +598,7 @@ def verify_group(group: ParamGroup) -> None:
 __all__ = [
     "AllGather",
     "FSDPInternalsChanged",
+    "MIN_TORCH",
     "ReduceScatter",
     "TESTED_TORCH",
     "all_reduce_grads",
