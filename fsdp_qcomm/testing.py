@@ -1,28 +1,26 @@
-"""Multi-process CPU runs for tests and benchmarks: run a function on N gloo ranks (CPU
-processes) and bring back results or tracebacks; compare tensors across ranks bit for bit.
+"""The multi-rank test launcher: a helper for this package's tests and benchmarks, installed with
+the wheel but not part of the training API. It runs a function on N gloo ranks (CPU processes),
+brings back results or tracebacks, and compares tensors across ranks bit for bit.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes with OMP_NUM_THREADS=1,
 joins them in a gloo group (its store hosted by the caller, on a port it holds), calls
 ``fn(rank, world_size, *args)`` on each and returns the list of return values (rank order). If
 any rank raises, the other ranks are killed and an AssertionError carries every failing rank's
-traceback; if a rank hangs (a mismatched collective), the run is killed after ``timeout``
-seconds and the error says which ranks never finished. ``fn`` must be a module-level function
-(it is pickled by reference). Ranks listed in ``may_exit`` are allowed to die without a result
-(their entry is None): for tests that kill a rank on purpose and check what its peers do;
-``pg_timeout`` (default ``timeout``) is the process group's own timeout; ``env`` adds
-environment variables (for example ``LOCAL_WORLD_SIZE``) in every rank. A rank that dies in
-native code is reported with its signal, every thread's Python stack and its latest
-``crash_note`` (which case of a loop it was running).
+traceback; a rank that dies without a result (a signal, a native crash) is reported with its
+exit code or signal, every thread's Python stack (faulthandler) and its latest ``crash_note``
+(which case of a loop it was running); if a rank hangs (a mismatched collective), the run is
+killed after ``timeout`` seconds and the error says which ranks never finished. ``fn`` must be
+a module-level function (it is pickled by reference). Ranks listed in ``may_exit`` are allowed
+to die without a result (their entry is None): for tests that kill a rank on purpose and check
+what its peers do; ``pg_timeout`` (default ``timeout``) is the process group's own timeout;
+``env`` adds environment variables (for example ``LOCAL_WORLD_SIZE``) in every rank.
 
-A native crash (a rank killed by SIGSEGV, SIGABRT or SIGBUS) is rerun ``native_crash_reruns``
-times (default ``$FSDP_QCOMM_NATIVE_CRASH_RERUNS``, else 0) before it fails the caller; so is a
-run that stalls in issue 30's gloo hang (``GLOO_HANG_FRAME``: a timed-out run is examined before
-its ranks are killed, with gdb when there is one, and every stalled rank's native stacks join
-the report). Each rerun is warned about and its full report appended to
-``$FSDP_QCOMM_RERUN_LOG`` when set. CI sets both (``.ci/run`` prints the log): issue 30's rare
-heap corruption inside gloo's worker thread (torch's: ProcessGroupGloo's two workers free a
-shared status string's buffer twice; ``results/gloo_status_race``) must not fail CI by chance,
-nor go unseen. A Python error, any other timeout or a crash that repeats is never hidden.
+Every gloo group a rank creates (the default group, ``new_group`` subgroups, DeviceMesh groups)
+runs ONE gloo worker thread instead of torch's two: ProcessGroupGloo's two workers update a
+shared status string without a lock and now and then free its buffer twice, a rare heap
+corruption that crashes or hangs a rank (torch's bug; ``docs/known_issues.md``). One worker
+cannot race with itself. The group stays a plain "gloo" group (``dist.get_backend`` says
+"gloo", sequence numbers count), see :func:`_one_gloo_thread`.
 
 Processes come from a forkserver that imported torch once: a fresh interpreter per rank spends
 seconds importing torch on a loaded 2-core machine, a fork from the server milliseconds, and the
@@ -46,7 +44,6 @@ import queue
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -98,6 +95,66 @@ def crash_note(text: str) -> None:
     f.flush()  # faulthandler writes at the descriptor's offset: after the note
 
 
+#: gloo worker threads per group in a rank of run_ranks (torch builds 2; see _one_gloo_thread)
+GLOO_THREADS = 1
+
+
+def _one_gloo_thread() -> None:
+    """From now on, every gloo group this process creates runs :data:`GLOO_THREADS` worker
+    thread(s), not torch's 2: the one place run_ranks avoids ProcessGroupGloo's double free
+    (``docs/known_issues.md``), called in each rank before its default group exists.
+
+    ``init_process_group`` and ``new_group`` take no gloo options: torch's group helper builds
+    ``ProcessGroupGloo(store, rank, size, timeout=...)`` (2 threads per device), looking the
+    class up in ``torch.distributed.distributed_c10d`` at each call. That name is pointed at a
+    subclass whose constructor builds the same options with one thread; its metaclass keeps
+    torch's ``isinstance(backend, ProcessGroupGloo)`` checks true of every gloo backend (the
+    objects torch hands back are of the base class: ``_set_pg_timeout``, which torchtitan calls,
+    would skip them). Registering the class under another backend name
+    (``Backend.register_backend``, what the crash hunt's scripts did) gives one thread too, but
+    ``dist.get_backend`` then names that backend instead of "gloo" (this package checks "gloo" to
+    avoid gloo's missing PREMUL_SUM), its groups have no sequence numbers
+    (``internals.sequence_number``), and ``new_group(backend="gloo")`` still gets two threads.
+    Here every group, whatever creates it, is a plain gloo group with one worker (the default
+    group and subgroups: ``tests/test_run_ranks.py``); ``_worker`` checks the default group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "_fsdp_qcomm_threads", None) == GLOO_THREADS:
+        return  # already patched in this process
+
+    class AnyGloo(type(base)):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, base)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, base)
+
+    class OneThreadGloo(base, metaclass=AnyGloo):
+        _fsdp_qcomm_threads = GLOO_THREADS
+
+        def __init__(self, store, rank: int, size: int, timeout=None) -> None:
+            if isinstance(timeout, base._Options):  # the (store, rank, size, options) form
+                opts = timeout
+            else:
+                opts = base._Options()
+                opts._devices = [base.create_default_device()]
+                if timeout is not None:
+                    opts._timeout = timeout
+            opts._threads = GLOO_THREADS
+            super().__init__(store, rank, size, opts)
+
+    c10d.ProcessGroupGloo = OneThreadGloo
+
+
+def gloo_threads(group=None) -> int:
+    """Inside a rank: the worker threads of ``group``'s gloo backend (default: the world)."""
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD if group is None else group
+    return pg._get_backend(torch.device("cpu")).options._threads
+
+
 def _worker(
     fn: Callable, rank: int, world: int, port: int, args: tuple, kwargs: dict, q, timeout: float,
     env: dict, crash_log: str,
@@ -120,9 +177,13 @@ def _worker(
         # between choosing and binding); MASTER_PORT above names it for code that reads it
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                               timeout=timedelta(seconds=timeout))
+        _one_gloo_thread()
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
         )
+        if gloo_threads() != GLOO_THREADS:  # a torch that no longer builds gloo as patched
+            raise RuntimeError(f"run_ranks: the default gloo group runs {gloo_threads()} "
+                               f"worker threads, not {GLOO_THREADS} (see _one_gloo_thread)")
         payload = (rank, True, pickle.dumps(fn(rank, world, *args, **kwargs)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         # Report before tearing down the process group: the teardown makes the other ranks
@@ -145,96 +206,6 @@ def _worker(
         dist.destroy_process_group()
 
 
-#: what a rank killed by one of these signals is: a native crash (a heap corrupted by a write
-#: after free ends in glibc's abort or a segfault), the kind ``native_crash_reruns`` reruns
-_NATIVE_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
-
-
-class NativeCrash(AssertionError):
-    """A ``run_ranks`` failure in which a rank died of a native crash signal, or hung in issue
-    30's gloo bug (:data:`GLOO_HANG_FRAME`)."""
-
-
-#: issue 30's bug (torch's: ProcessGroupGloo's two worker threads free a shared status string's
-#: buffer twice, ``results/gloo_status_race``) in its other form: the second free hits the block
-#: after it was handed out again as a tcp ``UnboundBuffer``'s reference-count block;
-#: the buffer's destructor (at the end of a collective) then writes into the freed block and,
-#: when the bytes there are glibc's free-list key, spins forever waiting for a count that never
-#: reaches zero, while the peer waits for its send (``results/gloo_stress_pair``). A timed-out
-#: run with a rank in this frame is rerun like a native crash.
-GLOO_HANG_FRAME = "gloo::transport::tcp::UnboundBuffer::~UnboundBuffer"
-
-
-def _native_stacks(pid: int) -> str:
-    """Every thread's native stack of a live process through gdb ('' without gdb or ptrace
-    rights)."""
-    gdb = shutil.which("gdb")
-    if gdb is None:
-        return ""
-    try:
-        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex",
-                              "thread apply all bt 12"], capture_output=True, text=True,
-                             timeout=120).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return "\n".join(ln for ln in out.splitlines() if ln.startswith(("Thread ", "#")))
-
-
-def _gloo_threads_cpu(pid: int) -> dict[str, int]:
-    """CPU ticks used so far by each of a process's gloo worker threads (``pt_gloo_runloop``)."""
-    ticks = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return ticks
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        if comm.startswith("pt_gloo_runloop"):
-            fields = stat[stat.rindex(")") + 2:].split()
-            ticks[tid] = int(fields[11]) + int(fields[12])  # utime + stime
-    return ticks
-
-
-def _hang_report(pids: dict[int, int]) -> tuple[str, bool]:
-    """What the stalled ranks (rank -> pid) are doing: each one's native stacks (with gdb) or
-    its gloo worker threads' CPU use over one second, and whether that is issue 30's gloo hang
-    (the frame, or without gdb a gloo worker thread spinning while the run makes no progress:
-    a gloo worker waiting for a peer sleeps)."""
-    before = {r: _gloo_threads_cpu(pid) for r, pid in pids.items()}
-    time.sleep(1.0)
-    parts, gloo_hang = [], False
-    for r, pid in sorted(pids.items()):
-        now = _gloo_threads_cpu(pid)
-        spin = {t: now[t] - before[r].get(t, now[t]) for t in now}
-        stacks = _native_stacks(pid)
-        if stacks:
-            gloo_hang |= GLOO_HANG_FRAME in stacks
-        else:
-            gloo_hang |= any(d >= 10 for d in spin.values())  # >= 0.1 s of CPU in 1 s
-        parts.append(f"--- rank {r} (pid {pid}) still running; gloo worker threads' CPU ticks "
-                     f"in 1 s: {sorted(spin.values())} ---\n" +
-                     (stacks or "(no native stacks: gdb is not installed or may not attach)"))
-    return "\n".join(parts), gloo_hang
-
-
-def _native_crash_reruns(value: Optional[int]) -> int:
-    if value is None:
-        raw = os.environ.get("FSDP_QCOMM_NATIVE_CRASH_RERUNS", "0")
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"FSDP_QCOMM_NATIVE_CRASH_RERUNS={raw!r}: expected a number of "
-                             "reruns (0 turns them off)") from None
-    if value < 0:
-        raise ValueError(f"native_crash_reruns={value}: expected 0 or more")
-    return value
-
-
 def _crash_report(path: str, exitcode: Optional[int]) -> str:
     """A rank that exited without a result: its exit code (the signal, if one killed it) and the
     stacks faulthandler wrote, if any."""
@@ -252,49 +223,17 @@ def _crash_report(path: str, exitcode: Optional[int]) -> str:
     return f"{how} without a result" + (f"; faulthandler:\n{text}" if text else "")
 
 
-def _died(procs: list, crash_logs: list[str], skip: set[int],
-          signalled: set[int]) -> dict[int, str]:
+def _died(procs: list, crash_logs: list[str], skip: set[int]) -> dict[int, str]:
     """The ranks not in ``skip`` that exited with a nonzero code (or a signal), with their
-    crash reports; adds those a native crash signal killed to ``signalled``."""
-    died = {r: p.exitcode for r, p in enumerate(procs)
+    crash reports."""
+    return {r: _crash_report(crash_logs[r], p.exitcode) for r, p in enumerate(procs)
             if r not in skip and not p.is_alive() and p.exitcode not in (0, None)}
-    signalled.update(r for r, code in died.items() if -code in _NATIVE_CRASH_SIGNALS)
-    return {r: _crash_report(crash_logs[r], code) for r, code in died.items()}
 
 
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
     may_exit: tuple[int, ...] = (), pg_timeout: Optional[float] = None,
-    env: Optional[dict[str, str]] = None, native_crash_reruns: Optional[int] = None,
-    **kwargs: Any
-) -> list:
-    reruns = _native_crash_reruns(native_crash_reruns)
-    once = (fn, world_size, args, kwargs, timeout, may_exit, pg_timeout, env)
-    for attempt in range(1, reruns + 1):
-        try:
-            return _run_once(*once)
-        except NativeCrash as e:
-            _note_rerun(fn, attempt, reruns, str(e))
-    return _run_once(*once)  # the last try: its crash fails the caller
-
-
-def _note_rerun(fn: Callable, attempt: int, reruns: int, report: str) -> None:
-    import warnings
-
-    what = ("hung in issue 30's gloo hang" if "issue 30's gloo hang" in report else
-            "died of a native crash")
-    head = (f"run_ranks({fn.__module__}.{fn.__qualname__}): a rank {what}; "
-            f"rerun {attempt} of {reruns}")
-    warnings.warn(f"{head}:\n{report[:4000]}", RuntimeWarning, stacklevel=3)
-    log = os.environ.get("FSDP_QCOMM_RERUN_LOG")
-    if log:
-        with open(log, "a") as f:
-            f.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {head}\n{report}\n")
-
-
-def _run_once(
-    fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout: float,
-    may_exit: tuple[int, ...], pg_timeout: Optional[float], env: Optional[dict[str, str]],
+    env: Optional[dict[str, str]] = None, **kwargs: Any
 ) -> list:
     fresh = {k: v for k, v in (env or {}).items() if k in _IMPORT_TIME_ENV}
     if fresh:
@@ -307,7 +246,7 @@ def _run_once(
     q = ctx.Queue()
     # The store on a port bound here and held until the ranks are gone: a port found free and
     # bound later by rank 0 could be taken in between by another run's ranks (two test runs or
-    # loops on one machine), a failure no rerun would catch.
+    # loops on one machine).
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=pg_timeout or timeout))
     port = store.port
@@ -336,7 +275,6 @@ def _run_once(
 
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    signalled: set[int] = set()  # ranks a native crash signal killed (before any kill of ours)
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(errors) < world_size:
@@ -349,7 +287,7 @@ def _run_once(
                 for r in may_exit:
                     if not procs[r].is_alive() and r not in results and r not in errors:
                         results[r] = None
-                errors.update(_died(procs, crash_logs, {*results, *errors}, signalled))
+                errors.update(_died(procs, crash_logs, {*results, *errors}))
                 if errors:
                     break
                 continue
@@ -365,18 +303,10 @@ def _run_once(
                     (results if ok else errors)[rank] = payload
                 break
     finally:
-        # A rank that died of a signal (a segfault, glibc's abort on a corrupted heap) before it
-        # could report is the likely cause of its peers' errors ("Connection reset by peer"),
-        # which may arrive first: read its stacks before the launcher kills the rest.
-        crashed = _died(procs, crash_logs, {*results, *errors, *may_exit}, signalled)
-        # A run that timed out, or whose error is a gloo timeout: what the ranks still running
-        # are doing, before they are killed.
-        stalled = {r: p.pid for r, p in enumerate(procs)
-                   if p.is_alive() and r not in results and r not in errors}
-        hang, gloo_hang = "", False
-        if stalled and not crashed and (len(results) < world_size and not errors or any(
-                "Timed out" in tb for tb in errors.values())):
-            hang, gloo_hang = _hang_report(stalled)
+        # A rank that died (a signal, a native crash) before it could report is the likely
+        # cause of its peers' errors ("Connection reset by peer"), which may arrive first: read
+        # its report before the launcher kills the rest.
+        crashed = _died(procs, crash_logs, {*results, *errors, *may_exit})
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -384,20 +314,15 @@ def _run_once(
             p.join(timeout=10)
         del store
         shutil.rmtree(crash_dir, ignore_errors=True)
-    why = (f"\nissue 30's gloo hang: a rank is stuck in {GLOO_HANG_FRAME} (its reference-"
-           "count block was freed by the other gloo worker; results/gloo_stress_pair)"
-           if gloo_hang else "")
     if errors or crashed:
         errors.update(crashed)
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        kind = NativeCrash if signalled or gloo_hang else AssertionError
-        raise kind(f"{fn.__name__} failed on rank(s) {sorted(errors)}:\n{msg}" +
-                   (f"\n{hang}" if hang else "") + why)
+        raise AssertionError(f"{fn.__name__} failed on rank(s) {sorted(errors)}:\n{msg}")
     missing = [r for r in range(world_size) if r not in results]
     if missing:
-        raise (NativeCrash if gloo_hang else AssertionError)(
+        raise AssertionError(
             f"{fn.__name__}: rank(s) {missing} did not finish within {timeout:.0f} s "
-            "(a collective mismatch or deadlock?)" + (f"\n{hang}" if hang else "") + why
+            "(a collective mismatch or deadlock?)"
         )
     return [None if results[r] is None else pickle.loads(results[r]) for r in range(world_size)]
 
