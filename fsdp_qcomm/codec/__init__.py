@@ -14,13 +14,14 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..config import QuantSpec
-from . import cpu_native
+from . import cpu_native, torch_codec
 from ._checks import (
     BITS_DTYPE,
     FLOAT_DTYPES,
     chunk_list,
     float_rows,
     out_rows,
+    raw_memory_ok,
     require_key,
     wire_rows,
 )
@@ -30,10 +31,14 @@ from .wire import bits_per_element, hadamard_len, wire_bytes
 Chunks = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
-def _impl(t: torch.Tensor):
-    """The implementation for ``t``'s device (used by ``levels`` too): Triton on CUDA, else the
-    C loops (which fall back to ``torch_codec``)."""
+def _impl(t: torch.Tensor, *others: Optional[torch.Tensor]):
+    """The implementation for these tensors (used by ``levels`` too): Triton on CUDA, else the C
+    loops, which fall back to ``torch_codec`` themselves. Native code gets only tensors whose
+    memory it may take (``raw_memory_ok``); any other tensor (a subclass, a view beyond its
+    storage) takes ``torch_codec``, which dispatches through it."""
     if t.is_cuda:
+        if not raw_memory_ok("cuda", t, *others):
+            return torch_codec
         from .. import kernels  # imported lazily: triton is only needed on GPUs
 
         return kernels
@@ -64,7 +69,7 @@ def quantize(
         if ref.shape != x.shape:
             raise ValueError(f"ref shape {tuple(ref.shape)} must equal x shape {tuple(x.shape)}")
         r = float_rows(ref, "ref")
-    out = _impl(x).quantize(rows, spec, key, r, hadamard)
+    out = _impl(rows, r).quantize(rows, spec, key, r, hadamard)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -81,7 +86,7 @@ def dequantize(
     m = hadamard_len(n) if hadamard else n
     rows = _check_wire(data, m, spec, "data")
     o = out_rows(out, rows.shape[0], n, accumulate)
-    res = _impl(data).dequantize(rows, n, spec, hadamard, o, accumulate)
+    res = _impl(rows, o).dequantize(rows, n, spec, hadamard, o, accumulate)
     return out if out is not None else res.view(*data.shape[:-1], n)
 
 
@@ -100,7 +105,7 @@ def reduce_requantize(
     seq = _chunk_list(chunks, n, spec_in)
     require_key(spec_out, key)
     shape = (chunks.shape[1:-1] if isinstance(chunks, torch.Tensor) else chunks[0].shape[:-1])
-    out = _impl(seq[0]).reduce_requantize(seq, n, spec_in, spec_out, key)
+    out = _impl(*seq).reduce_requantize(seq, n, spec_in, spec_out, key)
     return out.view(*shape, out.shape[-1])
 
 
@@ -117,7 +122,7 @@ def reduce_dequantize(
     seq = _chunk_list(chunks, m, spec)
     shape = (chunks.shape[1:-1] if isinstance(chunks, torch.Tensor) else chunks[0].shape[:-1])
     o = out_rows(out, seq[0].shape[0], n)
-    res = _impl(seq[0]).reduce_dequantize(seq, n, spec, hadamard, o)
+    res = _impl(*seq, o).reduce_dequantize(seq, n, spec, hadamard, o)
     return out if out is not None else res.view(*shape, n)
 
 

@@ -68,3 +68,35 @@ def chunk_list(chunks: Union[torch.Tensor, Sequence[torch.Tensor]]) -> list[torc
                 f"all chunks must share one shape, got {tuple(shape)} and {tuple(c.shape)}"
             )
     return seq
+
+def raw_memory_ok(device_type: str, *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether native code (the C loops, Triton kernels) may take these tensors' memory through
+    ``data_ptr()`` (None entries are skipped): tensors of torch's own classes on
+    ``device_type``, strided, whose storage holds every element they address. Not a tensor
+    subclass (a wrapper's ``data_ptr()`` is not its data: torchao's float8 weights handed to C
+    killed every rank, docs/assumptions.md), not a functional or fake tensor, not meta. Callers
+    take the torch path otherwise, which dispatches through whatever the tensor is."""
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
+                or t.device.type != device_type or _is_functional(t):
+            return False
+        if t.numel() == 0:
+            continue
+        try:
+            storage = t.untyped_storage()
+            base, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            return False
+        es = t.element_size()
+        last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        if min(t.stride(), default=0) < 0 or t.data_ptr() != base + t.storage_offset() * es \
+                or (last + 1) * es > size:
+            return False
+    return True
+
+
+def _is_functional(t: torch.Tensor) -> bool:
+    check = getattr(torch, "_is_functional_tensor", None)
+    return bool(check is not None and check(t))

@@ -34,7 +34,7 @@ import torch
 
 from ..config import QuantSpec
 from . import torch_codec, wire
-from ._checks import require_key
+from ._checks import raw_memory_ok, require_key
 from .rng import RngKey, check_counter_range
 
 _SOURCE = Path(__file__).with_name("cpu_native.c")
@@ -138,14 +138,21 @@ _SIGNED = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.in
            torch.int32, torch.int64)
 
 
+def plain(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether C may take these CPU tensors' memory (``_checks.raw_memory_ok``); every entry
+    point below checks its tensors with this and otherwise takes the torch path."""
+    return raw_memory_ok("cpu", *tensors)
+
+
 def digest(x: torch.Tensor, offset: int) -> Optional[int]:
     """``fsdp.change_tracker.shard_digest``'s sum for one flat CPU tensor whose values start at
     position ``offset``, modulo 2^64 as an unsigned int, in one pass (the torch formula makes
     six passes with int64 temporaries: 37 ms per step of a 10.9M-parameter model on 4 ranks,
     results/step_profile). None when the C loops are off or ``x`` is not a contiguous CPU
-    tensor of 2, 4 or 8-byte elements: then the torch formula runs (the same value)."""
+    tensor of 2, 4 or 8-byte elements (``plain``): then the torch formula runs (the same
+    value)."""
     lib = library()
-    if lib is None or x.device.type != "cpu" or not x.is_contiguous() or x.dtype not in _SIGNED:
+    if lib is None or not plain(x) or not x.is_contiguous() or x.dtype not in _SIGNED:
         return None
     return int(lib.fq_digest(x.data_ptr(), x.element_size(), x.numel(), offset))
 
@@ -188,6 +195,8 @@ def quantize(
     lib = library()
     if lib is None or not _covers(spec):
         return torch_codec.quantize(x, spec, key, ref, hadamard)
+    if not plain(x, ref):
+        return torch_codec.quantize(x, spec, key, ref, hadamard)
     k0, k1 = _words(spec, key)
     v = _rows_f32(x)
     r = None if ref is None else _rows_f32(ref)
@@ -209,7 +218,8 @@ def _decode_into(decode, rows: int, n: int, n_out: int, out: Optional[torch.Tens
                  accumulate: bool) -> torch.Tensor:
     """Run ``decode(target, accumulate)`` (a C decode-sum writing fp32 rows) into ``out`` when it
     is fp32 with unit stride, else into a fresh buffer that is then written into ``out``."""
-    direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1
+    direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1 and \
+        plain(out) and (out.dim() < 2 or out.shape[0] <= 1 or out.stride(0) >= n_out)
     target = out if direct else torch.empty(rows, n_out, dtype=torch.float32)
     if rows and n:
         _check(decode(target, int(accumulate and direct)))
@@ -240,7 +250,7 @@ def dequantize(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """As ``torch_codec.dequantize``."""
-    if library() is None or not _covers(spec):
+    if library() is None or not _covers(spec) or not plain(data):
         return torch_codec.dequantize(data, n, spec, hadamard, out, accumulate)
     m = wire.hadamard_len(n) if hadamard else n
     return _decode_sum([data], m, n, spec, hadamard, out, accumulate)
@@ -255,7 +265,7 @@ def reduce_requantize(
 ) -> torch.Tensor:
     """As ``torch_codec.reduce_requantize``."""
     lib = library()
-    if lib is None or not (_covers(spec_in) and _covers(spec_out)):
+    if lib is None or not (_covers(spec_in) and _covers(spec_out)) or not plain(*chunks):
         return torch_codec.reduce_requantize(chunks, n, spec_in, spec_out, key)
     k0, k1 = _words(spec_out, key)
     rows = chunks[0].shape[0]
@@ -281,7 +291,7 @@ def reduce_dequantize(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """As ``torch_codec.reduce_dequantize``."""
-    if library() is None or not _covers(spec):
+    if library() is None or not _covers(spec) or not plain(*chunks):
         return torch_codec.reduce_dequantize(chunks, n, spec, hadamard, out)
     m = wire.hadamard_len(n) if hadamard else n
     return _decode_sum(chunks, m, n, spec, hadamard, out, False)
@@ -295,6 +305,8 @@ def quantize_levels(
     """As ``torch_codec.quantize_levels``."""
     lib = library()
     if lib is None or not _covers(spec):
+        return torch_codec.quantize_levels(rows, spec, levels, key)
+    if not plain(rows, levels if levels.device.type == "cpu" else None):
         return torch_codec.quantize_levels(rows, spec, levels, key)
     k0, k1 = _words(spec, key)
     v = _rows_f32(rows)
@@ -320,7 +332,7 @@ def dequantize_levels_sum(
 ) -> torch.Tensor:
     """As ``torch_codec.dequantize_levels_sum``."""
     lib = library()
-    if lib is None or not _covers(spec):
+    if lib is None or not _covers(spec) or not plain(*chunks):
         return torch_codec.dequantize_levels_sum(chunks, n, spec, out, accumulate)
     cs, ptrs, strides = _chunk_args(chunks)
 

@@ -237,7 +237,7 @@ def dequantize_levels(
     """Decode learned-levels rows into ``[..., n]`` fp32 (or into ``out``; ``accumulate`` adds)."""
     rows = _wire_rows(data, n, spec, "data")
     o = out_rows(out, rows.shape[0], n, accumulate)
-    res = _impl(rows).dequantize_levels_sum([rows], n, spec, o, accumulate)
+    res = _impl(rows, o).dequantize_levels_sum([rows], n, spec, o, accumulate)
     return out if out is not None else res.view(*data.shape[:-1], n)
 
 
@@ -249,7 +249,7 @@ def reduce_dequantize_levels(
     """Decode k learned-levels blocks and sum them in fp32, in order 0..k-1."""
     seq = [_wire_rows(c, n, spec, "chunk") for c in chunk_list(chunks)]
     shape = chunk_list(chunks)[0].shape[:-1]
-    res = _impl(seq[0]).dequantize_levels_sum(seq, n, spec)
+    res = _impl(*seq).dequantize_levels_sum(seq, n, spec)
     return res.view(*shape, n)
 
 

@@ -137,7 +137,12 @@ class QuantizedAllGather(AllGather):
         self.tracker: Optional[ChangeTracker] = None
         # bf16 gathers without kept weights re-send every time, like plain ones: FSDP's semantics
         self._plain_like = self._scheme in ("none", "bf16")
-        if not self._plain_like or self._keep:
+        # a tensor subclass with its own all-gather (torchao's float8 weights: an 8-bit payload
+        # from ``fsdp_pre_all_gather``) is gathered as it sends itself, never quantized
+        # (``_segments``), so nothing here decides on its weights or reads their memory
+        extension = param_group is not None and any(
+            fsdp.has_pre_all_gather_extension(fp) for fp in fsdp.fsdp_params(param_group))
+        if (not self._plain_like or self._keep) and not extension:
             self.tracker = ChangeTracker(param_group, self.name)
         # take part in the agreement before each root forward (``verify_weight_writes``)
         self.agrees = self.tracker is not None and config.verify_weight_writes
