@@ -120,6 +120,20 @@ def test_not_measured_markers(tmp_path):
     assert "1: 83 s (cites no committed results folder)" in got
 
 
+def test_figures_in_a_generated_table_block_are_not_reported(tmp_path):
+    # benchmarks/tables.py renders the block from results (its --check keeps it so)
+    block = ("<!-- table:demo -->\n| what | result |\n|---|---|\n| speed | 6.27x, 1.479 s |\n"
+             "<!-- /table:demo -->\n")
+    assert _problems(tmp_path, block + "\nTyped by hand: 4.06x.\n") == [
+        "7: 4.06x (cites no committed results folder)"]
+    # a results path cited inside must still be committed
+    got = _problems(tmp_path, block.replace("6.27x", "6.27x (results/gone)"))
+    assert got == ["4: results/gone (cites a results path that is not committed)"]
+    # a marker shown in a code span is text: the figures around it are checked
+    assert _problems(tmp_path, "Markers: `<!-- table:demo -->`, 83 s.\n") == [
+        "1: 83 s (cites no committed results folder)"]
+
+
 def test_command_line_exit_status(tmp_path):
     bad = tmp_path / "bad.md"
     bad.write_text("About 20 s to compile.\n")
