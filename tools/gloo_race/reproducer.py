@@ -1,32 +1,37 @@
-"""Issue 30's double free, provoked directly: ProcessGroupGloo's two worker threads completing
-collectives at the same moment.
+"""ProcessGroupGloo's double free, provoked directly: its two worker threads completing
+collectives at the same moment (torch's bug; docs/known_issues.md, results/gloo_status_race).
 
 After each collective a gloo worker thread sets ``pgStatus_->lastCompletedWorkName`` in
 ``ProcessGroupGloo::runLoop`` with no lock held (torch 2.13 and 2.15): a move-assignment that
 deletes the string's old heap buffer. ``all_gather_into_tensor``'s name, "ALLGATHER_COALESCED",
 is too long for the string's inline buffer, so each update frees a 32-byte chunk, and two
-workers updating at once free the same one twice (``results/gloo_stress_pair/NOTES.md``). Here
-each rank keeps ``--inflight`` tiny functional all-gathers (the ones DTensor runs) in flight, so
-the two workers finish collectives back to back all the time; ``--op base`` runs
-``dist.all_gather_into_tensor`` instead, whose name (``_ALLGATHER_BASE``) fits the inline
-buffer: nothing to free twice, the control. Under ``scripts/free_quarantine.c`` a second free is
-reported with both stacks at once:
+workers updating at once free the same one twice. Here each rank keeps ``--inflight`` tiny
+functional all-gathers (the ones DTensor runs) in flight, so the two workers finish collectives
+back to back all the time; ``--op base`` runs ``dist.all_gather_into_tensor`` instead, whose
+name (``_ALLGATHER_BASE``) fits the inline buffer: nothing to free twice, the control.
+``--gloo-threads 1`` runs the same collectives on one worker, which leaves one writer.
 
-    gcc -O2 -shared -fPIC -o /tmp/libfree_quarantine.so scripts/free_quarantine.c
-    LD_PRELOAD=/tmp/libfree_quarantine.so QUARANTINE_DIR=/tmp/fq \\
-        python scripts/gloo_status_race.py --seconds 120 --out /tmp/fq
+    python tools/gloo_race/reproducer.py --seconds 120 [--gloo-threads 1] [--op base] [--out DIR]
 
-``--gloo-threads 1`` runs the same collectives on one worker, which leaves one writer. Nothing of
-this package is imported. One line per run goes to ``<out>/gloo_status_race.jsonl``: rounds,
-collectives, each rank's exit code or signal (SIGABRT: the shim's report, or glibc's), and the
-seconds from launch to the end (to the first report, when a rank aborts).
+glibc's double-free check misses a second free from another thread, so under plain glibc the
+heap is corrupted silently and a run crashes (SIGSEGV, SIGABRT) or hangs only now and then. The
+recorded runs caught every second free in seconds under an ``LD_PRELOAD`` allocator shim that
+holds freed blocks back and prints both freeing stacks; it is in git history
+(``git show 83de356:scripts/free_quarantine.c``, its header says how to build and run it).
+
+Needs torch only (nothing of fsdp_qcomm is imported). One JSON line per run is printed (and
+appended to ``<out>/gloo_status_race.jsonl`` with ``--out``): rounds, collectives, each rank's
+exit code or signal, and the seconds from launch to the end (to the first failure, when a rank
+dies). Exit status 0 when both ranks finish, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -34,7 +39,56 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _gloo_run import GLOO_THREADS, free_port, init_gloo, report
+
+#: ProcessGroupGloo's worker threads when init_process_group builds it (2 per device)
+GLOO_THREADS = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, threads: int = GLOO_THREADS) -> None:
+    """The default group on gloo with ``threads`` worker threads (checked)."""
+    backend = "gloo"
+    if threads != GLOO_THREADS:
+        # init_process_group passes gloo no options: the same class under another name, ours
+        def gloo(store, group_rank: int, group_size: int, timeout):
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            opts._threads = threads
+            return dist.ProcessGroupGloo(store, group_rank, group_size, opts)
+
+        backend = f"gloo_{threads}_threads"
+        dist.Backend.register_backend(backend, gloo, devices=["cpu"])
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    got = dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
+    if got != threads:
+        raise RuntimeError(f"gloo runs {got} worker threads, not {threads}")
+
+
+def report(procs: list, queue, out: Path | None, name: str, head: dict, tail: dict) -> int:
+    """Join the ranks and print (and append to ``out/name``) the run's line: ``head``, each
+    rank's exit code and signal, ``tail``, and rank 0's counts when every rank exited 0.
+    Returns the script's exit status."""
+    for p in procs:
+        p.join()
+    codes = [p.exitcode for p in procs]
+    ok = all(c == 0 for c in codes)
+    line = {**head, "exitcodes": codes,
+            "signals": [signal.Signals(-c).name if c is not None and c < 0 else None
+                        for c in codes],
+            **tail, **(queue.get() if ok and not queue.empty() else {})}
+    print(json.dumps(line), flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / name, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return 0 if ok else 1
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
