@@ -60,7 +60,7 @@ from ..collectives.topology import (
 )
 from ..config import QCommConfig
 from ..stats import CommStats, TaggedStats
-from . import checkpoint, hop_plan, hsdp
+from . import checkpoint, hop_plan, hsdp, tp_peers
 from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import ReductionQueue
@@ -477,6 +477,18 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
             i.replica = _build_replica(i, plan.replica, own, placement, solo, queue)
             if i.reduce_scatter is not None:
                 i.reduce_scatter.replica = i.replica
+    # FSDP x TP: TP-replicated parameters' gradients averaged over their TP peers after a
+    # quantized reduction, so the copies TP needs equal stay bit-identical (``tp_peers``)
+    syncs = tp_peers.plan([i.group for i in installs])
+    for i in installs:
+        sync = syncs[id(i.group)]
+        target = i.replica if i.replica is not None else i.reduce_scatter
+        if sync is None or target is None:
+            continue  # FSDP2's own reduction: every TP peer reduces alike already
+        target.peer_sync = sync
+        stats.note(f"{i.label}: {sync.synced_params} TP-replicated parameter(s): their reduced "
+                   "gradients are averaged over their tensor-parallel peers after each "
+                   "quantized reduction (kept bit-identical)")
     for i in installs:  # per group: FSDP's public setters refuse modules with several groups
         fsdp.set_comms(i.group, i.all_gather, i.reduce_scatter)
         i.all_gather.attach()

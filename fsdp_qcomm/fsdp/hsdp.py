@@ -186,6 +186,9 @@ class ReplicaAllReduce:
         self.feedback = (FeedbackState(feedback_decay)
                          if error_feedback and spec is not None else None)
         self.grad_scale: Optional[ScaleSource] = None  # QCommHandle.attach_grad_scaler
+        # FSDP x TP: averages the TP-replicated parameters' reduced gradients over their TP
+        # peers once the replicas agree (``tp_peers``)
+        self.peer_sync: Optional[Any] = None
 
     @property
     def replicas(self) -> int:
@@ -203,6 +206,8 @@ class ReplicaAllReduce:
             # Always on the private group, deferred or not (``ReductionQueue.submit``).
             why = ("a user all-reduce hook runs after it" if self.user_hook is not None
                    else replica_defer_reason(self.param_group, reduce_output))
+            if self.peer_sync is not None:
+                why = why or "TP-replicated gradients are averaged over TP peers right after"
             if why:
                 self.stats.note(f"grad_overlap: a replica all-reduce finished inside its call: "
                                 f"{why}")
@@ -210,6 +215,8 @@ class ReplicaAllReduce:
                          defer=not why)
         else:
             self._reduce(reduce_output, self.replica_group, op, key, fb)
+        if self.peer_sync is not None:
+            self.peer_sync(reduce_output, self.stats)
         if self.user_hook is not None:
             self.user_hook(reduce_output)
 

@@ -36,6 +36,7 @@ from . import internals as fsdp
 from .grad_overlap import ReductionQueue, defer_reason
 from .internals import ReduceScatter
 from .residual_state import ScaleSource, call_feedback
+from .tp_peers import PeerSync
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class QuantizedReduceScatter(ReduceScatter):
         self.feedback = (FeedbackState(config.grad_error_feedback_decay)
                          if config.grad_error_feedback != "none" else None)
         self.grad_scale: Optional[ScaleSource] = None
+        # FSDP x TP: averages the TP-replicated parameters' reduced gradients over their TP
+        # peers after the reduction (``tp_peers``; under HSDP the replica hook does it)
+        self.peer_sync: Optional[PeerSync] = None
         self.levels = None
         if config.grad_levels == "learned":
             self.levels = LevelSync(config.grad_inter_spec(), config.levels_refresh_every)
@@ -137,10 +141,14 @@ class QuantizedReduceScatter(ReduceScatter):
                 if self.config.grad_scheme == "two_level":
                     own_topology = node_topology(own, self.config.ranks_per_node)
             why = defer_reason(self.param_group, input_tensor, op)
+            if self.peer_sync is not None:
+                why = why or "TP-replicated gradients are averaged over TP peers right after"
             if why:
                 self.stats.note(f"grad_overlap: a reduce-scatter finished inside its call: {why}")
             self.queue.submit(partial(self._reduce, output_tensor, input_tensor, own, op, key,
                                       levels, own_topology, feedback), defer=not why)
+            if self.peer_sync is not None:
+                self.peer_sync(output_tensor, self.stats)
             return None
         # Under HSDP this hop is never the deferred one (FSDP all-reduces its output at once):
         # it runs here, on FSDP's own group inside the node, while the queue runs the earlier
@@ -148,6 +156,8 @@ class QuantizedReduceScatter(ReduceScatter):
         # on every rank, so no rank routes it differently). Through the queue it waited for
         # all of them first: the two threads took turns (results/step_profile).
         self._reduce(output_tensor, input_tensor, group, op, key, levels, topology, feedback)
+        if self.peer_sync is not None and not hsdp:
+            self.peer_sync(output_tensor, self.stats)
         return None
 
     def _reduce(self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, op: Any,
