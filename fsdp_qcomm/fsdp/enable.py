@@ -480,15 +480,19 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     # FSDP x TP: TP-replicated parameters' gradients averaged over their TP peers after a
     # quantized reduction, so the copies TP needs equal stay bit-identical (``tp_peers``)
     syncs = tp_peers.plan([i.group for i in installs])
+    synced = []
     for i in installs:
         sync = syncs[id(i.group)]
         target = i.replica if i.replica is not None else i.reduce_scatter
         if sync is None or target is None:
             continue  # FSDP2's own reduction: every TP peer reduces alike already
         target.peer_sync = sync
-        stats.note(f"{i.label}: {sync.synced_params} TP-replicated parameter(s): their reduced "
-                   "gradients are averaged over their tensor-parallel peers after each "
-                   "quantized reduction (kept bit-identical)")
+        synced.append((i.label, sync.synced_params))
+    if synced:
+        stats.note(hop_plan.module_list(
+            f"tensor parallelism: {sum(n for _, n in synced)} TP-replicated parameter(s): their "
+            "reduced gradients are averaged over their tensor-parallel peers after each "
+            "reduction (kept bit-identical)", [label for label, _ in synced]))
     for i in installs:  # per group: FSDP's public setters refuse modules with several groups
         fsdp.set_comms(i.group, i.all_gather, i.reduce_scatter)
         i.all_gather.attach()

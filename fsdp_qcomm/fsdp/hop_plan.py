@@ -151,11 +151,13 @@ def notes(plans: dict[str, ModulePlan]) -> list[str]:
     for label, plan in plans.items():
         for line in plan.why:
             by_line[line].append(label)
-    out = []
-    for line, labels in by_line.items():
-        shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
-        out.append(f"{line} [{len(labels)} module(s): {shown}]")
-    return out
+    return [module_list(line, labels) for line, labels in by_line.items()]
+
+
+def module_list(line: str, labels: list[str]) -> str:
+    """``line`` with the modules it applies to: ``... [6 module(s): a, b, c, d and 2 more]``."""
+    shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
+    return f"{line} [{len(labels)} module(s): {shown}]"
 
 
 def nothing_quantized_hint(plans: dict[str, ModulePlan], run: QCommConfig) -> Optional[str]:
@@ -178,4 +180,4 @@ def nothing_quantized_hint(plans: dict[str, ModulePlan], run: QCommConfig) -> Op
             "nodes, set ranks_per_node (or LOCAL_WORLD_SIZE) to the ranks per node")
 
 
-__all__ = ["ModulePlan", "nothing_quantized_hint", "notes", "plan_module"]
+__all__ = ["ModulePlan", "module_list", "nothing_quantized_hint", "notes", "plan_module"]

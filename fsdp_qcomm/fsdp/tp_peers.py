@@ -34,6 +34,8 @@ from torch.distributed import ProcessGroup
 
 from . import internals as fsdp
 
+KIND = "tp_peer_sync"
+
 
 @dataclass(frozen=True)
 class PeerGroup:
@@ -136,7 +138,7 @@ class PeerSync:
                 flat[o:o + n].copy_(buf[pos:pos + n])
                 pos += n
             if stats is not None:
-                stats.record("tp_peer_sync", sent_bytes=buf.nbytes, recv_bytes=buf.nbytes,
+                stats.record(KIND, sent_bytes=buf.nbytes, recv_bytes=buf.nbytes,
                              elements=buf.numel(), baseline_bytes=0)
 
 
@@ -151,4 +153,4 @@ def plan(param_groups: Sequence[Any]) -> dict[int, Optional[PeerSync]]:
     return out
 
 
-__all__ = ["PeerGroup", "PeerSync", "peer_groups", "plan"]
+__all__ = ["KIND", "PeerGroup", "PeerSync", "peer_groups", "plan"]

@@ -18,6 +18,9 @@ kinds:
 * ``levels`` (``L``): learned-level table refreshes (``levels_sync``; pure overhead, baseline 0);
 * ``agreement`` (``A``): the change codes every rank agrees on before a root forward
   (``agreement``, ``verify_weight_writes``; a few bytes per module, pure overhead, baseline 0);
+* ``tp_sync`` (``T``): under tensor parallelism, the TP-replicated parameters' reduced gradients
+  averaged over their TP peers after a quantized reduction (``tp_peer_sync``, ``fsdp.tp_peers``;
+  inside a node, pure overhead, baseline 0);
 * ``weight_intra`` (``Wn``): the node-sharded qWD reference's second hop, an unquantized
   all-gather inside the node of the rebuilt slices (``weight_allgather_intra``): bytes that
   never leave a node, beyond FSDP2's own gather (which is the ``weight`` collective's
@@ -133,6 +136,7 @@ COLLECTIVES: tuple[Collective, ...] = (
     Collective("levels", "L", ("levels_sync",)),
     Collective("agreement", "A", ("agreement",)),
     Collective("weight_intra", "Wn", ("weight_allgather_intra",), counts_baseline=False),
+    Collective("tp_sync", "T", ("tp_peer_sync",)),
 )
 _BY_KIND = {k: c for c in COLLECTIVES for k in c.kinds}
 _BASE_FIELDS = {
@@ -161,7 +165,8 @@ def collective_of(kind: str) -> Collective:
         _warned_kinds.add(kind)
         logger.warning(
             f"qcomm: stats kind {kind!r} is not one fsdp_qcomm.titan_common.comm_stats groups "
-            "(weights, gradients, replicas, levels, agreement); it is logged as a collective of "
+            "(weights, gradients, replicas, levels, agreement, tp_sync); it is logged as a "
+            "collective of "
             "its own and counted in the total"
         )
     return Collective(kind, kind, (kind,))

@@ -433,6 +433,24 @@ def test_hsdp_two_replicas_of_two_shards(tmp_path):
     assert re.search(r"qcomm: \[2 microbatches/step\] .*  X-node [0-9.]+KiB/step  total x", out)
 
 
+@pytest.mark.long
+def test_tensor_parallel_two_by_two(tmp_path):
+    """recipes/debug_sdp4bit.toml with tensor parallelism 2 inside each of 2 nodes (4 CPU
+    ranks: FSDP over the 2 data-parallel ranks, torchtitan's TP plan): it trains under sdp4bit,
+    and the TP-replicated parameters' reduced gradients are averaged over their TP peers
+    (``fsdp.tp_peers``; bit-identity itself: tests/test_tensor_parallel.py)."""
+    dump = tmp_path / "out"
+    torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(4),
+             "--parallelism.tensor_parallel_degree", "2", "--qcomm.ranks_per_node", "2",
+             nproc=4, timeout=600)
+    s = read_summary(dump)
+    assert any("tensor-parallel peers" in n for n in s["notes"]), s["notes"]
+    stats = s["handle_stats"][0]  # one handle (one model part)
+    assert stats["tp_peer_sync"]["calls"] > 0
+    assert stats["grad_inter"]["calls"] > 0  # the data-parallel hop, quantized
+    assert s["loss"] and all(math.isfinite(v) for v in s["loss"]), s["loss"]
+
+
 # --------------------------------------------------------------------------- [diloco] section
 def test_diloco_section_parses_from_toml_and_cli(tmp_path):
     """[diloco] mirrors DiLoCoConfig: TOML values, CLI flags win, bits = 32 is fp32, off by

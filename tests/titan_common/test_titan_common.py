@@ -94,11 +94,11 @@ def _kind(calls, sent, recv, elements, baseline, **extra):
 
 def test_collectives_name_the_kinds_the_library_records():
     from fsdp_qcomm.collectives import level_sync
-    from fsdp_qcomm.fsdp import all_gather, change_tracker
+    from fsdp_qcomm.fsdp import all_gather, change_tracker, tp_peers
 
     kinds = {k for c in comm_stats.COLLECTIVES for k in c.kinds}
     assert {all_gather.KIND, all_gather.KIND_INTRA, level_sync.KIND, change_tracker.KIND,
-            "grad_intra", "grad_inter", "grad_replica"} == kinds
+            tp_peers.KIND, "grad_intra", "grad_inter", "grad_replica"} == kinds
 
 
 def test_split_stats_counts_the_grad_baseline_once():
