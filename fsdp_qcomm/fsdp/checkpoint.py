@@ -225,6 +225,11 @@ def _need(state: Any, key: str, label: str) -> Any:
 
 
 # ---- the owner record ----------------------------------------------------------------------
+def _module_config(record: Any) -> str:
+    return ("the enable() config" if record is None
+            else f"its own module_configs entry (digest {config_digest(record)})")
+
+
 def config_record(config: Any) -> dict[str, Any]:
     return {k: getattr(config, k) for k in CONFIG_FIELDS}
 
@@ -252,6 +257,9 @@ def owner_record(installs: list[Any], config: Any, placement: Any) -> dict[str, 
             "params": [[n, list(p.shape), list(p.to_local().shape)]
                        for n, p in zip(names, params)],
         }
+        own = getattr(i, "config", None)
+        if own is not None and own != config:  # enable(module_configs=...): its own settings
+            modules[i.label]["config"] = config_record(own)
     cfg = config_record(config)
     return {
         "rank": rank, "world_size": world,
@@ -400,6 +408,10 @@ def _check_owner(saved: dict[str, Any], mine: dict[str, Any]) -> None:
         if label not in smod:
             continue
         s, m = smod[label], mmod[label]
+        if s.get("config") != m.get("config"):
+            diffs.append(f"FSDP module {label!r}: saved with "
+                         f"{_module_config(s.get('config'))}, now "
+                         f"{_module_config(m.get('config'))}")
         if (s.get("mesh"), s.get("coordinate")) != (m["mesh"], m["coordinate"]):
             diffs.append(f"FSDP module {label!r}: saved on a mesh of shape {s.get('mesh')} at "
                          f"coordinate {s.get('coordinate')}, now {m['mesh']} at "

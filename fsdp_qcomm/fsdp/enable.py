@@ -43,7 +43,7 @@ checkpointers that keep one copy for all ranks (Accelerate, Lightning Fabric).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -60,7 +60,7 @@ from ..collectives.topology import (
 )
 from ..config import QCommConfig
 from ..stats import CommStats, TaggedStats
-from . import checkpoint, hop_plan, hsdp, tp_peers
+from . import checkpoint, hop_plan, hsdp, module_choice, tp_peers
 from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import ReductionQueue
@@ -100,6 +100,10 @@ class _Install:
         self.group_label = group_label
         self.prev_all_gather, self.prev_reduce_scatter = fsdp.installed_comms(group)
         self.prev_force_sum = fsdp.force_sum(group)
+        # this module's configuration (``module_configs``; ``enable``'s otherwise) and the
+        # same with the run's node size, set by ``enable``
+        self.config: Optional[QCommConfig] = None
+        self.run: Optional[QCommConfig] = None
         self.all_gather: Optional[QuantizedAllGather] = None
         self.reduce_scatter: Optional[Any] = None
         self.replica: Optional[hsdp.ReplicaAllReduce] = None
@@ -368,23 +372,42 @@ def _checked(module: FSDPModule, group: Any, name: str, index: int, group_label:
     return _Install(module, group, name, index, group_label)
 
 
-def _collect(model: nn.Module) -> list[_Install]:
-    """Every parameter group of every FSDP module under ``model`` (several per module when
-    ``shard_placement_fn`` gave some parameters a mesh of their own); refuses what we cannot
-    handle, naming the module."""
+def _collect(model: nn.Module, config: QCommConfig,
+             module_filter_fn: Optional[module_choice.ModuleFilter] = None,
+             module_configs: Optional[Mapping[str, QCommConfig]] = None) -> list[_Install]:
+    """Every parameter group of every FSDP module under ``model`` that ``module_filter_fn``
+    keeps (several per module when ``shard_placement_fn`` gave some parameters a mesh of their
+    own), each with its configuration (``module_choice``); refuses what we cannot handle,
+    naming the module."""
+    overrides = module_choice.check_overrides(config, module_configs)
     installs: list[_Install] = []
     seen: set[int] = set()
-    found = False
+    found, excluded, used, names = False, [], set(), []
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         found = True
+        names.append(name)
+        chosen, pattern = module_choice.choose(module, name, config, module_filter_fn,
+                                               overrides)
+        if chosen is None:
+            excluded.append(name or "<root>")
+            continue
+        used.add(pattern)
         groups = fsdp.param_groups(module)
         for k, group in enumerate(groups):
             install = _checked(module, group, name, len(installs), _group_label(
                 group, k, len(groups)), seen)
             if install is not None:
+                install.config = chosen
                 installs.append(install)
+    module_choice.check_all_used(overrides, used, names)
+    if found and excluded and not installs:
+        raise ValueError(
+            f"module_filter_fn keeps every FSDP module under {type(model).__name__} out "
+            f"({excluded[:8]}): there is nothing to install. Let it return True for the "
+            "modules to quantize, or do not call enable()"
+        )
     if not found:
         raise ValueError(
             f"no FSDP module found under {type(model).__name__}: call "
@@ -399,11 +422,16 @@ def _collect(model: nn.Module) -> list[_Install]:
     return installs
 
 
-def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
+def enable(model: nn.Module, config: QCommConfig, *,
+           module_filter_fn: Optional[module_choice.ModuleFilter] = None,
+           module_configs: Optional[Mapping[str, QCommConfig]] = None) -> QCommHandle:
     """Install ``config``'s quantized collectives on every FSDP2 module under ``model``.
 
     Call after ``fully_shard`` (bottom-up, model last) and ``init_process_group``, on every
     rank. Returns a ``QCommHandle``: ``stats()``, ``reset()``, ``disable()``.
+    ``module_filter_fn(module, fqn) -> bool``: False keeps that FSDP module on FSDP2's own
+    collectives. ``module_configs``: ``{fnmatch pattern of the module's name: QCommConfig}``,
+    other widths or schemes for some modules (``fsdp.module_choice``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -416,8 +444,8 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
         )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
-    installs = _collect(model)
-    if config.grad_levels == "learned" and any(_has_replicas(i.group) for i in installs):
+    installs = _collect(model, config, module_filter_fn, module_configs)
+    if any(i.config.grad_levels == "learned" and _has_replicas(i.group) for i in installs):
         raise ValueError(
             "QCommConfig.grad_levels='learned' is not supported under HSDP: the all-reduce "
             "across replicas has no learned level table and would run on uniform levels. Use "
@@ -428,7 +456,9 @@ def enable(model: nn.Module, config: QCommConfig) -> QCommHandle:
     fsdp.verify_torch()
     for i in installs:
         fsdp.verify_group(i.group)
-    plans = {i.label: _plan(i, run) for i in installs}
+        i.run = run if i.config is config else i.config.replace(
+            ranks_per_node=placement.ranks_per_node)
+    plans = {i.label: _plan(i, i.run) for i in installs}
     _check_topology(installs, plans)
 
     stats = CommStats()

@@ -77,7 +77,7 @@ def parallelize_gpt_qcomm(model: torch.nn.Module, parallel_dims, job_config) -> 
         )
         section = qcomm_config.QComm()
     atts = install_qcomm([model], section.resolve(), preset=section.preset,
-                         overrides=section.overrides())
+                         overrides=section.overrides(), **section.module_choice())
     # torchtitan 0.2.2's Trainer runs gradient_accumulation_steps forward/backward passes per
     # optimizer step and never skips FSDP's all-reduce across replicas: count them here
     sync = ReplicaSync([model], accumulation_steps(job_config, parallel_dims),

@@ -141,7 +141,8 @@ class QCommTrainer(Trainer):
             model = parallelize(model, **kwargs)
             if dl_config is not None:  # before install_qcomm: it then sees one replica
                 isolations.append(isolate_for_diloco(model, kwargs["parallel_dims"]))
-            install_qcomm([model], qcfg, preset=section.preset, overrides=section.overrides())
+            install_qcomm([model], qcfg, preset=section.preset, overrides=section.overrides(),
+                          **section.module_choice())
             return model
 
         config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize_with_qcomm)

@@ -27,13 +27,15 @@ def _fsdp_module_count(model: torch.nn.Module) -> int:
 
 def install_qcomm(
     model_parts: list[torch.nn.Module], config: QCommConfig, *, preset: str = "custom",
-    overrides: Optional[dict[str, Any]] = None,
+    overrides: Optional[dict[str, Any]] = None, module_filter_fn: Optional[Any] = None,
+    module_configs: Optional[dict[str, QCommConfig]] = None,
 ) -> list[QCommAttachment]:
     """``fsdp_qcomm.enable(part, config)`` on every model part that has FSDP modules.
 
     Leaves a :class:`QCommAttachment` on each part (``comm_stats.ATTACHMENT_ATTR``), which the
     metrics processors and the checkpoint entry read, and returns them. ``preset`` and
-    ``overrides`` only label the run (logs, summary file).
+    ``overrides`` only label the run (logs, summary file); ``module_filter_fn`` and
+    ``module_configs`` go to ``enable`` (the section's ``exclude_modules``/``module_presets``).
 
     Safe while the parameters are still on the meta device (torchtitan materializes and
     initializes them after parallelizing): ``enable`` records nothing about parameter values
@@ -53,7 +55,8 @@ def install_qcomm(
             att.note = "no FSDP modules (single process or FSDP disabled): nothing to install"
             logger.info(f"qcomm: {att.note}")
         else:
-            att.handle = enable(part, config)
+            att.handle = enable(part, config, module_filter_fn=module_filter_fn,
+                                module_configs=module_configs)
             groups = len(att.handle.group_labels)
             logger.info(
                 f"qcomm: preset {preset!r} overrides {overrides or {}}: installed on "

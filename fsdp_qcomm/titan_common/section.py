@@ -22,6 +22,12 @@ Errors name the section and field, e.g. ``[qcomm] weight_bits=99: ...``. Unknown
 rejected by torchtitan 0.2.2 (``Invalid field names in ... {'foo'}``) and by tyro
 (``Unrecognized options: --qcomm.foo``).
 
+Two fields are the section's own, not ``QCommConfig``'s: ``exclude_modules`` (comma-separated
+``fnmatch`` patterns of FSDP module names kept on FSDP2's own collectives: ``enable``'s
+``module_filter_fn``) and ``module_presets`` (``"pattern=preset,..."``: those modules use that
+preset, with this section's per-call fields: ``enable``'s ``module_configs``), e.g.
+``--qcomm.preset lowbit --qcomm.module_presets "tok_embeddings=sdp4bit,output=sdp4bit"``.
+
 Limitation: TOML has no null, so an override cannot set a field to ``None`` explicitly (unset
 already means "the preset's value", and no preset sets a None-able field today).
 """
@@ -113,13 +119,51 @@ def _section_post_init(self) -> None:
         ) from None
 
 
+#: the section's own fields (not QCommConfig's): which modules get which configuration
+MODULE_FIELDS = ("exclude_modules", "module_presets")
+
+
 def _section_overrides(self) -> dict:
-    """The fields set in TOML/CLI (everything but ``preset`` that is not None)."""
+    """The QCommConfig fields set in TOML/CLI (not ``preset``, not ``MODULE_FIELDS``)."""
     return {
         f.name: getattr(self, f.name)
         for f in dataclasses.fields(self)
-        if f.name != "preset" and getattr(self, f.name) is not None
+        if f.name != "preset" and f.name not in MODULE_FIELDS and getattr(self, f.name) is not None
     }
+
+
+def _patterns(text: Optional[str]) -> list:
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
+def _section_module_choice(self) -> dict:
+    """``enable``'s ``module_filter_fn`` and ``module_configs`` from ``exclude_modules`` and
+    ``module_presets`` (both None when unset)."""
+    import fnmatch
+
+    from fsdp_qcomm.fsdp.module_choice import CALL_FIELDS
+
+    out: dict = {"module_filter_fn": None, "module_configs": None}
+    excluded = _patterns(self.exclude_modules)
+    if excluded:
+        def keep(module, fqn, _pats=tuple(excluded)):
+            return not any(fnmatch.fnmatchcase(fqn, p) for p in _pats)
+
+        out["module_filter_fn"] = keep
+    pairs = _patterns(self.module_presets)
+    if pairs:
+        base = self.resolve()
+        configs = {}
+        for pair in pairs:
+            pattern, sep, name = pair.partition("=")
+            if not sep or not pattern.strip() or name.strip() not in preset_names(self._source):
+                raise ValueError(
+                    f"[{SECTION}] module_presets entry {pair!r}: expected pattern=preset with a "
+                    f"known preset ({', '.join(preset_names(self._source))})")
+            configs[pattern.strip()] = self._source.preset(name.strip()).replace(
+                **{f: getattr(base, f) for f in CALL_FIELDS})
+        out["module_configs"] = configs
+    return out
 
 
 def _section_resolve(self):
@@ -152,9 +196,21 @@ def make_section_class(source: Optional[type] = None, name: str = "QComm") -> ty
         )
     ]
     field_types: dict = {"preset": str}
+    for extra, text in (
+        ("exclude_modules", "comma-separated fnmatch patterns of FSDP module names kept on "
+                            "FSDP2's own collectives (enable's module_filter_fn)"),
+        ("module_presets", "pattern=preset,... : those FSDP modules use that preset "
+                           "(enable's module_configs)"),
+    ):
+        spec.append((extra, typing.Annotated[Optional[str], tyro.conf.arg(help=text)],
+                     field(default=None)))
+        field_types[extra] = str
     for f in dataclasses.fields(source):
         if f.name == "preset":
             raise TypeError(f"{source.__name__} has a field named 'preset', which [qcomm] reserves")
+        if f.name in MODULE_FIELDS:
+            raise TypeError(f"{source.__name__} has a field named {f.name!r}, which [qcomm] "
+                            "reserves")
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else "<required>"
         spec.append(
@@ -178,6 +234,7 @@ def make_section_class(source: Optional[type] = None, name: str = "QComm") -> ty
             "__post_init__": _section_post_init,
             "overrides": _section_overrides,
             "resolve": _section_resolve,
+            "module_choice": _section_module_choice,
             "_source": source,
             "_field_types": field_types,
             "__doc__": f"[{SECTION}] section mirroring {source.__module__}.{source.__name__}.",

@@ -68,7 +68,8 @@ def test_section_is_generated_from_the_library_config():
     assert section.qcomm_config_class() is QCommConfig
     assert section.preset_names() == list(QCommConfig.PRESETS)
     fields = {f.name for f in dataclasses.fields(section.QComm)}
-    assert fields == {"preset"} | {f.name for f in dataclasses.fields(QCommConfig)}
+    assert fields == {"preset", *section.MODULE_FIELDS} | {
+        f.name for f in dataclasses.fields(QCommConfig)}
     assert all(f.default is None for f in dataclasses.fields(section.QComm) if f.name != "preset")
     s = section.QComm(preset="qsdp", weight_bits=6, grad_scheme="two_level")
     assert s.resolve() == QCommConfig.preset("qsdp", weight_bits=6, grad_scheme="two_level")
@@ -475,3 +476,25 @@ def test_replica_tokens_normalize_by_the_replica_groups_own_tokens():
     seen.clear()
     tokens.forward_backward(call, {"global_valid_tokens": everyone})
     assert [int(t) for t in seen] == [5]
+
+
+def test_section_module_fields_become_enable_arguments():
+    """``exclude_modules`` and ``module_presets`` are the section's own fields: enable's
+    module_filter_fn and module_configs, each override carrying the section's per-call
+    fields; a malformed entry is refused naming the section."""
+    from fsdp_qcomm import QCommConfig
+    from fsdp_qcomm.titan_common.section import QComm
+
+    s = QComm(preset="lowbit", ranks_per_node=2, exclude_modules="norm, layers.1*",
+              module_presets="tok_embeddings=sdp4bit,output=sdp4bit")
+    assert "exclude_modules" not in s.overrides() and s.resolve().ranks_per_node == 2
+    choice = s.module_choice()
+    keep = choice["module_filter_fn"]
+    assert keep(None, "layers.0") and not keep(None, "norm") and not keep(None, "layers.10")
+    configs = choice["module_configs"]
+    assert list(configs) == ["tok_embeddings", "output"]
+    assert configs["output"] == QCommConfig.preset("sdp4bit", ranks_per_node=2)
+    assert QComm(preset="sdp4bit").module_choice() == {"module_filter_fn": None,
+                                                       "module_configs": None}
+    with pytest.raises(ValueError, match=r"\[qcomm\] module_presets entry 'output:sdp4bit'"):
+        QComm(preset="sdp4bit", module_presets="output:sdp4bit").module_choice()
