@@ -530,6 +530,23 @@ def test_diloco_checkpoint_loads_without_its_entry_with_exclude(diloco_run, tmp_
 
 
 @pytest.mark.long
+@pytest.mark.long
+def test_tensor_parallel_two_by_two(tmp_path):
+    """The 0.3 debug recipe with tensor parallelism 2 inside each of 2 "nodes" (4 CPU ranks,
+    the recipe's ranks_per_node=2): FSDP over the 2 data-parallel ranks, torchtitan's TP plan;
+    it trains under sdp4bit with the TP-replicated parameters' reduced gradients averaged over
+    their TP peers (``fsdp.tp_peers``; bit-identity itself: tests/test_tensor_parallel.py)."""
+    dump = tmp_path / "out"
+    torchrun("debug_sdp4bit", dump, *short_run(4), "--parallelism.tensor_parallel_degree", "2",
+             nproc=4, timeout=900)
+    s = read_summary(dump)
+    assert s["installed"] and s["steps_logged"] == [1, 2, 3, 4]
+    assert s["world_size"] == 2  # the data-parallel ranks FSDP shards over
+    assert all(math.isfinite(v) for v in s["loss"]), s["loss"]
+    assert any("tensor-parallel peers" in n for n in s["notes"]), s["notes"]
+    assert s["handle_stats"][0]["tp_peer_sync"]["calls"] > 0
+
+
 def test_moe_with_expert_parallelism_trains_through_sdp4bit(tmp_path):
     """torchtitan's DeepSeek-V3 debug model with expert parallelism 2 on 4 CPU ranks (2 "nodes"
     x 2), sdp4bit: its parallelize gives each MoE block's experts their own mesh (two parameter
