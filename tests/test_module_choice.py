@@ -161,3 +161,4 @@ def test_config_checks_without_ranks():
     cfg, pattern = module_choice.choose(torch.nn.Linear(2, 2), "", base, None,
                                         {"<root>": base.replace(weight_bits=8)})
     assert cfg.weight_bits == 8 and pattern == "<root>"
+
