@@ -133,7 +133,8 @@ def _one_gloo_thread() -> None:
     class OneThreadGloo(base, metaclass=AnyGloo):
         _fsdp_qcomm_threads = GLOO_THREADS
 
-        def __init__(self, store, rank: int, size: int, timeout=None) -> None:
+        def __init__(self, store, rank: int, size: int, timeout=None,
+                     enable_reconfigure: Optional[bool] = None) -> None:
             if isinstance(timeout, base._Options):  # the (store, rank, size, options) form
                 opts = timeout
             else:
@@ -141,6 +142,8 @@ def _one_gloo_thread() -> None:
                 opts._devices = [base.create_default_device()]
                 if timeout is not None:
                     opts._timeout = timeout
+                if enable_reconfigure is not None:  # torch 2.15's keyword
+                    opts.enable_reconfigure = enable_reconfigure
             opts._threads = GLOO_THREADS
             super().__init__(store, rank, size, opts)
 

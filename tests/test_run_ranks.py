@@ -150,6 +150,9 @@ def _gloo_groups(rank: int, world: int) -> dict:
     with warnings.catch_warnings():
         # a gloo backend that torch's isinstance checks missed would be skipped with a warning
         warnings.simplefilter("error")
+        # torch 2.15 deprecates the function itself (set_timeout replaces it): not the point
+        warnings.filterwarnings("ignore", message=".*_set_pg_timeout. is deprecated",
+                                category=FutureWarning)
         c10d._set_pg_timeout(timedelta(seconds=77))
     cpu = torch.device("cpu")
     return {name: (gloo_threads(g), dist.get_backend(g), internals.sequence_number(g),

@@ -2,7 +2,7 @@
 # Step time of this checkout against another commit's code on the emulated 2-node cluster, in
 # alternating runs on the same machine (so a drift of the machine's load hits both alike).
 #
-#   sudo bash scripts/speed_vs_commit.sh COMMIT OUT [RUNS] [RATE] [SCHEMES] [THEIR_SCHEMES]
+#   sudo bash benchmarks/speed_vs_commit.sh COMMIT OUT [RUNS] [RATE] [SCHEMES] [THEIR_SCHEMES]
 #
 # COMMIT is checked out as a git worktree under /tmp (kept for the next call); each run writes
 # OUT/main_run<k>/ (benchmarks/cluster_speed.py, its own provenance) and OUT/<COMMIT>_run<k>/

@@ -1,8 +1,8 @@
 """Where the test suite's time goes: run pytest with ``--durations=0`` and write the per-module
 and per-test table (setup, call and teardown summed per test).
 
-    OMP_NUM_THREADS=1 python scripts/test_durations.py --out results/test_durations [--all]
-    python scripts/test_durations.py --from OUTPUT.txt --name NAME --out results/test_durations
+    OMP_NUM_THREADS=1 python benchmarks/test_durations.py --out results/test_durations [--all]
+    python benchmarks/test_durations.py --from OUTPUT.txt --name NAME --out results/test_durations
 
 ``--all`` times both tiers (tests/conftest.py). ``--from`` renders a pytest output captured
 before (its provenance is what its ``--note`` says). Writes ``OUT/NAME.md`` (NAME: ``quick``,
