@@ -87,14 +87,21 @@ class Row:
 
         if self.diloco is None:
             raise ValueError("a per-step HSDP row has no DiLoCoConfig")
-        return DiLoCoConfig.from_dict({**self.diloco, "seed": seed})
+        d = {**self.diloco, "seed": seed}
+        if d.get("bits") == 32:  # TOML has no null: 32 is an unquantized fp32 all-reduce
+            d["bits"] = None
+        return DiLoCoConfig.from_dict(d)
 
     def describe(self) -> str:
         if self.diloco is not None:
             d = self.diloco
             bits = d.get("bits", 4)
-            text = f"DiLoCo H={d['sync_every']}, " + ("fp32" if bits is None else f"{bits}-bit") \
-                + " outer"
+            text = f"DiLoCo H={d['sync_every']}, " + (
+                "fp32" if bits in (None, 32) else f"{bits}-bit") + " outer"
+            if bits not in (None, 32) and d.get("hadamard") is False:
+                text += ", no Hadamard"
+            if d.get("rounding") == "nearest":
+                text += ", nearest rounding"
             if d.get("fragments", 1) > 1:
                 text += f", {d['fragments']} fragments, delay {d.get('delay', 0)}"
             text += ", EF" if d.get("error_feedback") else ""
@@ -279,6 +286,8 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
         extra = {"outer_allreduce": st.get("outer_allreduce"),
                  "outer_state_bytes": diloco.outer_state_breakdown(),
                  "outer_steps": s["outer_steps"]}
+        if diloco.config.diagnostics:  # per outer step: norms, cosine to the fp32 mean
+            extra["diagnostics"] = diloco.diagnostics()
         diloco.close()
     else:
         st = handle.stats()
@@ -323,6 +332,95 @@ def _loss_within(run: dict, budget: float) -> Optional[tuple[int, float]]:
         if step * run["cross_node_bytes_per_step"] <= budget * (1 + 1e-9):
             best = (step, loss)
     return best
+
+
+#: the outer settings a quantized row and its fp32 twin share
+_TWIN_KEYS = ("sync_every", "fragments", "delay", "alpha", "outer_lr", "outer_momentum",
+              "outer_nesterov", "error_feedback")
+QUANTIZER_CLAIM_PCT = 0.5  # issue 44: a quantized row at most +0.5% behind fp32 DiLoCo
+
+
+def _twin_key(d: dict) -> tuple:
+    from fsdp_qcomm.diloco import DiLoCoConfig
+
+    cfg = DiLoCoConfig.from_dict({**d, "bits": None if d.get("bits") == 32 else d.get("bits", 4)})
+    return tuple(getattr(cfg, k) for k in _TWIN_KEYS)
+
+
+def _is_fp32(d: dict) -> bool:
+    return d.get("bits", 4) in (None, 32)
+
+
+def _quantizer_part(stored: dict, a, full: bool, summary: dict) -> list[str]:
+    """Each quantized DiLoCo row against its fp32 twin (same H, outer lr, momentum, ...): the
+    quantizer's part of the gap to HSDP, paired by seed; the twin's own gap to HSDP is
+    DiLoCo's part. Rows without a stored twin are left out."""
+    from accuracy import score
+
+    twins = {}
+    for label, e in stored.items():
+        d = e["row"].get("diloco")
+        if d is not None and _is_fp32(d) and not d.get("diagnostics"):
+            twins.setdefault(_twin_key(d), label)
+    out = []
+    for label, e in stored.items():
+        d = e["row"].get("diloco")
+        if d is None or _is_fp32(d) or d.get("diagnostics"):
+            continue
+        twin = twins.get(_twin_key(d))
+        if twin is None:
+            continue
+        mine = {s: score(r, a.tail, full) for s, r in e["runs"].items()}
+        theirs = {s: score(r, a.tail, full) for s, r in stored[twin]["runs"].items()}
+        if not set(mine) & set(theirs):
+            continue
+        gap = paired_gap_pct(mine, theirs)
+        word = verdict(gap, QUANTIZER_CLAIM_PCT)
+        own = summary.get(twin, {}).get("gap_pct_vs_hsdp")
+        own_text = "-" if own is None else f"{own['mean']:+.2f}%"
+        summary.setdefault(label, {})["gap_pct_vs_fp32_twin"] = {
+            "twin": twin, **gap.as_dict(), "verdict": word}
+        out.append(f"| {label} | {twin} | {gap.n} | {fmt_spread(gap, 2, '%')} | "
+                   f"{fmt_interval(gap)} | {word} | "
+                   f"{own_text} |")
+    if not out:
+        return []
+    return ["Which part of the gap is the quantizer's: each quantized row against fp32 DiLoCo "
+            "with the same outer settings (its twin), paired by seed; the twin's own gap to "
+            f"HSDP is DiLoCo's part. Verdict at +{QUANTIZER_CLAIM_PCT}% (issue 44).", "",
+            "| row | fp32 twin | seeds | vs twin, paired (mean ± sd) | 95% interval | "
+            f"verdict (+{QUANTIZER_CLAIM_PCT}%) | twin vs HSDP (mean) |",
+            "|---|---|---|---|---|---|---|", *out, ""]
+
+
+def _diagnostics_table(stored: dict) -> list[str]:
+    """Rows trained with ``DiLoCoConfig.diagnostics``: per row, the mean over seeds and outer
+    steps of what the outer step looked like (first and last outer steps apart)."""
+    out = []
+    for label, e in stored.items():
+        diags = [r["diagnostics"] for r in e["runs"].values() if r.get("diagnostics")]
+        if not diags:
+            continue
+
+        def mean(key, sel):
+            vals = [x[key] for d in diags for x in sel(d) if x.get(key) is not None]
+            return sum(vals) / len(vals) if vals else float("nan")
+
+        for part, sel in (("all", lambda d: d), ("first 5", lambda d: d[:5]),
+                          ("last 5", lambda d: d[-5:])):
+            out.append(
+                f"| {label} | {part} | {len(diags)} | {mean('pseudo_gradient_norm', sel):.4g} | "
+                f"{mean('mean_fp32_norm', sel):.4g} | {mean('mean_quantized_norm', sel):.4g} | "
+                f"{mean('cosine', sel):.4f} | {mean('relative_error', sel):.4f} | "
+                f"{mean('update_norm', sel):.4g} |")
+    if not out:
+        return []
+    return ["The outer step measured (rows with DiLoCoConfig.diagnostics; means over seeds and "
+            "outer steps): the pseudo-gradient's norm (rms over replicas), the norms of its fp32 "
+            "mean and of the mean the outer step used, their cosine and relative error, the "
+            "applied update's norm.", "",
+            "| row | outer steps | seeds | pseudo-gradient | fp32 mean | used mean | cosine | "
+            "relative error | update |", "|---|---|---|---|---|---|---|---|---|", *out, ""]
 
 
 def _report(a, stored: dict) -> tuple[str, dict]:
@@ -379,6 +477,7 @@ def _report(a, stored: dict) -> tuple[str, dict]:
             f"{'-' if fewer is None else f'{fewer:.1f}x'} | "
             f"{'before the first evaluation' if eq is None else f'{eq[0]:.4f} ({eq[1]})'} | "
             f"{'-' if per_step_s is None else f'{per_step_s:.3f}'} |")
+    lines += ["", *_quantizer_part(stored, a, full, summary), *_diagnostics_table(stored)]
     head = (f"Score of a run: {score_name(a.tail, full)}. Verdict: \"{within(CLAIM_PCT)}\" when "
             f"the upper bound of the paired 95% interval of the gap to HSDP is at most "
             f"+{CLAIM_PCT}%, \"worse\" when its lower bound is above 0, else \"undecided\" "

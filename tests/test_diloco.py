@@ -139,6 +139,7 @@ def _identical_run(rank: int, world: int, shape, cfg_kw: dict, steps: int,
     out["outer_steps"] = diloco.outer_steps
     out["position"] = (diloco.group_rank, diloco.group_size)
     out["params"] = {n: _digest(p.detach().to_local()) for n, p in model.named_parameters()}
+    out["diagnostics"] = diloco.diagnostics()
     if handle is not None:
         out["handle_kinds"] = sorted(k for k in handle.stats() if k != "summary")
     return out
@@ -239,6 +240,31 @@ def test_stats_count_the_wire_bytes_per_inner_step():
         assert b["global"] == 4 * m and b["optimizer"] == 4 * m  # SGD momentum
         assert b["residuals"] == 0 and b["in_flight"] == 0
         assert s["outer_state_bytes"] == sum(b.values())
+
+
+def test_diagnostics_measure_each_outer_step_and_change_no_bit():
+    """DiLoCoConfig.diagnostics: per outer step the fp32 mean beside the quantized one (an
+    extra unquantized all-reduce), their cosine and relative error, the pseudo-gradient's and
+    the update's norms; the training is bit for bit the run without it, and fp32 outer
+    gradients agree with their own reference exactly."""
+    steps, kw = 8, dict(sync_every=4, bits=2, outer_momentum=0.8)
+    plain = run_ranks(_identical_run, 4, (2, 2), kw, steps, timeout=300)
+    diag = run_ranks(_identical_run, 4, (2, 2), {**kw, "diagnostics": True}, steps, timeout=300)
+    fp32 = run_ranks(_identical_run, 4, (2, 2), dict(sync_every=4, bits=None, hadamard=False,
+                                                     diagnostics=True), steps, timeout=300)
+    assert [r["params"] for r in diag] == [r["params"] for r in plain]
+    assert plain[0]["diagnostics"] == []
+    d = diag[0]["diagnostics"]
+    assert [x["outer_step"] for x in d] == [1, 2] and all(x == d for x in
+                                                          (r["diagnostics"] for r in diag))
+    for x in d:
+        assert 0.0 < x["cosine"] < 1.0 and x["relative_error"] > 0, x  # 2 bits: noisy
+        assert x["mean_fp32_norm"] <= x["pseudo_gradient_norm"] * (1 + 1e-9)  # a mean shrinks
+        assert x["update_norm"] > 0
+    for x in fp32[0]["diagnostics"]:
+        assert x["relative_error"] == 0.0 and abs(x["cosine"] - 1.0) < 1e-12, x
+    # the extra fp32 all-reduce is not part of the counted traffic
+    assert diag[0]["stats"]["outer_allreduce"] == plain[0]["stats"]["outer_allreduce"]
 
 
 # ---- the overlap thread -------------------------------------------------------------------------

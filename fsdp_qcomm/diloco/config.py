@@ -51,6 +51,10 @@ class DiLoCoConfig:
     seed: keys the stochastic rounding (with the sync index, the rank and the fragment).
     init_sync: at construction, copy replica 0's weights to every replica (full precision,
         once) so that all start bit-identical (torchft replicas heal instead).
+    diagnostics: measure what quantization does to each outer step (``DiLoCo.diagnostics()``):
+        an extra fp32 all-reduce of the pseudo-gradient beside the quantized one, and the
+        norms and cosine of the two means and of the applied update. For analysis runs: it
+        sends the pseudo-gradient a second time, unquantized; training is unchanged.
     """
 
     sync_every: int = 32
@@ -70,6 +74,7 @@ class DiLoCoConfig:
     overlap: Optional[bool] = None
     seed: int = 0
     init_sync: bool = True
+    diagnostics: bool = False
 
     def __post_init__(self) -> None:
         _check_int(_OWNER, "sync_every", self.sync_every, 1)
@@ -97,7 +102,8 @@ class DiLoCoConfig:
             raise ValueError(f"{_OWNER}.outer_lr={self.outer_lr} must be > 0")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"{_OWNER}.outer_momentum={self.outer_momentum} must be in [0, 1)")
-        for name in ("outer_nesterov", "symmetric", "hadamard", "error_feedback", "init_sync"):
+        for name in ("outer_nesterov", "symmetric", "hadamard", "error_feedback", "init_sync",
+                     "diagnostics"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{_OWNER}.{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):

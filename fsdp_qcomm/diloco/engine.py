@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -61,7 +62,9 @@ class _Pending:
     """A launched all-reduce of one fragment, merged after inner step ``merge_at``."""
 
     def __init__(self, fragment: int, merge_at: int, future: "Future[float]",
-                 buf: torch.Tensor, weight: float = 1.0) -> None:
+                 buf: torch.Tensor, weight: float = 1.0,
+                 diag: Optional[dict[str, Any]] = None) -> None:
+        self.diag = diag  # diagnostics: the fp32 mean and this rank's pseudo-gradient norm
         self.fragment = fragment
         self.merge_at = merge_at
         self.weight = weight
@@ -125,6 +128,10 @@ class DiLoCo:
         self.outer_steps = 0
         self.failed_commits = 0
         self._pending: Optional[_Pending] = None
+        self._diagnostics: list[dict[str, Any]] = []
+        if config.diagnostics and self._weighted:
+            raise ValueError("DiLoCoConfig.diagnostics=True needs a fixed replica group (a mesh "
+                             "or process group), not torchft's: its replicas may heal")
         #: the latest merge: fragment, inner steps of its launch and merge, this replica's
         #: contribution weight and the sum over replicas, committed, the all-reduce's error
         self.last_sync: Optional[dict[str, Any]] = None
@@ -180,6 +187,7 @@ class DiLoCo:
             self.reset_residuals()
         frag = self.fragments[f]
         buf = frag.pseudo_gradient() if weight else torch.zeros_like(frag.global_)
+        diag = self._diagnose_launch(buf) if self.config.diagnostics else None
         residuals = frag.feedback if weight else None
         if residuals is not None:  # allocate here, on the main thread
             frag.residuals(self.replicas.size(), self._spec, self.config.hadamard)
@@ -193,7 +201,7 @@ class DiLoCo:
         if usable is not None and not usable():
             run = partial(_refuse, "the quorum before this sync failed; not all-reducing")
         self._pending = _Pending(f, t + self.config.delay, self._overlap.submit(run, t), buf,
-                                 weight)
+                                 weight, diag)
 
     def _merge(self) -> None:
         p = self._pending
@@ -217,12 +225,55 @@ class DiLoCo:
             # next pseudo-gradient carries (its start-of-round weights did not move).
             self.failed_commits += 1
             return
+        before = frag.global_.clone() if p.diag is not None else None
         if total > 0:
             frag.outer_step(p.buf)
+        if p.diag is not None:
+            self._diagnose_merge(p, frag.global_ - before)
         frag.write(self.config.alpha)
         self.outer_steps += 1
         if self.handle is not None:
             self.handle.mark_changed()
+
+    # ---- diagnostics (DiLoCoConfig.diagnostics) ------------------------------------------
+    def _diagnose_launch(self, buf: torch.Tensor) -> dict[str, Any]:
+        """Before the quantized all-reduce changes ``buf``: the exact fp32 mean over the
+        replicas (an extra, unquantized all-reduce, on this thread) and this rank's squared
+        pseudo-gradient norm."""
+        ref = buf.clone()
+        if self.replicas.size() > 1:
+            dist.all_reduce(ref, group=self.replicas.group)
+            ref.div_(self.replicas.size())
+        return {"ref": ref, "pg_sq": float(buf.double().pow(2).sum())}
+
+    def _diagnose_merge(self, p: _Pending, update: torch.Tensor) -> None:
+        """Compare the quantized mean with the fp32 one and record the applied update's norm.
+        Each rank holds its shard of the fragment: the squared sums add up over every rank
+        (one small all-reduce), and each replica contributes the same means once."""
+        q, ref = p.buf.double(), p.diag["ref"].double()
+        parts = torch.tensor([float((q * ref).sum()), float(q.pow(2).sum()),
+                              float(ref.pow(2).sum()), float((q - ref).pow(2).sum()),
+                              float(update.double().pow(2).sum()), p.diag["pg_sq"]],
+                             dtype=torch.float64, device=p.buf.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(parts)
+        dot, qq, ff, dd, uu, pg = (float(v) / self.replicas.size() for v in parts.tolist())
+        self._diagnostics.append({
+            "outer_step": self.outer_steps + 1, "fragment": p.fragment,
+            "inner_step": p.merge_at - self.config.delay,
+            "pseudo_gradient_norm": pg ** 0.5,  # root mean square over the replicas
+            "mean_fp32_norm": ff ** 0.5, "mean_quantized_norm": qq ** 0.5,
+            "cosine": dot / (qq * ff) ** 0.5 if qq > 0 and ff > 0 else None,
+            "relative_error": (dd / ff) ** 0.5 if ff > 0 else None,
+            "update_norm": uu ** 0.5,
+        })
+
+    def diagnostics(self) -> list[dict[str, Any]]:
+        """Per merged outer step (``DiLoCoConfig.diagnostics``): the pseudo-gradient's norm
+        (root mean square over the replicas), the norms of its fp32 mean and of the quantized
+        mean the outer step used, their cosine and relative error, and the norm of the update
+        the outer optimizer applied; empty without diagnostics."""
+        return [dict(d) for d in self._diagnostics]
 
     def finish(self) -> None:
         """Wait for an all-reduce still in flight and merge it now (end of training)."""
