@@ -68,13 +68,15 @@ def test_gpu_check_dry_run(tmp_path):
 def test_gpu_check_keeps_to_its_budget_and_writes_to_out(tmp_path):
     """Steps that no longer fit are recorded as skipped, not started; ``$OUT`` is the
     default destination (the device tool brings that folder back)."""
-    proc = _dry_run(None, "--budget", "24", "--only", "environment,fsdp_hooks,kernel_tests",
+    # 20.2 s: the first step may start (a step needs 20 s left), and once it has taken a
+    # fifth of a second (starting Python and importing torch take more), no other step can
+    proc = _dry_run(None, "--budget", "20.2", "--only", "environment,fsdp_hooks,kernel_tests",
                     env_out=str(tmp_path))
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = res["steps"]
     assert list(steps) == ["environment", "fsdp_hooks", "kernel_tests"], steps
-    assert steps["environment"]["status"] == "ok"
+    assert steps["environment"]["status"] in ("ok", "timeout"), steps
     skipped = [n for n, s in steps.items() if s["status"] == "skipped"]
-    assert skipped and skipped[-1] == "kernel_tests", steps
+    assert skipped == ["fsdp_hooks", "kernel_tests"], steps
     assert all("budget" in steps[n]["error"] for n in skipped)
     assert proc.returncode == 1  # a skipped step is not a passed one
