@@ -1,8 +1,9 @@
 """DiLoCo against per-step HSDP: validation loss at equal steps and node-crossing bytes.
 
 The accuracy benchmark's model and data (``benchmarks/accuracy.py``: char GPT, tinyshakespeare,
-AdamW with warm-up and cosine decay) on 4 gloo ranks as 2 nodes x 2. Per-step rows are HSDP
-(shard inside a node, replicate across nodes) with the replica all-reduce in fp32
+or with ``--bpe VOCAB`` its second workload, the main job's BPE corpus; AdamW with warm-up and
+cosine decay) on 4 gloo ranks as 2 nodes x 2. Per-step rows are HSDP (shard inside a node,
+replicate across nodes) with the replica all-reduce in fp32
 (``baseline`` with ``grad_overlap``: FSDP2's own math, bytes counted), ``sdp4bit`` or
 ``lowbit``. DiLoCo rows shard each node by itself (a replica group per node) and sync the
 replicas every ``H`` inner steps through ``fsdp_qcomm.diloco`` (outer SGD-Nesterov, by default
@@ -26,8 +27,8 @@ with ``--rows`` / ``--seed``); ``benchmarks/campaign.py`` runs campaigns of them
 (``benchmarks/campaigns/diloco.toml``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/diloco.py --steps 300 --eval-every 25 \\
-        [--eval-full --full-last 3 --tail 3 [--scored-evals-only]] [--seeds N] [--rows A,B] \\
-        [--out results/diloco] [--report-only]
+        [--bpe VOCAB] [--eval-full --full-last 3 --tail 3 [--scored-evals-only]] [--seeds N] \\
+        [--rows A,B] [--out results/diloco] [--report-only]
 
 A row's ``diloco`` fields are ``DiLoCoConfig``'s (``outer_lr``, ``outer_momentum``, ...: a
 campaign file's ``[rows.LABEL]`` sets them); the run's seed is its ``seed``.
@@ -54,7 +55,6 @@ from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
     Spread,
-    file_digest,
     fmt_interval,
     fmt_spread,
     interval,
@@ -142,8 +142,8 @@ REFERENCE = "HSDP sdp4bit"  # the per-step row whose bytes the DiLoCo rows are c
 _SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "lr_final", "warmup",
                "eval_every", "eval_batches", "val_seed", "world", "ranks_per_node")
 # added later: part of the setup only when not at their default, so stores made before they
-# existed (results/diloco_100) stay valid
-_SETUP_ARGS_NEW = {"eval_full": False, "full_last": 0}
+# existed (results/diloco_100; --bpe: every char store) stay valid
+_SETUP_ARGS_NEW = {"eval_full": False, "full_last": 0, "bpe": 0}
 
 
 def _row(label: str, defs: Optional[dict[str, Row]] = None) -> dict[str, Any]:
@@ -174,12 +174,13 @@ def rows_of(a: argparse.Namespace) -> dict[str, Row]:
 
 
 def setup_of(a: argparse.Namespace) -> dict[str, Any]:
-    """What every run of one store must share."""
-    from _model import CharData
+    """What every run of one store must share: the data is accuracy.py's (``load_data``: the
+    file's name and hash, or the BPE token streams' hash)."""
+    from accuracy import load_data
 
     setup = {k: getattr(a, k) for k in _SETUP_ARGS}
     setup.update({k: getattr(a, k) for k, v in _SETUP_ARGS_NEW.items() if getattr(a, k) != v})
-    setup["data"] = file_digest(CharData(a.data).path)
+    setup["data"] = load_data(a).digest()  # fails here, with the message, before any rank
     return setup
 
 
@@ -188,6 +189,9 @@ def _args(argv=None) -> argparse.Namespace:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None)
+    ap.add_argument("--bpe", type=int, default=0, metavar="VOCAB",
+                    help="accuracy.py's --bpe: the main job's BPE corpus, tokenizer of "
+                         "vocabulary VOCAB, instead of --data's characters")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -218,6 +222,8 @@ def _args(argv=None) -> argparse.Namespace:
     if bad:
         ap.error(f"unknown row(s) {bad}; choose from {list(ROWS)}")
     check_scoring_args(ap, a)
+    if a.bpe and a.data:
+        ap.error("--bpe and --data exclude each other")
     return a
 
 
@@ -307,9 +313,10 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
 
 
 def _train_all(rank: int, world: int, a, store: RunStore, todo: list) -> None:
-    from _model import CharData, GPTShape
+    from _model import GPTShape
+    from accuracy import load_data
 
-    data = CharData(a.data)
+    data = load_data(a)
     shape = GPTShape(data.vocab, a.dim, a.layers, a.heads, a.seq)
     for label, seed in todo:
         clock = _provenance.RunClock() if rank == 0 else None
@@ -529,22 +536,26 @@ def _plot(summary: dict, title: str, path: Path) -> bool:
 def write_report(a: argparse.Namespace, store: RunStore) -> Optional[str]:
     """Rebuild ``table.md``, ``results.json`` and ``gap_vs_bytes.png`` in ``a.out`` from every
     run stored there; returns the markdown (None: nothing stored)."""
+    from accuracy import describe_data
+
     out = Path(a.out)
     stored = store.all()
     if not stored:
         return None
     table, summary = _report(a, stored)
     first = next(iter(next(iter(stored.values()))["runs"].values()))
-    md = (f"# DiLoCo vs per-step HSDP\n\nModel: {first['params'] / 1e6:.2f}M-param char GPT "
-          f"(dim {a.dim}, {a.layers} layers), seq {a.seq}, batch {a.batch}/rank, AdamW lr "
-          f"{a.lr} cosine, {a.steps} steps, {a.world} ranks as {a.world // a.ranks_per_node} "
-          f"nodes x {a.ranks_per_node}; validation on the weights the replicas share.\n\n"
+    gpt = f"{first['params'] / 1e6:.2f}M-param {'BPE' if a.bpe else 'char'} GPT"
+    on = f" on {describe_data(a)}" if a.bpe else ""  # the char tables' text as it was
+    md = (f"# DiLoCo vs per-step HSDP\n\nModel: {gpt} (dim {a.dim}, {a.layers} layers){on}, "
+          f"seq {a.seq}, batch {a.batch}/rank, AdamW lr {a.lr} cosine, {a.steps} steps, "
+          f"{a.world} ranks as {a.world // a.ranks_per_node} nodes x {a.ranks_per_node}; "
+          "validation on the weights the replicas share.\n\n"
           f"{table}")
     (out / "table.md").write_text(md)
     (out / "results.json").write_text(json.dumps(
         {"setup": store.setup, "rows": summary, "runs": stored}, indent=1))
-    _plot(summary, f"{first['params'] / 1e6:.2f}M-param char GPT, {a.steps} steps, "
-          f"{a.world // a.ranks_per_node} nodes x {a.ranks_per_node}", out / "gap_vs_bytes.png")
+    _plot(summary, f"{gpt}, {a.steps} steps, {a.world // a.ranks_per_node} nodes x "
+          f"{a.ranks_per_node}", out / "gap_vs_bytes.png")
     return md
 
 

@@ -392,6 +392,34 @@ def test_diloco_report_scores_like_accuracy_and_judges_at_one_percent(tmp_path):
     assert "mean of the last 2 evaluations on the whole held-out split" in md
 
 
+def test_diloco_bpe_workload_enters_the_setup_only_when_set(tmp_path, monkeypatch):
+    """diloco.py's --bpe is accuracy.py's: the data comes from ``accuracy.load_data`` and the
+    setup gains ``bpe`` and the token streams' digest; without it the setup is the char
+    stores' own (no ``bpe`` key, the file's digest: results/diloco_640 stays valid)."""
+    import diloco
+
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    char = diloco.setup_of(diloco._args(["--data", str(data)]))
+    assert list(char) == [*diloco._SETUP_ARGS, "data"]
+    assert char["data"] == _seeds.file_digest(data)
+
+    class FakeBPE:  # BPEData without building the corpus
+        def __init__(self, vocab: int) -> None:
+            self.vocab = vocab
+
+        def digest(self) -> str:
+            return f"pystdlib bpe{self.vocab} sha256:0"
+
+    monkeypatch.setattr(accuracy, "load_data", lambda a: FakeBPE(a.bpe) if a.bpe else None)
+    bpe = diloco.setup_of(diloco._args(["--bpe", "2048"]))
+    assert {k: bpe.pop(k) for k in ("bpe", "data")} == {"bpe": 2048,
+                                                       "data": "pystdlib bpe2048 sha256:0"}
+    assert bpe == {k: v for k, v in char.items() if k != "data"}
+    with pytest.raises(SystemExit):
+        diloco._args(["--bpe", "2048", "--data", str(data)])
+
+
 def test_diloco_benchmark_gives_accuracy_its_schedule_arguments():
     """benchmarks/diloco.py trains with accuracy.py's learning-rate schedule and evaluation:
     its parsed arguments carry every field those read (a field added to accuracy.py once made
