@@ -31,13 +31,18 @@ with ``--rows`` / ``--seed``); ``benchmarks/campaign.py`` runs campaigns of them
         [--rows A,B] [--out results/diloco] [--report-only]
 
 A row's ``diloco`` fields are ``DiLoCoConfig``'s (``outer_lr``, ``outer_momentum``, ...: a
-campaign file's ``[rows.LABEL]`` sets them); the run's seed is its ``seed``.
+campaign file's ``[rows.LABEL]`` sets them); the run's seed is its ``seed``. One field is this
+benchmark's own, never the config's: ``noise`` (> 0), seeded Gaussian noise of ``noise`` times
+its rms added to the replica-mean pseudo-gradient before each outer step (``add_outer_noise``:
+a control for the rounding noise of quantized outer gradients, issue 44).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -71,6 +76,15 @@ from _seeds import (  # noqa: E402
 CLAIM_PCT = 1.0
 
 
+#: a DiLoCo row's benchmark-only field (``Row.noise``), never passed to ``DiLoCoConfig``
+NOISE = "noise"
+
+
+def _config_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A row's ``diloco`` fields without the benchmark's own (``noise``)."""
+    return {k: v for k, v in d.items() if k != NOISE}
+
+
 @dataclass(frozen=True)
 class Row:
     """Per-step HSDP under a ``QCommConfig`` preset (with ``overrides``), or DiLoCo with the
@@ -80,14 +94,29 @@ class Row:
     overrides: dict[str, Any] = field(default_factory=dict)
     diloco: Optional[dict[str, Any]] = None
 
+    @property
+    def noise(self) -> Optional[float]:
+        """The benchmark-only ``noise`` of a DiLoCo row (None: none; ``add_outer_noise``),
+        checked: a number > 0."""
+        v = (self.diloco or {}).get(NOISE)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v > 0):
+            raise ValueError(f"a DiLoCo row's noise (Gaussian noise on the outer gradient, in "
+                             f"units of its rms) must be a number > 0, got {v!r}")
+        return float(v)
+
     def config(self, seed: int):
         """The ``DiLoCoConfig`` a DiLoCo row trains with under ``seed`` (its ``diloco`` fields:
-        a campaign's outer_lr, outer_momentum, ... reach the run through here)."""
+        a campaign's outer_lr, outer_momentum, ... reach the run through here; ``noise`` is
+        the benchmark's, checked here and left out)."""
         from fsdp_qcomm.diloco import DiLoCoConfig
 
         if self.diloco is None:
             raise ValueError("a per-step HSDP row has no DiLoCoConfig")
-        d = {**self.diloco, "seed": seed}
+        _ = self.noise  # checked here, before anything trains (_row builds the config)
+        d = {**_config_fields(self.diloco), "seed": seed}
         if d.get("bits") == 32:  # TOML has no null: 32 is an unquantized fp32 all-reduce
             d["bits"] = None
         return DiLoCoConfig.from_dict(d)
@@ -98,6 +127,8 @@ class Row:
             bits = d.get("bits", 4)
             text = f"DiLoCo H={d['sync_every']}, " + (
                 "fp32" if bits in (None, 32) else f"{bits}-bit") + " outer"
+            if d.get(NOISE) is not None:
+                text += f" + Gaussian noise {d[NOISE]:g}x its rms"
             if bits not in (None, 32) and d.get("hadamard") is False:
                 text += ", no Hadamard"
             if d.get("rounding") == "nearest":
@@ -116,6 +147,45 @@ class Row:
         if self.overrides:
             text += " " + ", ".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
         return text
+
+
+def _noise_seed(seed: int, step: int, shard: int, fragment: int) -> int:
+    """The generator seed of outer step ``step`` of ``fragment`` on shard ``shard`` (the rank's
+    index in its replica group): a fixed mix (SHA-256; not Python's salted ``hash``), the same
+    in every process, so every replica of a shard draws the same noise."""
+    key = f"diloco.py outer noise:{seed}:{step}:{shard}:{fragment}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # < 2**63
+
+
+def add_outer_noise(diloco: Any, noise: float, seed: int) -> None:
+    """Wrap each fragment's ``outer_step`` (an instance attribute) so that, before it, the
+    replica-mean pseudo-gradient ``avg`` gets ``avg += noise * rms(avg) * z`` with ``z``
+    standard Gaussian: rms over this rank's shard of the fragment, ``z`` drawn on the CPU from
+    a generator seeded by (``seed``, the fragment's outer-step count, the shard index
+    ``diloco.group_rank``, the fragment index). ``avg`` is bit-identical on every replica, so
+    is the noise: the replicas stay identical. ``avg`` is changed in place: with
+    ``DiLoCoConfig.diagnostics`` the "used mean" is the noisy one, compared with the fp32
+    mean (its relative error is the noise's realized size)."""
+    for frag in diloco.fragments:
+        frag.outer_step = _noisy(frag.outer_step, noise, seed, diloco.group_rank, frag.index)
+
+
+def _noisy(outer_step, noise: float, seed: int, shard: int, fragment: int):
+    import torch
+
+    steps = [0]
+
+    def step(avg):
+        k = steps[0]
+        steps[0] += 1
+        if avg.numel():
+            g = torch.Generator().manual_seed(_noise_seed(seed, k, shard, fragment))
+            z = torch.randn(avg.shape, generator=g, dtype=torch.float32)
+            rms = float(avg.detach().double().pow(2).mean().sqrt())
+            avg.add_(z.to(device=avg.device, dtype=avg.dtype), alpha=noise * rms)
+        return outer_step(avg)
+
+    return step
 
 
 def _dl(h: int, bits: int, ef: bool, **kw: Any) -> Row:
@@ -255,6 +325,8 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
     else:
         model = build_fsdp_gpt(shape, seed, mesh["shard"])
         diloco = DiLoCo(model, row.config(seed), replicas=mesh)
+        if row.noise is not None:  # the benchmark's control: noise on the fp32 outer gradient
+            add_outer_noise(diloco, row.noise, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     train = []
     evals = Evaluations(a, data, shape, rank, world, timing)
@@ -350,7 +422,8 @@ QUANTIZER_CLAIM_PCT = 0.5  # issue 44: a quantized row at most +0.5% behind fp32
 def _twin_key(d: dict) -> tuple:
     from fsdp_qcomm.diloco import DiLoCoConfig
 
-    cfg = DiLoCoConfig.from_dict({**d, "bits": None if d.get("bits") == 32 else d.get("bits", 4)})
+    cfg = DiLoCoConfig.from_dict({**_config_fields(d),
+                                  "bits": None if d.get("bits") == 32 else d.get("bits", 4)})
     return tuple(getattr(cfg, k) for k in _TWIN_KEYS)
 
 
@@ -361,18 +434,19 @@ def _is_fp32(d: dict) -> bool:
 def _quantizer_part(stored: dict, a, full: bool, summary: dict) -> list[str]:
     """Each quantized DiLoCo row against its fp32 twin (same H, outer lr, momentum, ...): the
     quantizer's part of the gap to HSDP, paired by seed; the twin's own gap to HSDP is
-    DiLoCo's part. Rows without a stored twin are left out."""
+    DiLoCo's part. Rows without a stored twin are left out, and so are rows with diagnostics
+    or noise (``add_outer_noise``), as twins or as quantized rows."""
     from accuracy import score
 
     twins = {}
     for label, e in stored.items():
         d = e["row"].get("diloco")
-        if d is not None and _is_fp32(d) and not d.get("diagnostics"):
+        if d is not None and _is_fp32(d) and not d.get("diagnostics") and d.get(NOISE) is None:
             twins.setdefault(_twin_key(d), label)
     out = []
     for label, e in stored.items():
         d = e["row"].get("diloco")
-        if d is None or _is_fp32(d) or d.get("diagnostics"):
+        if d is None or _is_fp32(d) or d.get("diagnostics") or d.get(NOISE) is not None:
             continue
         twin = twins.get(_twin_key(d))
         if twin is None:
@@ -424,8 +498,8 @@ def _diagnostics_table(stored: dict) -> list[str]:
         return []
     return ["The outer step measured (rows with DiLoCoConfig.diagnostics; means over seeds and "
             "outer steps): the pseudo-gradient's norm (rms over replicas), the norms of its fp32 "
-            "mean and of the mean the outer step used, their cosine and relative error, the "
-            "applied update's norm.", "",
+            "mean and of the mean the outer step used (a noise row's: the fp32 mean with its "
+            "noise), their cosine and relative error, the applied update's norm.", "",
             "| row | outer steps | seeds | pseudo-gradient | fp32 mean | used mean | cosine | "
             "relative error | update |", "|---|---|---|---|---|---|---|---|---|", *out, ""]
 
