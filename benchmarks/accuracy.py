@@ -831,10 +831,15 @@ def cpu_estimate(store: RunStore, todo: list, steps: int) -> str:
             f"stored run(s)): about {len(todo) * steps * per_step / 60:.0f} min wall")
 
 
+def describe_data(a: argparse.Namespace) -> str:
+    """The run's dataset in words (``load_data``'s; diloco.py's tables say it too)."""
+    return (f"the main job's BPE corpus (pystdlib, vocab {a.bpe})" if a.bpe
+            else f"characters of {a.data or 'tinyshakespeare'}")
+
+
 def describe_setup(a: argparse.Namespace, first: dict[str, Any]) -> str:
     """One paragraph: model, data, schedule, mesh and evaluation of a table's runs."""
-    data = (f"the main job's BPE corpus (pystdlib, vocab {a.bpe})" if a.bpe
-            else f"characters of {a.data or 'tinyshakespeare'}")
+    data = describe_data(a)
     evals = (f"{a.eval_batches * a.world} sampled held-out batches of {a.batch}"
              + ((" and the whole held-out split" + (f" (last {a.full_last} evaluations)"
                                                     if a.full_last else ""))

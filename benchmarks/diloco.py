@@ -1,8 +1,9 @@
 """DiLoCo against per-step HSDP: validation loss at equal steps and node-crossing bytes.
 
 The accuracy benchmark's model and data (``benchmarks/accuracy.py``: char GPT, tinyshakespeare,
-AdamW with warm-up and cosine decay) on 4 gloo ranks as 2 nodes x 2. Per-step rows are HSDP
-(shard inside a node, replicate across nodes) with the replica all-reduce in fp32
+or with ``--bpe VOCAB`` its second workload, the main job's BPE corpus; AdamW with warm-up and
+cosine decay) on 4 gloo ranks as 2 nodes x 2. Per-step rows are HSDP (shard inside a node,
+replicate across nodes) with the replica all-reduce in fp32
 (``baseline`` with ``grad_overlap``: FSDP2's own math, bytes counted), ``sdp4bit`` or
 ``lowbit``. DiLoCo rows shard each node by itself (a replica group per node) and sync the
 replicas every ``H`` inner steps through ``fsdp_qcomm.diloco`` (outer SGD-Nesterov, by default
@@ -26,17 +27,22 @@ with ``--rows`` / ``--seed``); ``benchmarks/campaign.py`` runs campaigns of them
 (``benchmarks/campaigns/diloco.toml``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/diloco.py --steps 300 --eval-every 25 \\
-        [--eval-full --full-last 3 --tail 3 [--scored-evals-only]] [--seeds N] [--rows A,B] \\
-        [--out results/diloco] [--report-only]
+        [--bpe VOCAB] [--eval-full --full-last 3 --tail 3 [--scored-evals-only]] [--seeds N] \\
+        [--rows A,B] [--out results/diloco] [--report-only]
 
 A row's ``diloco`` fields are ``DiLoCoConfig``'s (``outer_lr``, ``outer_momentum``, ...: a
-campaign file's ``[rows.LABEL]`` sets them); the run's seed is its ``seed``.
+campaign file's ``[rows.LABEL]`` sets them); the run's seed is its ``seed``. One field is this
+benchmark's own, never the config's: ``noise`` (> 0), seeded Gaussian noise of ``noise`` times
+its rms added to the replica-mean pseudo-gradient before each outer step (``add_outer_noise``:
+a control for the rounding noise of quantized outer gradients, issue 44).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -54,7 +60,6 @@ from _seeds import (  # noqa: E402
     RunStore,
     SetupMismatch,
     Spread,
-    file_digest,
     fmt_interval,
     fmt_spread,
     interval,
@@ -71,6 +76,15 @@ from _seeds import (  # noqa: E402
 CLAIM_PCT = 1.0
 
 
+#: a DiLoCo row's benchmark-only field (``Row.noise``), never passed to ``DiLoCoConfig``
+NOISE = "noise"
+
+
+def _config_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A row's ``diloco`` fields without the benchmark's own (``noise``)."""
+    return {k: v for k, v in d.items() if k != NOISE}
+
+
 @dataclass(frozen=True)
 class Row:
     """Per-step HSDP under a ``QCommConfig`` preset (with ``overrides``), or DiLoCo with the
@@ -80,14 +94,29 @@ class Row:
     overrides: dict[str, Any] = field(default_factory=dict)
     diloco: Optional[dict[str, Any]] = None
 
+    @property
+    def noise(self) -> Optional[float]:
+        """The benchmark-only ``noise`` of a DiLoCo row (None: none; ``add_outer_noise``),
+        checked: a number > 0."""
+        v = (self.diloco or {}).get(NOISE)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v > 0):
+            raise ValueError(f"a DiLoCo row's noise (Gaussian noise on the outer gradient, in "
+                             f"units of its rms) must be a number > 0, got {v!r}")
+        return float(v)
+
     def config(self, seed: int):
         """The ``DiLoCoConfig`` a DiLoCo row trains with under ``seed`` (its ``diloco`` fields:
-        a campaign's outer_lr, outer_momentum, ... reach the run through here)."""
+        a campaign's outer_lr, outer_momentum, ... reach the run through here; ``noise`` is
+        the benchmark's, checked here and left out)."""
         from fsdp_qcomm.diloco import DiLoCoConfig
 
         if self.diloco is None:
             raise ValueError("a per-step HSDP row has no DiLoCoConfig")
-        d = {**self.diloco, "seed": seed}
+        _ = self.noise  # checked here, before anything trains (_row builds the config)
+        d = {**_config_fields(self.diloco), "seed": seed}
         if d.get("bits") == 32:  # TOML has no null: 32 is an unquantized fp32 all-reduce
             d["bits"] = None
         return DiLoCoConfig.from_dict(d)
@@ -98,6 +127,8 @@ class Row:
             bits = d.get("bits", 4)
             text = f"DiLoCo H={d['sync_every']}, " + (
                 "fp32" if bits in (None, 32) else f"{bits}-bit") + " outer"
+            if d.get(NOISE) is not None:
+                text += f" + Gaussian noise {d[NOISE]:g}x its rms"
             if bits not in (None, 32) and d.get("hadamard") is False:
                 text += ", no Hadamard"
             if d.get("rounding") == "nearest":
@@ -116,6 +147,45 @@ class Row:
         if self.overrides:
             text += " " + ", ".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
         return text
+
+
+def _noise_seed(seed: int, step: int, shard: int, fragment: int) -> int:
+    """The generator seed of outer step ``step`` of ``fragment`` on shard ``shard`` (the rank's
+    index in its replica group): a fixed mix (SHA-256; not Python's salted ``hash``), the same
+    in every process, so every replica of a shard draws the same noise."""
+    key = f"diloco.py outer noise:{seed}:{step}:{shard}:{fragment}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # < 2**63
+
+
+def add_outer_noise(diloco: Any, noise: float, seed: int) -> None:
+    """Wrap each fragment's ``outer_step`` (an instance attribute) so that, before it, the
+    replica-mean pseudo-gradient ``avg`` gets ``avg += noise * rms(avg) * z`` with ``z``
+    standard Gaussian: rms over this rank's shard of the fragment, ``z`` drawn on the CPU from
+    a generator seeded by (``seed``, the fragment's outer-step count, the shard index
+    ``diloco.group_rank``, the fragment index). ``avg`` is bit-identical on every replica, so
+    is the noise: the replicas stay identical. ``avg`` is changed in place: with
+    ``DiLoCoConfig.diagnostics`` the "used mean" is the noisy one, compared with the fp32
+    mean (its relative error is the noise's realized size)."""
+    for frag in diloco.fragments:
+        frag.outer_step = _noisy(frag.outer_step, noise, seed, diloco.group_rank, frag.index)
+
+
+def _noisy(outer_step, noise: float, seed: int, shard: int, fragment: int):
+    import torch
+
+    steps = [0]
+
+    def step(avg):
+        k = steps[0]
+        steps[0] += 1
+        if avg.numel():
+            g = torch.Generator().manual_seed(_noise_seed(seed, k, shard, fragment))
+            z = torch.randn(avg.shape, generator=g, dtype=torch.float32)
+            rms = float(avg.detach().double().pow(2).mean().sqrt())
+            avg.add_(z.to(device=avg.device, dtype=avg.dtype), alpha=noise * rms)
+        return outer_step(avg)
+
+    return step
 
 
 def _dl(h: int, bits: int, ef: bool, **kw: Any) -> Row:
@@ -142,8 +212,8 @@ REFERENCE = "HSDP sdp4bit"  # the per-step row whose bytes the DiLoCo rows are c
 _SETUP_ARGS = ("steps", "dim", "layers", "heads", "seq", "batch", "lr", "lr_final", "warmup",
                "eval_every", "eval_batches", "val_seed", "world", "ranks_per_node")
 # added later: part of the setup only when not at their default, so stores made before they
-# existed (results/diloco_100) stay valid
-_SETUP_ARGS_NEW = {"eval_full": False, "full_last": 0}
+# existed (results/diloco_100; --bpe: every char store) stay valid
+_SETUP_ARGS_NEW = {"eval_full": False, "full_last": 0, "bpe": 0}
 
 
 def _row(label: str, defs: Optional[dict[str, Row]] = None) -> dict[str, Any]:
@@ -174,12 +244,13 @@ def rows_of(a: argparse.Namespace) -> dict[str, Row]:
 
 
 def setup_of(a: argparse.Namespace) -> dict[str, Any]:
-    """What every run of one store must share."""
-    from _model import CharData
+    """What every run of one store must share: the data is accuracy.py's (``load_data``: the
+    file's name and hash, or the BPE token streams' hash)."""
+    from accuracy import load_data
 
     setup = {k: getattr(a, k) for k in _SETUP_ARGS}
     setup.update({k: getattr(a, k) for k, v in _SETUP_ARGS_NEW.items() if getattr(a, k) != v})
-    setup["data"] = file_digest(CharData(a.data).path)
+    setup["data"] = load_data(a).digest()  # fails here, with the message, before any rank
     return setup
 
 
@@ -188,6 +259,9 @@ def _args(argv=None) -> argparse.Namespace:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None)
+    ap.add_argument("--bpe", type=int, default=0, metavar="VOCAB",
+                    help="accuracy.py's --bpe: the main job's BPE corpus, tokenizer of "
+                         "vocabulary VOCAB, instead of --data's characters")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -218,6 +292,8 @@ def _args(argv=None) -> argparse.Namespace:
     if bad:
         ap.error(f"unknown row(s) {bad}; choose from {list(ROWS)}")
     check_scoring_args(ap, a)
+    if a.bpe and a.data:
+        ap.error("--bpe and --data exclude each other")
     return a
 
 
@@ -249,6 +325,8 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
     else:
         model = build_fsdp_gpt(shape, seed, mesh["shard"])
         diloco = DiLoCo(model, row.config(seed), replicas=mesh)
+        if row.noise is not None:  # the benchmark's control: noise on the fp32 outer gradient
+            add_outer_noise(diloco, row.noise, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     train = []
     evals = Evaluations(a, data, shape, rank, world, timing)
@@ -307,9 +385,10 @@ def _train_one(rank: int, world: int, a, data, shape, label: str, seed: int) -> 
 
 
 def _train_all(rank: int, world: int, a, store: RunStore, todo: list) -> None:
-    from _model import CharData, GPTShape
+    from _model import GPTShape
+    from accuracy import load_data
 
-    data = CharData(a.data)
+    data = load_data(a)
     shape = GPTShape(data.vocab, a.dim, a.layers, a.heads, a.seq)
     for label, seed in todo:
         clock = _provenance.RunClock() if rank == 0 else None
@@ -343,7 +422,8 @@ QUANTIZER_CLAIM_PCT = 0.5  # issue 44: a quantized row at most +0.5% behind fp32
 def _twin_key(d: dict) -> tuple:
     from fsdp_qcomm.diloco import DiLoCoConfig
 
-    cfg = DiLoCoConfig.from_dict({**d, "bits": None if d.get("bits") == 32 else d.get("bits", 4)})
+    cfg = DiLoCoConfig.from_dict({**_config_fields(d),
+                                  "bits": None if d.get("bits") == 32 else d.get("bits", 4)})
     return tuple(getattr(cfg, k) for k in _TWIN_KEYS)
 
 
@@ -354,18 +434,19 @@ def _is_fp32(d: dict) -> bool:
 def _quantizer_part(stored: dict, a, full: bool, summary: dict) -> list[str]:
     """Each quantized DiLoCo row against its fp32 twin (same H, outer lr, momentum, ...): the
     quantizer's part of the gap to HSDP, paired by seed; the twin's own gap to HSDP is
-    DiLoCo's part. Rows without a stored twin are left out."""
+    DiLoCo's part. Rows without a stored twin are left out, and so are rows with diagnostics
+    or noise (``add_outer_noise``), as twins or as quantized rows."""
     from accuracy import score
 
     twins = {}
     for label, e in stored.items():
         d = e["row"].get("diloco")
-        if d is not None and _is_fp32(d) and not d.get("diagnostics"):
+        if d is not None and _is_fp32(d) and not d.get("diagnostics") and d.get(NOISE) is None:
             twins.setdefault(_twin_key(d), label)
     out = []
     for label, e in stored.items():
         d = e["row"].get("diloco")
-        if d is None or _is_fp32(d) or d.get("diagnostics"):
+        if d is None or _is_fp32(d) or d.get("diagnostics") or d.get(NOISE) is not None:
             continue
         twin = twins.get(_twin_key(d))
         if twin is None:
@@ -417,8 +498,8 @@ def _diagnostics_table(stored: dict) -> list[str]:
         return []
     return ["The outer step measured (rows with DiLoCoConfig.diagnostics; means over seeds and "
             "outer steps): the pseudo-gradient's norm (rms over replicas), the norms of its fp32 "
-            "mean and of the mean the outer step used, their cosine and relative error, the "
-            "applied update's norm.", "",
+            "mean and of the mean the outer step used (a noise row's: the fp32 mean with its "
+            "noise), their cosine and relative error, the applied update's norm.", "",
             "| row | outer steps | seeds | pseudo-gradient | fp32 mean | used mean | cosine | "
             "relative error | update |", "|---|---|---|---|---|---|---|---|---|", *out, ""]
 
@@ -529,22 +610,26 @@ def _plot(summary: dict, title: str, path: Path) -> bool:
 def write_report(a: argparse.Namespace, store: RunStore) -> Optional[str]:
     """Rebuild ``table.md``, ``results.json`` and ``gap_vs_bytes.png`` in ``a.out`` from every
     run stored there; returns the markdown (None: nothing stored)."""
+    from accuracy import describe_data
+
     out = Path(a.out)
     stored = store.all()
     if not stored:
         return None
     table, summary = _report(a, stored)
     first = next(iter(next(iter(stored.values()))["runs"].values()))
-    md = (f"# DiLoCo vs per-step HSDP\n\nModel: {first['params'] / 1e6:.2f}M-param char GPT "
-          f"(dim {a.dim}, {a.layers} layers), seq {a.seq}, batch {a.batch}/rank, AdamW lr "
-          f"{a.lr} cosine, {a.steps} steps, {a.world} ranks as {a.world // a.ranks_per_node} "
-          f"nodes x {a.ranks_per_node}; validation on the weights the replicas share.\n\n"
+    gpt = f"{first['params'] / 1e6:.2f}M-param {'BPE' if a.bpe else 'char'} GPT"
+    on = f" on {describe_data(a)}" if a.bpe else ""  # the char tables' text as it was
+    md = (f"# DiLoCo vs per-step HSDP\n\nModel: {gpt} (dim {a.dim}, {a.layers} layers){on}, "
+          f"seq {a.seq}, batch {a.batch}/rank, AdamW lr {a.lr} cosine, {a.steps} steps, "
+          f"{a.world} ranks as {a.world // a.ranks_per_node} nodes x {a.ranks_per_node}; "
+          "validation on the weights the replicas share.\n\n"
           f"{table}")
     (out / "table.md").write_text(md)
     (out / "results.json").write_text(json.dumps(
         {"setup": store.setup, "rows": summary, "runs": stored}, indent=1))
-    _plot(summary, f"{first['params'] / 1e6:.2f}M-param char GPT, {a.steps} steps, "
-          f"{a.world // a.ranks_per_node} nodes x {a.ranks_per_node}", out / "gap_vs_bytes.png")
+    _plot(summary, f"{gpt}, {a.steps} steps, {a.world // a.ranks_per_node} nodes x "
+          f"{a.ranks_per_node}", out / "gap_vs_bytes.png")
     return md
 
 

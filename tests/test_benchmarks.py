@@ -392,6 +392,34 @@ def test_diloco_report_scores_like_accuracy_and_judges_at_one_percent(tmp_path):
     assert "mean of the last 2 evaluations on the whole held-out split" in md
 
 
+def test_diloco_bpe_workload_enters_the_setup_only_when_set(tmp_path, monkeypatch):
+    """diloco.py's --bpe is accuracy.py's: the data comes from ``accuracy.load_data`` and the
+    setup gains ``bpe`` and the token streams' digest; without it the setup is the char
+    stores' own (no ``bpe`` key, the file's digest: results/diloco_640 stays valid)."""
+    import diloco
+
+    data = tmp_path / "d.txt"
+    data.write_text("to be or not to be, that is the question. " * 400)
+    char = diloco.setup_of(diloco._args(["--data", str(data)]))
+    assert list(char) == [*diloco._SETUP_ARGS, "data"]
+    assert char["data"] == _seeds.file_digest(data)
+
+    class FakeBPE:  # BPEData without building the corpus
+        def __init__(self, vocab: int) -> None:
+            self.vocab = vocab
+
+        def digest(self) -> str:
+            return f"pystdlib bpe{self.vocab} sha256:0"
+
+    monkeypatch.setattr(accuracy, "load_data", lambda a: FakeBPE(a.bpe) if a.bpe else None)
+    bpe = diloco.setup_of(diloco._args(["--bpe", "2048"]))
+    assert {k: bpe.pop(k) for k in ("bpe", "data")} == {"bpe": 2048,
+                                                       "data": "pystdlib bpe2048 sha256:0"}
+    assert bpe == {k: v for k, v in char.items() if k != "data"}
+    with pytest.raises(SystemExit):
+        diloco._args(["--bpe", "2048", "--data", str(data)])
+
+
 def test_diloco_benchmark_gives_accuracy_its_schedule_arguments():
     """benchmarks/diloco.py trains with accuracy.py's learning-rate schedule and evaluation:
     its parsed arguments carry every field those read (a field added to accuracy.py once made
@@ -403,3 +431,61 @@ def test_diloco_benchmark_gives_accuracy_its_schedule_arguments():
     assert accuracy._lr(a.steps, a) == pytest.approx(a.lr * 0.2)
     for field in ("batch", "eval_batches", "val_seed"):
         assert hasattr(a, field), field
+
+
+def test_diloco_noise_row_is_the_benchmarks_own_and_seeded_per_shard():
+    """A row's ``noise`` (issue 44's control: Gaussian noise on the fp32 outer gradient) never
+    reaches ``DiLoCoConfig``, must be > 0, keeps the row out of the fp32-twin pairing, and
+    draws the same noise on every replica of a shard: different across shards, outer steps,
+    fragments and seeds, of ``noise`` times the rms of the mean it is added to."""
+    import diloco
+
+    fields = dict(sync_every=32, bits=32, hadamard=False, error_feedback=False, outer_lr=0.7,
+                  outer_momentum=0.8)
+    row = diloco.Row(diloco={**fields, "noise": 1.4})
+    cfg = row.config(7)
+    assert (cfg.bits, cfg.seed, row.noise) == (None, 7, 1.4)
+    assert row.describe() == ("DiLoCo H=32, fp32 outer + Gaussian noise 1.4x its rms, "
+                              "outer lr 0.7, momentum 0.8")
+    assert diloco._twin_key(row.diloco) == diloco._twin_key(fields)
+    for bad in (0, -0.5, float("nan"), True, "1.4"):
+        with pytest.raises(ValueError, match="noise"):
+            diloco.Row(diloco={**fields, "noise": bad}).config(0)
+    # a 2-bit row pairs with the plain fp32 row, not with the noise row stored before it
+    runs = {1: {"val": [[32, 2.0]]}, 2: {"val": [[32, 2.1]]}}
+    stored = {label: {"row": {"diloco": d}, "runs": runs} for label, d in (
+        ("noise", {**fields, "noise": 1.4}), ("fp32", fields),
+        ("2b", {**fields, "bits": 2, "hadamard": True}))}
+    summary: dict = {}
+    diloco._quantizer_part(stored, type("A", (), {"tail": 1})(), False, summary)
+    assert summary["2b"]["gap_pct_vs_fp32_twin"]["twin"] == "fp32" and "noise" not in summary
+
+    class Frag:
+        def __init__(self, index: int) -> None:
+            self.index, self.seen = index, []
+
+        def outer_step(self, avg: torch.Tensor) -> None:
+            self.seen.append(avg)
+
+    class Stub:  # what add_outer_noise reads of a DiLoCo
+        def __init__(self, shard: int) -> None:
+            self.group_rank, self.fragments = shard, [Frag(0), Frag(1)]
+
+    def noise_of(shard: int, seed: int = 3) -> list[list[torch.Tensor]]:
+        dl = Stub(shard)
+        diloco.add_outer_noise(dl, 1.4, seed)
+        for _ in range(2):
+            for f in dl.fragments:
+                buf = torch.full((4000,), -2.0)
+                f.outer_step(buf)
+                assert f.seen[-1] is buf  # changed in place, then the original step
+        return [[t + 2.0 for t in f.seen] for f in dl.fragments]
+
+    a, replica, other, reseeded = noise_of(0), noise_of(0), noise_of(1), noise_of(0, seed=4)
+    flat = [t for f in a for t in f]
+    assert all(torch.equal(x, y) for x, y in zip(flat, [t for f in replica for t in f]))
+    for x in (*flat[1:], *(t for f in other for t in f), *(t for f in reseeded for t in f)):
+        assert not torch.equal(flat[0], x)
+    for t in flat:  # rms(buf) = 2: noise of rms 2.8
+        assert t.pow(2).mean().sqrt().item() == pytest.approx(2.8, rel=0.05)
+        assert abs(t.mean().item()) < 0.15
