@@ -163,3 +163,26 @@ def test_every_table_cites_committed_results_folders():
         assert text == target and target in folders, row
         assert target.split("/")[1] in tables.TABLES["readme"].sources, row
 
+
+
+def test_diloco_tables_check_what_they_pair(tmp_path):
+    """The DiLoCo twin gap and a diagnostics row's bit-identical training are checked against
+    the per-seed scores, not copied from the report."""
+    res = _copy_results(tmp_path, tables.DILOCO)
+    p = res / tables.DILOCO / "results.json"
+    doc = json.loads(p.read_text())
+    assert "DiLoCo H32 fp32 lr0.7 m0.8" in tables.render("diloco_twins", results=res)
+    doc["rows"][tables.DILOCO_BEST]["gap_pct_vs_fp32_twin"]["mean"] += 0.5
+    p.write_text(json.dumps(doc))
+    with pytest.raises(tables.TableError, match="fp32 twin"):
+        tables.render("diloco_twins", results=res)
+    with pytest.raises(tables.TableError, match="fp32 twin"):
+        tables.diloco_best(res)  # the README's row
+    res = _copy_results(tmp_path / "b", tables.DILOCO)
+    p = res / tables.DILOCO / "results.json"
+    doc = json.loads(p.read_text())
+    label, _, diag = tables.DILOCO_WHY[0]
+    doc["rows"][diag]["final_val"]["1234"] += 1e-6
+    p.write_text(json.dumps(doc))
+    with pytest.raises(tables.TableError, match="bit-identically"):
+        tables.render("diloco_why", results=res)
