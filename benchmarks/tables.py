@@ -248,6 +248,7 @@ def speed(results: Path, folder: str, label: str, rate: str) -> Speed:
 DILOCO = "diloco_640"
 #: the DiLoCo row closest to HSDP at >= 30x fewer bytes, and its fp32 twin (docs/diloco.md)
 DILOCO_BEST = "DiLoCo H32 2b lr0.7 m0.8"
+DILOCO_LONG = "diloco_2560"  # the same workload at 4x the steps (80 outer steps at H=32)
 DILOCO_CLAIM_PCT = 1.0  # diloco.py's CLAIM_PCT: a DiLoCo row is "within" at +1.0% of HSDP
 
 
@@ -279,8 +280,25 @@ def diloco_best(results: Path) -> tuple[Gap, Gap, _seeds.Spread, float]:
     return mine, twin, vs_twin, rows[DILOCO_BEST]["times_fewer_than_sdp4bit"]
 
 
+def diloco_longer(results: Path) -> str:
+    """``DILOCO_BEST``'s gap to HSDP at 4x the steps (``DILOCO_LONG``), once both are stored on
+    every seed HSDP has there ("" before)."""
+    try:
+        rows = _json(results, f"{DILOCO_LONG}/results.json")["rows"]
+    except TableError:
+        return ""
+    if DILOCO_BEST not in rows or "HSDP" not in rows or \
+            rows[DILOCO_BEST]["seeds"] != rows["HSDP"]["seeds"] or len(rows["HSDP"]["seeds"]) < 2:
+        return ""
+    g = accuracy_gap(results, DILOCO_LONG, DILOCO_BEST, base="HSDP", gap_key="gap_pct_vs_hsdp",
+                     claim_pct=DILOCO_CLAIM_PCT)
+    lo, hi = _seeds.interval(g.gap)
+    return (f"at {g.setup['steps']} steps ({g.setup['steps'] // 32} outer) {g.gap.mean:+.2f}% "
+            f"[{lo:+.2f}, {hi:+.2f}], {g.gap.n} seeds: **{g.verdict}**")
+
+
 @table("readme", "accuracy_300", "accuracy_bpe500", "cluster_speed_user", "wire_bytes_k1",
-       "memory", "gpu_check", DILOCO)
+       "memory", "gpu_check", DILOCO, DILOCO_LONG)
 def readme(results: Path) -> str:
     """README.md's summary: one row per headline figure, with its note and results folder."""
     rows = []
@@ -299,9 +317,11 @@ def readme(results: Path) -> str:
              _seeds.WORSE: "partly the quantizer's"}.get(
                  _seeds.verdict(vs_twin, _DILOCO_TWIN_CLAIM_PCT), "undecided")
     lo, hi = _seeds.interval(d.gap)
+    longer = diloco_longer(results)
     row(f"DiLoCo across sites, H=32, 2-bit outer, {fewer:.1f}x fewer bytes than HSDP + sdp4bit",
         f"{d.gap.mean:+.2f}% [{lo:+.2f}, {hi:+.2f}] vs HSDP: **{d.verdict}**; fp32 outer "
-        f"{twin.gap.mean:+.2f}%: the gap is {whose}", "docs/diloco.md", DILOCO)
+        f"{twin.gap.mean:+.2f}%: the gap is {whose}" + (longer and f"; {longer}"),
+        "docs/diloco.md", DILOCO)
 
     res = _json(results, "cluster_speed_user/results.json")
     size = _millions(res["params"])
@@ -368,6 +388,54 @@ def diloco_twins(results: Path) -> str:
     return _md(["quantized row", "fp32 twin", "row vs HSDP (seeds)", "twin vs HSDP (seeds)",
                 "row vs twin, paired [95% interval]",
                 f"quantizer's part (+{_DILOCO_TWIN_CLAIM_PCT}%)"], out)
+
+
+#: the workloads DILOCO_BEST and its fp32 twin ran on (benchmarks/campaigns/diloco_gap.toml):
+#: the 640-step one, 4x its steps, and the second (BPE) workload
+DILOCO_WORKLOADS = (DILOCO, DILOCO_LONG, "diloco_bpe640")
+
+
+@table("diloco_workloads", *DILOCO_WORKLOADS)
+def diloco_workloads(results: Path) -> str:
+    """``DILOCO_BEST`` and its fp32 twin on each workload of ``DILOCO_WORKLOADS``: their gaps
+    to HSDP and to each other, paired by seed and recomputed from the per-seed scores
+    (docs/diloco.md): does the gap shrink with outer steps, and does it hold on other text? A
+    workload the campaign has not trained yet says so."""
+    twin = "DiLoCo H32 fp32 lr0.7 m0.8"
+    out = []
+    for folder in DILOCO_WORKLOADS:
+        try:
+            res = _json(results, f"{folder}/results.json")
+        except TableError:
+            res = None
+        rows = (res or {}).get("rows", {})
+        if not all(k in rows for k in ("HSDP", DILOCO_BEST, twin)):
+            out.append([_link(f"results/{folder}"), "not trained yet (diloco_gap.toml)",
+                        *["-"] * 5])
+            continue
+        gaps = [accuracy_gap(results, folder, k, base="HSDP", gap_key="gap_pct_vs_hsdp",
+                             claim_pct=DILOCO_CLAIM_PCT) for k in (DILOCO_BEST, twin)]
+        vs = _seeds.paired_gap_pct(*[{int(s): v for s, v in rows[k]["final_val"].items()}
+                                     for k in (DILOCO_BEST, twin)])
+        s = res["setup"]
+        data = "BPE" if s.get("bpe") else "char"
+        fewer = (rows["HSDP"]["cross_node_bytes_per_step"]
+                 / rows[DILOCO_BEST]["cross_node_bytes_per_step"])
+        def pct(g: _seeds.Spread) -> str:
+            if g.n < 2:
+                return f"{g.mean:+.2f}% (1 seed)"
+            lo, hi = _seeds.interval(g)
+            return f"{g.mean:+.2f}% [{lo:+.2f}, {hi:+.2f}]"
+
+        cells = [f"{pct(g.gap)}: {g.verdict}" for g in gaps]
+        out.append([_link(f"results/{folder}"),
+                     f"{_millions(gaps[0].params)}-param {data} GPT, {s['steps']} steps "
+                     f"({s['steps'] // 32} outer)",
+                     ", ".join(str(x) for x in sorted({g.gap.n for g in gaps})), *cells,
+                     pct(vs), f"{fewer:.0f}x"])
+    return _md(["results", "workload", "seeds", "2-bit, momentum 0.8, vs HSDP [95%]: verdict",
+                "fp32 twin vs HSDP [95%]: verdict", "2-bit vs fp32, paired [95%]",
+                "fewer node-crossing bytes than HSDP (fp32)"], out)
 
 
 #: the screen of why 2-bit outer gradients beat fp32 (H=32, momentum 0.8; docs/diloco.md), each

@@ -186,3 +186,20 @@ def test_diloco_tables_check_what_they_pair(tmp_path):
     p.write_text(json.dumps(doc))
     with pytest.raises(tables.TableError, match="bit-identically"):
         tables.render("diloco_why", results=res)
+
+
+def test_diloco_workloads_recomputes_and_names_what_is_missing(tmp_path):
+    """The longer-run / second-workload table recomputes each gap from the per-seed scores and
+    says which workloads the campaign has not trained, rather than leaving them out."""
+    res = _copy_results(tmp_path, tables.DILOCO)
+    text = tables.render("diloco_workloads", results=res)
+    lines = [ln for ln in text.splitlines() if ln.startswith("| [results/")]
+    assert len(lines) == len(tables.DILOCO_WORKLOADS)
+    assert "20 outer" in lines[0] and "not trained yet" not in lines[0]
+    assert all("not trained yet" in ln for ln in lines[1:])
+    p = res / tables.DILOCO / "results.json"
+    doc = json.loads(p.read_text())
+    doc["rows"][tables.DILOCO_BEST]["final_val"]["1234"] *= 1.01
+    p.write_text(json.dumps(doc))
+    with pytest.raises(tables.TableError, match="stored gap"):
+        tables.render("diloco_workloads", results=res)
