@@ -319,9 +319,11 @@ def readme(results: Path) -> str:
     lo, hi = _seeds.interval(d.gap)
     longer = diloco_longer(results)
     row(f"DiLoCo across sites, H=32, 2-bit outer, {fewer:.1f}x fewer bytes than HSDP + sdp4bit",
-        f"{d.gap.mean:+.2f}% [{lo:+.2f}, {hi:+.2f}] vs HSDP: **{d.verdict}**; fp32 outer "
-        f"{twin.gap.mean:+.2f}%: the gap is {whose}" + (longer and f"; {longer}"),
-        "docs/diloco.md", DILOCO)
+        f"at {d.setup['steps']} steps ({d.setup['steps'] // 32} outer) {d.gap.mean:+.2f}% "
+        f"[{lo:+.2f}, {hi:+.2f}] vs HSDP: **{d.verdict}** (fp32 outer {twin.gap.mean:+.2f}%: "
+        f"the gap is {whose})" + (longer and f"; {longer}"), "docs/diloco.md", DILOCO)
+    if longer:
+        rows[-1][-1] += f", {_link(f'results/{DILOCO_LONG}')}"
 
     res = _json(results, "cluster_speed_user/results.json")
     size = _millions(res["params"])
