@@ -280,21 +280,20 @@ def diloco_best(results: Path) -> tuple[Gap, Gap, _seeds.Spread, float]:
     return mine, twin, vs_twin, rows[DILOCO_BEST]["times_fewer_than_sdp4bit"]
 
 
-def diloco_longer(results: Path) -> str:
-    """``DILOCO_BEST``'s gap to HSDP at 4x the steps (``DILOCO_LONG``), once both are stored on
-    every seed HSDP has there ("" before)."""
+def diloco_longer(results: Path) -> Optional[tuple[Gap, Gap]]:
+    """``DILOCO_BEST``'s and its fp32 twin's gaps to HSDP at 4x the steps (``DILOCO_LONG``),
+    once both are stored on every seed HSDP has there (None before)."""
     try:
         rows = _json(results, f"{DILOCO_LONG}/results.json")["rows"]
     except TableError:
-        return ""
-    if DILOCO_BEST not in rows or "HSDP" not in rows or \
-            rows[DILOCO_BEST]["seeds"] != rows["HSDP"]["seeds"] or len(rows["HSDP"]["seeds"]) < 2:
-        return ""
-    g = accuracy_gap(results, DILOCO_LONG, DILOCO_BEST, base="HSDP", gap_key="gap_pct_vs_hsdp",
-                     claim_pct=DILOCO_CLAIM_PCT)
-    lo, hi = _seeds.interval(g.gap)
-    return (f"at {g.setup['steps']} steps ({g.setup['steps'] // 32} outer) {g.gap.mean:+.2f}% "
-            f"[{lo:+.2f}, {hi:+.2f}], {g.gap.n} seeds: **{g.verdict}**")
+        return None
+    twin = "DiLoCo H32 fp32 lr0.7 m0.8"
+    seeds = rows.get("HSDP", {}).get("seeds", [])
+    if len(seeds) < 2 or any(rows.get(k, {}).get("seeds") != seeds for k in (DILOCO_BEST, twin)):
+        return None
+    d, t = (accuracy_gap(results, DILOCO_LONG, k, base="HSDP", gap_key="gap_pct_vs_hsdp",
+                         claim_pct=DILOCO_CLAIM_PCT) for k in (DILOCO_BEST, twin))
+    return d, t
 
 
 @table("readme", "accuracy_300", "accuracy_bpe500", "cluster_speed_user", "wire_bytes_k1",
@@ -318,11 +317,18 @@ def readme(results: Path) -> str:
                  _seeds.verdict(vs_twin, _DILOCO_TWIN_CLAIM_PCT), "undecided")
     lo, hi = _seeds.interval(d.gap)
     longer = diloco_longer(results)
-    row(f"DiLoCo across sites, H=32, 2-bit outer, {fewer:.1f}x fewer bytes than HSDP + sdp4bit",
-        f"at {d.setup['steps']} steps ({d.setup['steps'] // 32} outer) {d.gap.mean:+.2f}% "
-        f"[{lo:+.2f}, {hi:+.2f}] vs HSDP: **{d.verdict}** (fp32 outer {twin.gap.mean:+.2f}%: "
-        f"the gap is {whose})" + (longer and f"; {longer}"), "docs/diloco.md", DILOCO)
-    if longer:
+    if longer is None:
+        row(f"DiLoCo across sites, H=32, 2-bit outer, {fewer:.1f}x fewer bytes than HSDP + "
+            "sdp4bit", f"{d.gap.mean:+.2f}% [{lo:+.2f}, {hi:+.2f}] vs HSDP: **{d.verdict}**; "
+            f"fp32 outer {twin.gap.mean:+.2f}%: the gap is {whose}", "docs/diloco.md", DILOCO)
+    else:  # the trend with run length: both rows, at both lengths
+        ld, lt = longer
+        llo, lhi = _seeds.interval(ld.gap)
+        row(f"DiLoCo H=32, 2-bit outer ({fewer:.1f}x fewer bytes than HSDP + sdp4bit), "
+            f"{d.setup['steps']} -> {ld.setup['steps']} steps",
+            f"{d.gap.mean:+.2f}% **{d.verdict}** -> {ld.gap.mean:+.2f}% [{llo:+.2f}, {lhi:+.2f}] "
+            f"**{ld.verdict}**; fp32 outer {twin.gap.mean:+.2f}% -> {lt.gap.mean:+.2f}%",
+            "docs/diloco.md", DILOCO)
         rows[-1][-1] += f", {_link(f'results/{DILOCO_LONG}')}"
 
     res = _json(results, "cluster_speed_user/results.json")
@@ -412,8 +418,9 @@ def diloco_workloads(results: Path) -> str:
             res = None
         rows = (res or {}).get("rows", {})
         if not all(k in rows for k in ("HSDP", DILOCO_BEST, twin)):
-            out.append([_link(f"results/{folder}"), "not trained yet (diloco_gap.toml)",
-                        *["-"] * 5])
+            have = [k for k in ("HSDP", DILOCO_BEST, twin) if k in rows]
+            out.append([_link(f"results/{folder}"), "in progress (diloco_gap.toml): stored "
+                        + (", ".join(have) if have else "nothing yet"), *["-"] * 5])
             continue
         gaps = [accuracy_gap(results, folder, k, base="HSDP", gap_key="gap_pct_vs_hsdp",
                              claim_pct=DILOCO_CLAIM_PCT) for k in (DILOCO_BEST, twin)]
@@ -433,9 +440,10 @@ def diloco_workloads(results: Path) -> str:
         out.append([_link(f"results/{folder}"),
                      f"{_millions(gaps[0].params)}-param {data} GPT, {s['steps']} steps "
                      f"({s['steps'] // 32} outer)",
-                     ", ".join(str(x) for x in sorted({g.gap.n for g in gaps})), *cells,
+                     " / ".join(str(g.gap.n) for g in gaps), *cells,
                      pct(vs), f"{fewer:.0f}x"])
-    return _md(["results", "workload", "seeds", "2-bit, momentum 0.8, vs HSDP [95%]: verdict",
+    return _md(["results", "workload", "seeds (2-bit / fp32)",
+                "2-bit, momentum 0.8, vs HSDP [95%]: verdict",
                 "fp32 twin vs HSDP [95%]: verdict", "2-bit vs fp32, paired [95%]",
                 "fewer node-crossing bytes than HSDP (fp32)"], out)
 
