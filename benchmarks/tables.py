@@ -178,8 +178,7 @@ def accuracy_gap(results: Path, folder: str, label: str, base: str = "baseline",
             raise TableError(f"results/{folder}: row {k!r} has seeds {rows[k]['seeds']} in "
                              f"results.json but {runs} in runs/; rebuild the report "
                              "(--report-only)")
-    final = {int(s): v for s, v in rows[label]["final_val"].items()}
-    base_final = {int(s): v for s, v in rows[base]["final_val"].items()}
+    final, base_final = _scores(rows, label), _scores(rows, base)
     gap = _seeds.paired_gap_pct(final, base_final)
     verdict = _seeds.verdict(gap, claim_pct)
     want = rows[label].get(gap_key) or {}
@@ -253,6 +252,18 @@ DILOCO_CLAIM_PCT = 1.0  # diloco.py's CLAIM_PCT: a DiLoCo row is "within" at +1.
 
 
 _DILOCO_TWIN_CLAIM_PCT = 0.5  # diloco.py's QUANTIZER_CLAIM_PCT: the quantizer's part
+DILOCO_BEST_TWIN = "DiLoCo H32 fp32 lr0.7 m0.8"  # DILOCO_BEST's fp32 twin
+
+
+def _scores(rows: dict, label: str) -> dict[int, float]:
+    """A row's per-seed scores from a report's ``rows``."""
+    return {int(s): v for s, v in rows[label]["final_val"].items()}
+
+
+def diloco_gap(results: Path, folder: str, label: str) -> Gap:
+    """A DiLoCo report's row against HSDP (``accuracy_gap`` at DiLoCo's tolerance)."""
+    return accuracy_gap(results, folder, label, base="HSDP", gap_key="gap_pct_vs_hsdp",
+                        claim_pct=DILOCO_CLAIM_PCT)
 
 
 def diloco_best(results: Path) -> tuple[Gap, Gap, _seeds.Spread, float]:
@@ -261,8 +272,7 @@ def diloco_best(results: Path) -> tuple[Gap, Gap, _seeds.Spread, float]:
     the row's paired gap to the twin, checked likewise; how many times fewer node-crossing
     bytes it sends than HSDP + sdp4bit."""
     def gap(label: str) -> Gap:
-        return accuracy_gap(results, DILOCO, label, base="HSDP", gap_key="gap_pct_vs_hsdp",
-                            claim_pct=DILOCO_CLAIM_PCT)
+        return diloco_gap(results, DILOCO, label)
 
     rows = _json(results, f"{DILOCO}/results.json")["rows"]
     stored = rows[DILOCO_BEST].get("gap_pct_vs_fp32_twin") or {}
@@ -270,8 +280,7 @@ def diloco_best(results: Path) -> tuple[Gap, Gap, _seeds.Spread, float]:
         raise TableError(f"results/{DILOCO}: row {DILOCO_BEST!r} has no fp32 twin stored")
     mine, twin = gap(DILOCO_BEST), gap(stored["twin"])
     vs_twin = _seeds.paired_gap_pct(
-        {int(s): v for s, v in rows[DILOCO_BEST]["final_val"].items()},
-        {int(s): v for s, v in rows[stored["twin"]]["final_val"].items()})
+        _scores(rows, DILOCO_BEST), _scores(rows, stored["twin"]))
     if vs_twin is None or not math.isclose(vs_twin.mean, stored.get("mean", math.nan),
                                            abs_tol=1e-9):
         raise TableError(f"results/{DILOCO}: row {DILOCO_BEST!r}'s stored gap to its fp32 "
@@ -287,13 +296,11 @@ def diloco_longer(results: Path) -> Optional[tuple[Gap, Gap]]:
         rows = _json(results, f"{DILOCO_LONG}/results.json")["rows"]
     except TableError:
         return None
-    twin = "DiLoCo H32 fp32 lr0.7 m0.8"
     seeds = rows.get("HSDP", {}).get("seeds", [])
-    if len(seeds) < 2 or any(rows.get(k, {}).get("seeds") != seeds for k in (DILOCO_BEST, twin)):
+    pair = (DILOCO_BEST, DILOCO_BEST_TWIN)
+    if len(seeds) < 2 or any(rows.get(k, {}).get("seeds") != seeds for k in pair):
         return None
-    d, t = (accuracy_gap(results, DILOCO_LONG, k, base="HSDP", gap_key="gap_pct_vs_hsdp",
-                         claim_pct=DILOCO_CLAIM_PCT) for k in (DILOCO_BEST, twin))
-    return d, t
+    return diloco_gap(results, DILOCO_LONG, pair[0]), diloco_gap(results, DILOCO_LONG, pair[1])
 
 
 @table("readme", "accuracy_300", "accuracy_bpe500", "cluster_speed_user", "wire_bytes_k1",
@@ -377,15 +384,14 @@ def diloco_twins(results: Path) -> str:
         if not stored:
             continue
         twin = stored["twin"]
-        scores = [{int(s): v for s, v in rows[k]["final_val"].items()} for k in (label, twin)]
+        scores = [_scores(rows, k) for k in (label, twin)]
         vs = _seeds.paired_gap_pct(*scores)
         if vs is None or not math.isclose(vs.mean, stored["mean"], abs_tol=1e-9):
             raise TableError(f"results/{DILOCO}: {label!r} against its fp32 twin {twin!r}: stored "
                              f"{stored['mean']}, scores say {None if vs is None else vs.mean}")
         gaps = []
         for k in (label, twin):
-            g = accuracy_gap(results, DILOCO, k, base="HSDP", gap_key="gap_pct_vs_hsdp",
-                             claim_pct=DILOCO_CLAIM_PCT)
+            g = diloco_gap(results, DILOCO, k)
             gaps.append(f"{g.gap.mean:+.2f}% ({g.gap.n})")
         word = _seeds.verdict(vs, _DILOCO_TWIN_CLAIM_PCT)
         out.append([label, twin, *gaps, f"{vs.mean:+.2f}% {_seeds.fmt_interval(vs)}, "
@@ -409,7 +415,7 @@ def diloco_workloads(results: Path) -> str:
     to HSDP and to each other, paired by seed and recomputed from the per-seed scores
     (docs/diloco.md): does the gap shrink with outer steps, and does it hold on other text? A
     workload the campaign has not trained yet says so."""
-    twin = "DiLoCo H32 fp32 lr0.7 m0.8"
+    twin = DILOCO_BEST_TWIN
     out = []
     for folder in DILOCO_WORKLOADS:
         try:
@@ -422,10 +428,8 @@ def diloco_workloads(results: Path) -> str:
             out.append([_link(f"results/{folder}"), "in progress (diloco_gap.toml): stored "
                         + (", ".join(have) if have else "nothing yet"), *["-"] * 5])
             continue
-        gaps = [accuracy_gap(results, folder, k, base="HSDP", gap_key="gap_pct_vs_hsdp",
-                             claim_pct=DILOCO_CLAIM_PCT) for k in (DILOCO_BEST, twin)]
-        vs = _seeds.paired_gap_pct(*[{int(s): v for s, v in rows[k]["final_val"].items()}
-                                     for k in (DILOCO_BEST, twin)])
+        gaps = [diloco_gap(results, folder, k) for k in (DILOCO_BEST, twin)]
+        vs = _seeds.paired_gap_pct(*[_scores(rows, k) for k in (DILOCO_BEST, twin)])
         s = res["setup"]
         data = "BPE" if s.get("bpe") else "char"
         fewer = (rows["HSDP"]["cross_node_bytes_per_step"]
@@ -480,7 +484,7 @@ def diloco_why(results: Path) -> str:
     res = _json(results, f"{DILOCO}/results.json")
     rows, runs = res["rows"], res["runs"]
     _reading(DILOCO)
-    base = {int(s): v for s, v in rows["HSDP"]["final_val"].items()}
+    base = _scores(rows, "HSDP")
     out = []
     for label, what, diag in DILOCO_WHY:
         if label not in rows:
