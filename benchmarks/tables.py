@@ -334,7 +334,8 @@ def readme(results: Path) -> str:
         row(f"DiLoCo H=32, 2-bit outer ({fewer:.1f}x fewer bytes than HSDP + sdp4bit), "
             f"{d.setup['steps']} -> {ld.setup['steps']} steps",
             f"{d.gap.mean:+.2f}% **{d.verdict}** -> {ld.gap.mean:+.2f}% [{llo:+.2f}, {lhi:+.2f}] "
-            f"**{ld.verdict}**; fp32 outer {twin.gap.mean:+.2f}% -> {lt.gap.mean:+.2f}%",
+            f"**{ld.verdict}**; {whose.split()[-1]}: fp32 {twin.gap.mean:+.2f}% -> "
+            f"{lt.gap.mean:+.2f}%",
             "docs/diloco.md", DILOCO)
         rows[-1][-1] += f", {_link(f'results/{DILOCO_LONG}')}"
 
