@@ -309,11 +309,26 @@ def load_codes8(row_b, e8, ok, G, BITS: tl.constexpr, SYM: tl.constexpr, SKIND: 
     where the row's scale section starts; ok: [B] mask)."""
     NSEC: tl.constexpr = 1 if SYM else 2
     SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    k = tl.arange(0, 8)
-    bmask = ok[:, None] & (k[None, :] < BITS)
-    byts = tl.load(row_b + G * (NSEC * SBYTES) + e8[:, None] * BITS + k[None, :], mask=bmask,
-                   other=0)
-    return unpack8(byts, BITS)
+    base = row_b + G * (NSEC * SBYTES)
+    if 8 % BITS == 0:
+        # Each code sits inside one byte: load the block's BITS bytes and shift them apart in
+        # 32-bit registers (no 64-bit word, no reduction across the block's lanes).
+        PER: tl.constexpr = 8 // BITS
+        B: tl.constexpr = e8.shape[0]
+        kb = tl.arange(0, BITS)
+        byts = tl.load(base + e8[:, None] * BITS + kb[None, :], mask=ok[:, None], other=0)
+        byts = byts.to(tl.int32)
+        if PER == 1:
+            codes = byts
+        else:
+            sh = (tl.arange(0, PER) * BITS)[None, None, :]
+            codes = tl.reshape((byts[:, :, None] >> sh) & ((1 << BITS) - 1), [B, 8])
+    else:
+        k = tl.arange(0, 8)
+        bmask = ok[:, None] & (k[None, :] < BITS)
+        byts = tl.load(base + e8[:, None] * BITS + k[None, :], mask=bmask, other=0)
+        codes = unpack8(byts, BITS)
+    return codes
 
 
 @triton.jit
@@ -412,10 +427,25 @@ def store_codes(codes, row_b, G, e8, e8_ok, BITS: tl.constexpr, SYM: tl.constexp
     section starts at ``row_b``; e8 [GPB, B]: 8-block indices, e8_ok: which to store."""
     NSEC: tl.constexpr = 1 if SYM else 2
     SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    byts = pack8(codes, BITS)
-    k = tl.arange(0, 8)
-    off = G * (NSEC * SBYTES) + e8[:, :, None] * BITS + k[None, None, :]
-    tl.store(row_b + off, byts, mask=e8_ok[:, :, None] & (k[None, None, :] < BITS))
+    base = row_b + G * (NSEC * SBYTES)
+    if 8 % BITS == 0:
+        # Each byte holds 8 // BITS whole codes: OR neighbours in 32-bit registers.
+        PER: tl.constexpr = 8 // BITS
+        A: tl.constexpr = codes.shape[0]
+        B: tl.constexpr = codes.shape[1]
+        if PER == 1:
+            byts = codes
+        else:
+            sh = (tl.arange(0, PER) * BITS)[None, None, None, :]
+            byts = tl.sum(tl.reshape(codes, [A, B, BITS, PER]) << sh, axis=3)  # disjoint bits
+        kb = tl.arange(0, BITS)
+        tl.store(base + e8[:, :, None] * BITS + kb[None, None, :], byts.to(tl.uint8),
+                 mask=e8_ok[:, :, None])
+    else:
+        byts = pack8(codes, BITS)
+        k = tl.arange(0, 8)
+        off = e8[:, :, None] * BITS + k[None, None, :]
+        tl.store(base + off, byts, mask=e8_ok[:, :, None] & (k[None, None, :] < BITS))
 
 
 # ---- host side: received chunks ---------------------------------------------------------------
