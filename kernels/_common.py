@@ -310,19 +310,17 @@ def load_codes8(row_b, e8, ok, G, BITS: tl.constexpr, SYM: tl.constexpr, SKIND: 
     NSEC: tl.constexpr = 1 if SYM else 2
     SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
     base = row_b + G * (NSEC * SBYTES)
-    if 8 % BITS == 0:
+    if 8 % BITS == 0 and BITS < 8:
         # Each code sits inside one byte: load the block's BITS bytes and shift them apart in
-        # 32-bit registers (no 64-bit word, no reduction across the block's lanes).
+        # 32-bit registers (no 64-bit word, no reduction across the block's lanes). Whole
+        # bytes (8 bits) take the general path, which compiles to byte permutes, one fewer
+        # instruction per element on sm_90 (benchmarks/kernel_sass.py).
         PER: tl.constexpr = 8 // BITS
         B: tl.constexpr = e8.shape[0]
         kb = tl.arange(0, BITS)
         byts = tl.load(base + e8[:, None] * BITS + kb[None, :], mask=ok[:, None], other=0)
-        byts = byts.to(tl.int32)
-        if PER == 1:
-            codes = byts
-        else:
-            sh = (tl.arange(0, PER) * BITS)[None, None, :]
-            codes = tl.reshape((byts[:, :, None] >> sh) & ((1 << BITS) - 1), [B, 8])
+        sh = (tl.arange(0, PER) * BITS)[None, None, :]
+        codes = tl.reshape((byts.to(tl.int32)[:, :, None] >> sh) & ((1 << BITS) - 1), [B, 8])
     else:
         k = tl.arange(0, 8)
         bmask = ok[:, None] & (k[None, :] < BITS)

@@ -489,3 +489,26 @@ def test_diloco_noise_row_is_the_benchmarks_own_and_seeded_per_shard():
     for t in flat:  # rms(buf) = 2: noise of rms 2.8
         assert t.pow(2).mean().sqrt().item() == pytest.approx(2.8, rel=0.05)
         assert abs(t.mean().item()) < 0.15
+
+
+def test_kernel_sass_counts_opcodes_and_the_main_path():
+    import kernel_sass
+
+    listing = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                /* 0x00000a00ff017b82 */
+        /*0010*/              @!P0 BRA 0x40 ;                           /* 0x0000000000008947 */
+        /*0020*/                   NOP ;                                 /* 0x0000000000007918 */
+        /*0030*/                   LOP3.LUT R2, R2, 0xff, RZ, 0xc0, !PT ; /* 0x000000ff02027812 */
+        /*0040*/                   EXIT ;                                /* 0x000000000000794d */
+        /*0050*/                   MUFU.RCP R3, R4 ;                     /* 0x0000000400037308 */
+        /*0060*/                   RET.REL.NODEC R2 0x0 ;                /* 0x0000000002007950 */
+    """
+    ops, main = kernel_sass._opcodes(listing)
+    assert ops == ["LDC", "BRA", "LOP3", "EXIT", "MUFU", "RET"]
+    assert main == 4  # the subroutine after the last EXIT is not the main path
+    row = {"kernel": "k", "instructions": 6, "main_path": 4, "per_element": 0.5,
+           "registers": 8, "shared_bytes": 0,
+           "memory": dict.fromkeys(kernel_sass.MEMORY, 0)}
+    lines = kernel_sass._table([row], 90).splitlines()
+    assert lines[-1] == "| k | 6 (4) | 0.5 | 8 | 0 | " + " | ".join("0" * 8) + " |"
+    assert lines[-2].count("---") == lines[-3].count("|") - 1  # one separator per column

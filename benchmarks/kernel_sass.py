@@ -1,0 +1,205 @@
+"""Static instruction mix of the codec's Triton kernels on a GPU target, without a GPU.
+
+Compiles each kernel of ``benchmarks/gpu_kernels_bench.py``'s rows the way a launch on that
+GPU specializes it (pointers and integer arguments divisible by 16, the code's own launch
+options and tiles), disassembles the cubin with the ``cuobjdump`` shipped in the triton wheel,
+and prints per kernel: SASS instructions, those of the main path (all but the subroutines
+after the last ``EXIT``: the IEEE division's slow path) per element a thread holds, registers,
+shared memory, and the memory and cross-lane instructions (global loads/stores, shared memory,
+shuffles, barriers). One row that no GPU benchmark has, 4-bit with nearest rounding, shows what
+the stochastic rows spend on the counter-hash random numbers.
+
+What it is for: the kernels run at 0.12-0.77x of ``torch.clone``'s bandwidth on the H200
+(``results/gpu_check/h200_2026-12-04``) because they spend too many instructions per element,
+and a change to them can be weighed on any machine. What it is not: a speed. The count is
+static: a loop (the reduce kernels' loop over received chunks, a large group's sub-tiles) is
+counted once, and the IEEE division's rarely taken slow path is counted in full. Compare
+versions of the same kernel with it; take speeds with ``gpu_kernels_bench.py`` on a GPU.
+
+    python benchmarks/kernel_sass.py [--arch 90] [--src CHECKOUT] [--only SUBSTRING]
+        [--out results/kernel_sass] [--label NAME]
+
+``--src`` compiles another checkout's kernels (an earlier commit's ``git worktree``), so a
+change can be compared with what it replaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _provenance  # noqa: E402
+
+#: instruction classes reported besides the total (SASS opcode prefixes)
+MEMORY = ("LDG", "STG", "LDS", "STS", "LDSM", "STSM", "SHFL", "BAR")
+#: integer arguments that are multiples of 16 at the benchmark's sizes (Triton specializes them)
+_DIV16 = ("n", "m", "x_stride", "r_stride", "W", "WS", "G", "nblk", "W_in", "WS_in", "G_in",
+          "out_stride", "chunk_b", "chunk_s")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # as in gpu_kernels_bench.py
+    module: str
+    kernel: str
+    ptrs: dict
+    const: dict
+    tile: int  # elements one program holds
+
+
+def _args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
+    p.add_argument("--src", type=Path, default=ROOT, help="checkout whose kernels to compile")
+    p.add_argument("--only", default="", help="kernels whose name contains this")
+    p.add_argument("--out", type=Path, default=None, help="results folder (table and json)")
+    p.add_argument("--label", default="", help="name of this checkout in the output files")
+    return p.parse_args(argv)
+
+
+def _cases(C) -> list[Case]:
+    def q(bits, sym, skind):
+        qmax = (1 << (bits - 1)) - 1 if sym else (1 << bits) - 1
+        return dict(BITS=bits, QMAX=qmax, SYM=sym, SKIND=skind)
+
+    def tiling(gs):
+        gs_p2, gpb, sub = C.group_tiling(gs)
+        return dict(GS=gs, GS_P2=gs_p2, GPB=gpb, SUB=sub), gpb * sub
+
+    def quant(name, spec, gs, x="*fp32", ref=False, had=False, stoch=True):
+        t, tile = tiling(gs)
+        s = "*i32" if spec["SKIND"] == 0 else "*i16"
+        return Case(name, "quantize", "_quantize_kernel",
+                    {"x_ptr": x, "r_ptr": x, "out_b": "*u8", "out_s": s},
+                    dict(**spec, **t, STOCH=stoch, HAS_REF=ref, HADAMARD=had), tile)
+
+    def dequant(name, spec, gs, out="*fp32", had=False, acc=False):
+        s = "*i32" if spec["SKIND"] == 0 else "*i16"
+        return Case(name, "dequantize", "_dequantize_kernel",
+                    {"data_b": "*u8", "data_s": s, "out_ptr": out},
+                    dict(**spec, GS=gs, BLK8=C.TILE // 8, HADAMARD=had, ACCUMULATE=acc), C.TILE)
+
+    t128, tile128 = tiling(128)
+    return [
+        quant("quantize 4b g128 sym stoch", q(4, True, 0), 128),
+        quant("quantize 4b g128 sym nearest (no GPU row)", q(4, True, 0), 128, stoch=False),
+        quant("quantize 8b g128 sym stoch +H32", q(8, True, 0), 128, had=True),
+        quant("quantize 4b g2048 sym stoch x-ref (qWD)", q(4, True, 0), 2048, ref=True),
+        quant("quantize 8b g1024 asym stoch bf16 in", q(8, False, 1), 1024, x="*bf16"),
+        dequant("dequantize 4b g2048 += fp32 (qWD)", q(4, True, 0), 2048, acc=True),
+        dequant("dequantize 8b g1024 asym -> bf16", q(8, False, 1), 1024, out="*bf16"),
+        dequant("dequantize 8b g128 +H32^-1 -> fp32", q(8, True, 0), 128, had=True),
+        Case("reduce_requantize k=8 8b->4b g128", "reduce_requantize",
+             "_reduce_requantize_kernel",
+             {"in_b": "*u8", "in_s": "*i32", "out_b": "*u8", "out_s": "*i32"},
+             dict(**{f"I_{k}": v for k, v in q(8, True, 0).items()}, I_GS=128,
+                  **q(4, True, 0), **t128, STOCH=True), tile128),
+        Case("reduce_dequantize k=4 4b g128 +H32^-1", "reduce_dequantize",
+             "_reduce_dequantize_kernel", {"data_b": "*u8", "data_s": "*i32", "out_ptr": "*fp32"},
+             dict(**q(4, True, 0), GS=128, BLK8=C.TILE // 8, HADAMARD=True), C.TILE),
+    ]
+
+
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
+    from triton.backends.nvidia import compiler
+
+    tool = Path(compiler.__file__).parent / "bin" / "cuobjdump"
+    if not tool.is_file():
+        raise SystemExit(f"kernel_sass: {tool} is missing (this triton wheel ships no cuobjdump)")
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "k.cubin"
+        f.write_bytes(cubin)
+        return subprocess.run([str(tool), *flags, str(f)], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _opcodes(sass: str) -> tuple[list[str], int]:
+    """Opcodes of a ``cuobjdump -sass`` listing (predicates and modifiers dropped, NOPs out),
+    and how many of them come before the subroutines placed after the kernel's last ``EXIT``
+    (the IEEE division's slow path, called only for operands near the ends of the range)."""
+    found = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    found = [(int(a, 16), o) for a, o in found if o != "NOP"]
+    exits = [a for a, o in found if o == "EXIT"]
+    main = sum(1 for a, _ in found if exits and a <= exits[-1]) if exits else len(found)
+    return [o for _, o in found], main
+
+
+def measure(case: Case, kernels_pkg, arch: int) -> dict:
+    """Compile one case for sm_<arch> and count its SASS."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    C = importlib.import_module(f"{kernels_pkg}._common")
+    fn = getattr(importlib.import_module(f"{kernels_pkg}.{case.module}"), case.kernel)
+    sig = {a: case.ptrs.get(a, "constexpr" if a in case.const else "i32") for a in fn.arg_names}
+    div16 = [a for a in fn.arg_names if a in case.ptrs or a in _DIV16]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+    opts = C.launch_opts(case.tile)
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=case.const, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options=opts)
+    ops, main = _opcodes(_cuobjdump(compiled.asm["cubin"], "-sass"))
+    res = dict(re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", _cuobjdump(
+        compiled.asm["cubin"], "--dump-resource-usage")))
+    per_thread = case.tile / (32 * opts["num_warps"])
+    counts = collections.Counter(ops)
+    return {
+        "kernel": case.name, "instructions": len(ops), "main_path": main,
+        "per_element": round(main / per_thread, 1), "elements_per_thread": per_thread,
+        "registers": int(res.get("REG", 0)), "shared_bytes": int(res.get("SHARED", 0)),
+        "spill_bytes": int(res.get("LOCAL", 0)),
+        "memory": {k: sum(v for o, v in counts.items() if o == k) for k in MEMORY},
+        "top": counts.most_common(8),
+    }
+
+
+def _table(rows: list[dict], arch: int) -> str:
+    head = ("| kernel | SASS (main path) | main path per element | regs | shared B | "
+            + " | ".join(MEMORY) + " |\n|" + "---|" * (5 + len(MEMORY)) + "\n")
+    body = "".join(
+        f"| {r['kernel']} | {r['instructions']} ({r['main_path']}) | {r['per_element']} | "
+        f"{r['registers']} | "
+        f"{r['shared_bytes']} | " + " | ".join(str(r["memory"][k]) for k in MEMORY) + " |\n"
+        for r in rows)
+    return f"sm_{arch}, static counts (see the module docstring)\n\n{head}{body}"
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    rec = _provenance.record(a.out) if a.out else None
+    sys.path.insert(0, str(a.src.resolve()))
+    import triton
+
+    import fsdp_qcomm.kernels as K
+
+    src = Path(K.__path__[-1]).resolve()
+    print(f"kernel_sass: kernels from {src}, triton {triton.__version__}, sm_{a.arch}")
+    C = sys.modules["fsdp_qcomm.kernels._common"]
+    rows = [measure(c, "fsdp_qcomm.kernels", a.arch) for c in _cases(C) if a.only in c.name]
+    if not rows:
+        raise SystemExit(f"kernel_sass: no kernel name contains {a.only!r}")
+    table = _table(rows, a.arch)
+    print(table)
+    if a.out:
+        label = a.label or "kernels"
+        (a.out / f"{label}.md").write_text(f"kernels: {src}\n{table}")
+        (a.out / f"{label}.json").write_text(json.dumps(
+            {"src": str(src), "triton": triton.__version__, "arch": a.arch, "rows": rows},
+            indent=1) + "\n")
+        rec.note(label=label, src=str(src))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
