@@ -368,7 +368,8 @@ def main() -> int:
             json.dump({"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                        "interpret": args.interpret, "rows": rows, "numel": rows * n_big,
                        "clone_ms": t_copy * 1e3, "clone_gbps": bw_copy / 1e9, "target": TARGET,
-                       "cases": rows_out, "failures": failures, "below_target": slow}, f,
+                       "cases": rows_out, "failures": failures, "below_target": slow,
+                       "tile": tiles.TILE}, f,
                       indent=1)
     return 1 if failures or (args.strict and slow) else 0
 

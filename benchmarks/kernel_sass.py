@@ -17,7 +17,7 @@ counted once, and the IEEE division's rarely taken slow path is counted in full.
 versions of the same kernel with it; take speeds with ``gpu_kernels_bench.py`` on a GPU.
 
     python benchmarks/kernel_sass.py [--arch 90] [--src CHECKOUT] [--only SUBSTRING]
-        [--out results/kernel_sass] [--label NAME]
+        [--tile T] [--out results/kernel_sass] [--label NAME]
 
 ``--src`` compiles another checkout's kernels (an earlier commit's ``git worktree``), so a
 change can be compared with what it replaces.
@@ -63,6 +63,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="kernels whose name contains this")
     p.add_argument("--out", type=Path, default=None, help="results folder (table and json)")
     p.add_argument("--label", default="", help="name of this checkout in the output files")
+    p.add_argument("--tile", type=int, default=0,
+                   help="elements per program (a power of 2 >= 256; default: the kernels' own)")
     return p.parse_args(argv)
 
 
@@ -186,16 +188,21 @@ def main(argv=None) -> int:
     src = Path(K.__path__[-1]).resolve()
     print(f"kernel_sass: kernels from {src}, triton {triton.__version__}, sm_{a.arch}")
     C = sys.modules["fsdp_qcomm.kernels._common"]
+    if a.tile:
+        if a.tile < 256 or a.tile & (a.tile - 1):
+            raise SystemExit(f"kernel_sass: --tile {a.tile}: must be a power of 2 >= 256")
+        C.TILE = a.tile  # group_tiling and the element-tiled kernels read it at call time
     rows = [measure(c, "fsdp_qcomm.kernels", a.arch) for c in _cases(C) if a.only in c.name]
     if not rows:
         raise SystemExit(f"kernel_sass: no kernel name contains {a.only!r}")
-    table = _table(rows, a.arch)
+    table = f"TILE {C.TILE}; " + _table(rows, a.arch)
     print(table)
     if a.out:
         label = a.label or "kernels"
         (a.out / f"{label}.md").write_text(f"kernels: {src}\n{table}")
         (a.out / f"{label}.json").write_text(json.dumps(
-            {"src": str(src), "triton": triton.__version__, "arch": a.arch, "rows": rows},
+            {"src": str(src), "triton": triton.__version__, "arch": a.arch, "tile": C.TILE,
+             "rows": rows},
             indent=1) + "\n")
         rec.note(label=label, src=str(src))
     return 0

@@ -24,7 +24,9 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    another stream;
 7. ``fsdp_one_rank``: FSDP2 on one NCCL rank, ``enable()`` with each preset against a run
    without it: bit-identical weights (one rank calls no collective), bf16 mixed precision;
-8. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors.
+8. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors;
+9. ``tiles``: the bandwidth of step 5 again with 1024 and 4096 elements per program (the
+   kernels' own is 2048), for tuning: x clone per kernel and tile.
 
 Results go to ``$OUT`` when it is set (the device tool brings that folder back), else
 ``--out`` (default ``results/gpu_check/``): ``gpu_check.json`` (every step, rewritten as each
@@ -286,20 +288,30 @@ def step_exactness_sweep(ctx: dict) -> dict:
     return {"comparisons": checked, "pairs": pairs, "lengths": list(lengths)}
 
 
-def step_bandwidth(ctx: dict) -> dict:
-    out = Path(ctx["tmp"]) / "bench.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_kernels_bench.py"), "--json", str(out)]
+def _kernels_bench(ctx: dict, *extra: str, iters: int = 20, timeout: float) -> dict:
+    """``gpu_kernels_bench.py`` at 64M elements (a small interpreted run when dry); raises
+    if a kernel's bytes differ from the torch codec's."""
+    out = Path(ctx["tmp"]) / f"bench{'_'.join(extra)}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_kernels_bench.py"), "--json", str(out),
+           *extra]
     if ctx["dry_run"]:
         cmd += ["--interpret", "--numel", "8192", "--check-numel", "2048",
                 "--only", "quantize 4b g128"]
     else:
-        cmd += ["--numel", str(64 * 1024 * 1024), "--iters", "20"]
+        cmd += ["--numel", str(64 * 1024 * 1024), "--iters", str(iters)]
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                          text=True, timeout=max(10.0, ctx["limit"] - 5))
+                          text=True, timeout=max(10.0, timeout))
     print(proc.stdout[-6000:], flush=True)
     if not out.is_file():
         raise RuntimeError(f"the benchmark wrote no results:\n{proc.stderr[-3000:]}")
     res = json.loads(out.read_text())
+    if proc.returncode or res["failures"]:
+        raise StepFailed(f"kernel exactness failed in the benchmark: {res['failures']}", res)
+    return res
+
+
+def step_bandwidth(ctx: dict) -> dict:
+    res = _kernels_bench(ctx, timeout=ctx["limit"] - 5)
     peak = ctx.get("peak_gbps")
     below = []
     for row in res["cases"]:
@@ -315,9 +327,25 @@ def step_bandwidth(ctx: dict) -> dict:
     res["clone_x_peak"] = res["clone_gbps"] / peak if peak else None
     res["goal"] = f">= {GOAL}x clone for quantize/dequantize kernels"
     res["goal_missed"] = below
-    if proc.returncode or res["failures"]:
-        raise StepFailed(f"kernel exactness failed in the benchmark: {res['failures']}", res)
     return res
+
+
+#: elements per program tried besides the kernels' own (``kernels/_common.py`` ``TILE``)
+TILES = (1024, 4096)
+
+
+def step_tiles(ctx: dict) -> dict:
+    """The bandwidth table again at other tiles: 4096 elements per program take 10-27% fewer
+    instructions per element than 2048 but more registers (``benchmarks/kernel_sass.py``);
+    only a GPU says which is faster."""
+    out: dict = {}
+    for k, tile in enumerate(TILES):
+        left = ctx["limit"] - 5 - (time.perf_counter() - ctx["t0"])
+        res = _kernels_bench(ctx, "--tile", str(tile), iters=10,
+                             timeout=left / (len(TILES) - k))
+        out[str(tile)] = {row["case"]: row["x_copy"] for row in res["cases"] if "x_copy" in row}
+        Path(ctx["partial"]).write_text(json.dumps(out))  # kept if the next tile is cut short
+    return {"x_clone": out}
 
 
 def _model(torch, d: int, layers: int):
@@ -511,6 +539,7 @@ STEPS = {
     "fsdp_hooks": (step_fsdp_hooks, 100),
     "fsdp_one_rank": (step_fsdp_one_rank, 80),
     "kernel_tests": (step_kernel_tests, 200),
+    "tiles": (step_tiles, 100),
 }
 _MIN_STEP_S = 20  # a step is not started with less left than this
 
@@ -533,6 +562,9 @@ def _summary_line(name: str, rec: dict) -> str:
         what = "; ".join(f"{k}: GPU busy {v['profile'].get('gpu_busy_ms', 0):.0f} of "
                          f"{v['profile']['wall_ms']:.0f} ms, ours "
                          f"{v['profile'].get('ours_ms', 0):.0f} ms" for k, v in r.items())
+    elif name == "tiles":
+        what = "; ".join(f"TILE {k}: {sum(v >= GOAL for v in rows.values())} of {len(rows)} "
+                         f"kernels at >= {GOAL}x clone" for k, rows in r.get("x_clone", {}).items())
     elif name == "step_cost":
         what = "; ".join(f"{row['shape']['name']} W={row['world']}: codec "
                          f"{100 * row['codec_share']:.1f}%" for row in r.get("rows", []))
@@ -564,6 +596,17 @@ def _summary(results: dict) -> str:
                 flag = "" if row.get("goal_met", True) else " (< goal)"
                 lines.append(f"| {row['case']} | {row['gbps']:.1f} | {row['x_copy']:.2f}{flag} "
                              f"| {xp} |")
+    tiles = (results["steps"].get("tiles", {}).get("result") or {}).get("x_clone") or {}
+    if tiles:
+        own = {row["case"]: row["x_copy"] for row in bench.get("cases", []) if "x_copy" in row}
+        cols = {**tiles, f"{bench.get('tile', '?')} (own)": own}
+        names = sorted(cols, key=lambda c: int(c.split()[0]) if c[0].isdigit() else 0)
+        lines += ["", "## Kernel bandwidth by tile (x clone)", "",
+                  "| kernel | " + " | ".join(f"TILE {c}" for c in names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for case in dict.fromkeys(k for c in names for k in cols[c]):
+            cells = [f"{cols[c][case]:.2f}" if case in cols[c] else "-" for c in names]
+            lines.append(f"| {case} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -572,7 +615,7 @@ def _run_child(args: argparse.Namespace) -> int:
     import tempfile
 
     ctx = {"dry_run": args.dry_run, "tmp": tempfile.mkdtemp(prefix="gpu_check_"),
-           "limit": args.limit, "partial": args.result + ".partial"}
+           "limit": args.limit, "partial": args.result + ".partial", "t0": time.perf_counter()}
     env_file = Path(args.result).with_name("environment.ctx.json")
     if env_file.is_file():
         ctx.update(json.loads(env_file.read_text()))

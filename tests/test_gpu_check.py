@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["environment", "step_cost", "step_profile", "exactness_sweep", "bandwidth", "fsdp_hooks",
-         "fsdp_one_rank", "kernel_tests"]
+         "fsdp_one_rank", "kernel_tests", "tiles"]
 
 
 def _dry_run(out: Path, *extra: str, env_out: str = ""):
@@ -53,6 +53,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert steps["exactness_sweep"]["result"]["comparisons"] == 12
     bench = steps["bandwidth"]["result"]
     assert bench["interpret"] and bench["cases"][0]["check"] == "ok"
+    tiles = steps["tiles"]["result"]["x_clone"]
+    assert list(tiles) == ["1024", "4096"]
+    assert all(list(t) == ["quantize 4b g128 sym stoch"] for t in tiles.values()), tiles
     one = steps["fsdp_one_rank"]["result"]["presets"]
     assert len(one) == 9 and all(p["weights_equal_unhooked"] for p in one.values())
     hooks = steps["fsdp_hooks"]["result"]["presets"]
@@ -62,6 +65,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert hooks["baseline"]["kinds"]["weight_allgather"]["bits_per_element"] == 32.0
     summary = (tmp_path / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
+    assert "| kernel | TILE 1024 | TILE 2048 (own) | TILE 4096 |" in summary
     assert "== step_cost" in (tmp_path / "log.txt").read_text()
 
 
