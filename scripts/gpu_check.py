@@ -335,7 +335,7 @@ TILES = (1024, 4096)
 
 
 def step_tiles(ctx: dict) -> dict:
-    """The bandwidth table again at other tiles: 4096 elements per program take 10-27% fewer
+    """The bandwidth table again at other tiles: 4096 elements per program take 6-27% fewer
     instructions per element than 2048 but more registers (``benchmarks/kernel_sass.py``);
     only a GPU says which is faster."""
     out: dict = {}
