@@ -41,6 +41,7 @@ import _provenance  # noqa: E402
 
 #: instruction classes reported besides the total (SASS opcode prefixes)
 MEMORY = ("LDG", "STG", "LDS", "STS", "LDSM", "STSM", "SHFL", "BAR")
+F32, BF16 = "float32", "bfloat16"  # scale dtypes
 #: integer arguments that are multiples of 16 at the benchmark's sizes (Triton specializes them)
 _DIV16 = ("n", "m", "x_stride", "r_stride", "W", "WS", "G", "nblk", "W_in", "WS_in", "G_in",
           "out_stride", "chunk_b", "chunk_s")
@@ -69,45 +70,49 @@ def _args(argv=None) -> argparse.Namespace:
 
 
 def _cases(C) -> list[Case]:
-    def q(bits, sym, skind):
-        qmax = (1 << (bits - 1)) - 1 if sym else (1 << bits) - 1
-        return dict(BITS=bits, QMAX=qmax, SYM=sym, SKIND=skind)
+    from fsdp_qcomm.config import QuantSpec
+
+    def q(bits, sym, sdt, gs, prefix=""):
+        """A spec as the kernels' constexprs ``BITS, QMAX, SYM, SKIND, GS``."""
+        spec = QuantSpec(bits=bits, group_size=gs, symmetric=sym, scale_dtype=sdt)
+        return C.RowLayout.of(gs, spec).constexprs(prefix)
 
     def tiling(gs):
         gs_p2, gpb, sub = C.group_tiling(gs)
-        return dict(GS=gs, GS_P2=gs_p2, GPB=gpb, SUB=sub), gpb * sub
+        return dict(GS_P2=gs_p2, GPB=gpb, SUB=sub), gpb * sub
 
-    def quant(name, spec, gs, x="*fp32", ref=False, had=False, stoch=True):
-        t, tile = tiling(gs)
-        s = "*i32" if spec["SKIND"] == 0 else "*i16"
+    def words(spec):  # the scale section as integers of the scale's width
+        return "*i32" if spec["SKIND"] == 0 else "*i16"
+
+    def quant(name, spec, x="*fp32", ref=False, had=False, stoch=True):
+        t, tile = tiling(spec["GS"])
         return Case(name, "quantize", "_quantize_kernel",
-                    {"x_ptr": x, "r_ptr": x, "out_b": "*u8", "out_s": s},
+                    {"x_ptr": x, "r_ptr": x, "out_b": "*u8", "out_s": words(spec)},
                     dict(**spec, **t, STOCH=stoch, HAS_REF=ref, HADAMARD=had), tile)
 
-    def dequant(name, spec, gs, out="*fp32", had=False, acc=False):
-        s = "*i32" if spec["SKIND"] == 0 else "*i16"
+    def dequant(name, spec, out="*fp32", had=False, acc=False):
         return Case(name, "dequantize", "_dequantize_kernel",
-                    {"data_b": "*u8", "data_s": s, "out_ptr": out},
-                    dict(**spec, GS=gs, BLK8=C.TILE // 8, HADAMARD=had, ACCUMULATE=acc), C.TILE)
+                    {"data_b": "*u8", "data_s": words(spec), "out_ptr": out},
+                    dict(**spec, BLK8=C.TILE // 8, HADAMARD=had, ACCUMULATE=acc), C.TILE)
 
     t128, tile128 = tiling(128)
     return [
-        quant("quantize 4b g128 sym stoch", q(4, True, 0), 128),
-        quant("quantize 4b g128 sym nearest (no GPU row)", q(4, True, 0), 128, stoch=False),
-        quant("quantize 8b g128 sym stoch +H32", q(8, True, 0), 128, had=True),
-        quant("quantize 4b g2048 sym stoch x-ref (qWD)", q(4, True, 0), 2048, ref=True),
-        quant("quantize 8b g1024 asym stoch bf16 in", q(8, False, 1), 1024, x="*bf16"),
-        dequant("dequantize 4b g2048 += fp32 (qWD)", q(4, True, 0), 2048, acc=True),
-        dequant("dequantize 8b g1024 asym -> bf16", q(8, False, 1), 1024, out="*bf16"),
-        dequant("dequantize 8b g128 +H32^-1 -> fp32", q(8, True, 0), 128, had=True),
+        quant("quantize 4b g128 sym stoch", q(4, True, F32, 128)),
+        quant("quantize 4b g128 sym nearest (no GPU row)", q(4, True, F32, 128), stoch=False),
+        quant("quantize 8b g128 sym stoch +H32", q(8, True, F32, 128), had=True),
+        quant("quantize 4b g2048 sym stoch x-ref (qWD)", q(4, True, F32, 2048), ref=True),
+        quant("quantize 8b g1024 asym stoch bf16 in", q(8, False, BF16, 1024), x="*bf16"),
+        dequant("dequantize 4b g2048 += fp32 (qWD)", q(4, True, F32, 2048), acc=True),
+        dequant("dequantize 8b g1024 asym -> bf16", q(8, False, BF16, 1024), out="*bf16"),
+        dequant("dequantize 8b g128 +H32^-1 -> fp32", q(8, True, F32, 128), had=True),
         Case("reduce_requantize k=8 8b->4b g128", "reduce_requantize",
              "_reduce_requantize_kernel",
              {"in_b": "*u8", "in_s": "*i32", "out_b": "*u8", "out_s": "*i32"},
-             dict(**{f"I_{k}": v for k, v in q(8, True, 0).items()}, I_GS=128,
-                  **q(4, True, 0), **t128, STOCH=True), tile128),
+             dict(**q(8, True, F32, 128, "I_"), **q(4, True, F32, 128), **t128, STOCH=True),
+             tile128),
         Case("reduce_dequantize k=4 4b g128 +H32^-1", "reduce_dequantize",
              "_reduce_dequantize_kernel", {"data_b": "*u8", "data_s": "*i32", "out_ptr": "*fp32"},
-             dict(**q(4, True, 0), GS=128, BLK8=C.TILE // 8, HADAMARD=True), C.TILE),
+             dict(**q(4, True, F32, 128), BLK8=C.TILE // 8, HADAMARD=True), C.TILE),
     ]
 
 
@@ -135,7 +140,7 @@ def _opcodes(sass: str) -> tuple[list[str], int]:
     return [o for _, o in found], main
 
 
-def measure(case: Case, kernels_pkg, arch: int) -> dict:
+def measure(case: Case, arch: int) -> dict:
     """Compile one case for sm_<arch> and count its SASS."""
     import importlib
 
@@ -143,17 +148,17 @@ def measure(case: Case, kernels_pkg, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    C = importlib.import_module(f"{kernels_pkg}._common")
-    fn = getattr(importlib.import_module(f"{kernels_pkg}.{case.module}"), case.kernel)
+    C = importlib.import_module("fsdp_qcomm.kernels._common")
+    fn = getattr(importlib.import_module(f"fsdp_qcomm.kernels.{case.module}"), case.kernel)
     sig = {a: case.ptrs.get(a, "constexpr" if a in case.const else "i32") for a in fn.arg_names}
     div16 = [a for a in fn.arg_names if a in case.ptrs or a in _DIV16]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
     opts = C.launch_opts(case.tile)
     compiled = triton.compile(ASTSource(fn, sig, constexprs=case.const, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=opts)
-    ops, main = _opcodes(_cuobjdump(compiled.asm["cubin"], "-sass"))
-    res = dict(re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", _cuobjdump(
-        compiled.asm["cubin"], "--dump-resource-usage")))
+    dump = _cuobjdump(compiled.asm["cubin"], "--dump-resource-usage", "-sass")
+    ops, main = _opcodes(dump)
+    res = dict(re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", dump))
     per_thread = case.tile / (32 * opts["num_warps"])
     counts = collections.Counter(ops)
     return {
@@ -161,7 +166,7 @@ def measure(case: Case, kernels_pkg, arch: int) -> dict:
         "per_element": round(main / per_thread, 1), "elements_per_thread": per_thread,
         "registers": int(res.get("REG", 0)), "shared_bytes": int(res.get("SHARED", 0)),
         "spill_bytes": int(res.get("LOCAL", 0)),
-        "memory": {k: sum(v for o, v in counts.items() if o == k) for k in MEMORY},
+        "memory": {k: counts[k] for k in MEMORY},
         "top": counts.most_common(8),
     }
 
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
         if a.tile < 256 or a.tile & (a.tile - 1):
             raise SystemExit(f"kernel_sass: --tile {a.tile}: must be a power of 2 >= 256")
         C.TILE = a.tile  # group_tiling and the element-tiled kernels read it at call time
-    rows = [measure(c, "fsdp_qcomm.kernels", a.arch) for c in _cases(C) if a.only in c.name]
+    rows = [measure(c, a.arch) for c in _cases(C) if a.only in c.name]
     if not rows:
         raise SystemExit(f"kernel_sass: no kernel name contains {a.only!r}")
     table = f"TILE {C.TILE}; " + _table(rows, a.arch)

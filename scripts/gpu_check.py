@@ -598,11 +598,14 @@ def _summary(results: dict) -> str:
                              f"| {xp} |")
     tiles = (results["steps"].get("tiles", {}).get("result") or {}).get("x_clone") or {}
     if tiles:
+        cols = {int(k): v for k, v in tiles.items()}
         own = {row["case"]: row["x_copy"] for row in bench.get("cases", []) if "x_copy" in row}
-        cols = {**tiles, f"{bench.get('tile', '?')} (own)": own}
-        names = sorted(cols, key=lambda c: int(c.split()[0]) if c[0].isdigit() else 0)
+        if own:  # step 5 measured the kernels' own tile
+            cols[bench["tile"]] = own
+        names = sorted(cols)
         lines += ["", "## Kernel bandwidth by tile (x clone)", "",
-                  "| kernel | " + " | ".join(f"TILE {c}" for c in names) + " |",
+                  "| kernel | " + " | ".join(f"TILE {c}" + (" (own)" if cols[c] is own else "")
+                                           for c in names) + " |",
                   "|---|" + "---|" * len(names)]
         for case in dict.fromkeys(k for c in names for k in cols[c]):
             cells = [f"{cols[c][case]:.2f}" if case in cols[c] else "-" for c in names]
