@@ -192,6 +192,23 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         run=dispatch_run, moved=lambda d, out: 0, timed=False,
     )
 
+    def digest_run(impl, d):
+        # The change tracker's shard digest (not a codec function): the kernel against the
+        # torch formula, as one int64.
+        if impl is torch_codec:
+            from fsdp_qcomm.fsdp.change_tracker import _torch_digest
+
+            return _torch_digest([d["x"]]).reshape(1)
+        out = torch.zeros((), dtype=torch.int64, device=d["x"].device)
+        sys.modules["fsdp_qcomm.kernels.digest"].digest(d["x"], 0, out)
+        return out.reshape(1)
+
+    digest = Case(
+        "digest fp32 (change tracker, read only)",
+        make=lambda rows, n, dev, check: {"x": values(rows, n, dev, check, 0).reshape(-1)},
+        run=digest_run, moved=lambda d, out: nbytes(d["x"]),
+    )
+
     s4 = QuantSpec(bits=4, group_size=128)
     s8 = QuantSpec(bits=8, group_size=128)
     w4 = QuantSpec(bits=4, group_size=2048)
@@ -211,6 +228,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         levels_quant("quantize_levels 4b g1024 asym stoch", l4),
         levels_dequant("dequantize_levels 8b g1024 -> bf16", q8, torch.bfloat16),
         levels_dequant("dequantize_levels 4b g1024 += fp32", l4, torch.float32, accumulate=True),
+        digest,
         dispatch,
     ]
 

@@ -105,7 +105,8 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 def _compile_cases():
     """(kernel, pointer types, constexprs, divides) for every kernel and each tiling branch."""
     m = {n: importlib.import_module(f"fsdp_qcomm.kernels.{n}") for n in
-         ("_common", "quantize", "dequantize", "reduce_requantize", "reduce_dequantize", "levels")}
+         ("_common", "quantize", "dequantize", "reduce_requantize", "reduce_dequantize", "levels",
+          "digest")}
     common = m["_common"]
 
     def grp(gs):
@@ -141,6 +142,10 @@ def _compile_cases():
         (m["levels"]._decode_levels_kernel, {"data_b": "*u8", "data_s": "*i16",
          "data_l": "*fp32", "out_ptr": "*bf16"},
          dict(BITS=6, SYM=False, SKIND=1, GS=1024, BLK8=blk8, ACCUMULATE=True), False),
+        (m["digest"]._digest_kernel, {"x_ptr": "*bf16", "out_ptr": "*i64", "off_mod": "i64"},
+         dict(IBITS=16, BLOCK=m["digest"].BLOCK, P=m["digest"].PRIME), False),
+        (m["digest"]._digest_kernel, {"x_ptr": "*fp64", "out_ptr": "*i64", "off_mod": "i64"},
+         dict(IBITS=64, BLOCK=m["digest"].BLOCK, P=m["digest"].PRIME), False),
     ]
 
 
@@ -438,3 +443,42 @@ def test_levels_large_groups_sums_and_outputs(K, sym):
             K.dequantize_levels_sum(dev[:1], n, spec, got[:, 5:], accumulate)
             torch_codec.dequantize_levels_sum(chunks[:1], n, spec, want[:, 5:], accumulate)
             _same(got, want)
+
+
+# ---- the change tracker's shard digest --------------------------------------------------------
+@_exact
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.int16, torch.int32, torch.int64])
+def test_digest_equals_the_torch_formula(dtype):
+    """One pass, atomically summed blocks: the torch formula's exact value, with position
+    weights that wrap at the prime inside a block and across shards, offsets past 2^32, and sums
+    that wrap modulo 2^64 (values near 2^62); bit flips and exchanges change it."""
+    from fsdp_qcomm.fsdp.change_tracker import _torch_digest
+    kd = importlib.import_module("fsdp_qcomm.kernels.digest")  # the module, not its function
+
+    g = torch.Generator().manual_seed(11)
+    sizes = (70_000, 0, 131_071, 5)
+    if dtype.is_floating_point:
+        shards = [(torch.randn(n, generator=g) * 1e3).to(dtype) for n in sizes]
+    else:
+        shards = [torch.randint(-2 ** 15, 2 ** 15, (n,), generator=g).to(dtype) for n in sizes]
+    if dtype == torch.int64:
+        shards[0][:16] = 2 ** 62
+    lead = (1 << 33) + 65_000  # an offset past 2^32, 521 values before the prime wraps
+    for start in (0, lead):
+        out = torch.zeros((), dtype=torch.int64, device=DEV)
+        off = start
+        for s in shards:
+            kd.digest(_d(s), off, out)
+            off += s.numel()
+        # the torch formula from ``start``: ``start`` leading zeros weigh nothing
+        want = _torch_digest([torch.zeros(start % 65521, dtype=dtype), *shards])
+        assert out.device.type == DEV and int(out) == int(want), (dtype, start)
+    flipped = shards[0].clone()
+    assert flipped[100] != flipped[101]
+    flipped[100], flipped[101] = shards[0][101], shards[0][100]
+    out = torch.zeros((), dtype=torch.int64, device=DEV)
+    kd.digest(_d(flipped), 0, out)
+    assert int(out) != int(_torch_digest(shards[:1]))
+    with pytest.raises(ValueError, match="contiguous"):
+        kd.digest(_d(torch.zeros(8, 2, dtype=dtype))[:, 0], 0, out)

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import cpu_native
+from ..codec._checks import raw_memory_ok
 from ..collectives import _c10d
 from . import internals as fsdp
 
@@ -122,8 +123,9 @@ def shard_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     of each value weighted by its position. Any single changed value, and any exchange of two
     values, changes it; equal inputs give equal digests on every device and in any order of
     summation (integer arithmetic wraps modulo 2^64, deterministically). CPU tensors take the
-    C codec's one-pass loop (``codec.cpu_native.digest``), others the torch formula
-    (``_torch_digest``): the same value (``tests/test_codec_native.py``)."""
+    C codec's one-pass loop (``codec.cpu_native.digest``), CUDA tensors the one-pass Triton
+    kernel (``kernels/digest.py``), others the torch formula (``_torch_digest``): the same
+    value (``tests/test_codec_native.py``, ``tests/test_kernels.py``)."""
     device = shards[0].device if shards else torch.device("cpu")
     if device.type == "cpu":
         total, off = 0, 0
@@ -138,6 +140,17 @@ def shard_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
             off += n
         total &= (1 << 64) - 1
         return torch.tensor(total - (1 << 64) if total >> 63 else total, dtype=torch.int64)
+    if device.type == "cuda" and raw_memory_ok("cuda", *shards):
+        # imported lazily: triton is only needed on GPUs
+        from ..kernels.digest import digest, supports
+
+        if all(supports(x) for x in shards):
+            total = torch.zeros((), dtype=torch.int64, device=device)
+            off = 0
+            for x in shards:
+                digest(x.detach(), off, total)
+                off += x.numel()
+            return total
     return _torch_digest(shards)
 
 

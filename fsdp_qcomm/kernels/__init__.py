@@ -9,7 +9,8 @@ bytes (wire format: ``fsdp_qcomm.codec.wire``; the rules that keep them bit-iden
 * ``dequantize``: codes -> values -> optional inverse Hadamard -> write or add into ``out``;
 * ``reduce_requantize``: decode k chunks, sum, re-encode (hop 1 -> hop 2);
 * ``reduce_dequantize``: decode k chunks, sum, inverse Hadamard, write (last hop);
-* ``levels``: learned (non-uniform) level tables, encode and decode-sum.
+* ``levels``: learned (non-uniform) level tables, encode and decode-sum;
+* ``digest``: the change tracker's exact shard digest, one pass (not part of the wire format).
 
 Where the sources live. The kernel modules sit in the repository's top-level ``kernels/``
 folder (no ``__init__.py``: it is not a package of its own, so a checkout on ``sys.path``
@@ -32,6 +33,7 @@ if not (_HERE / "_common.py").is_file():  # a source checkout: the sources are i
     __path__.append(str(_SRC))  # noqa: F821 - __path__ is set by the import system
 
 from .dequantize import dequantize  # noqa: E402
+from .digest import digest  # noqa: E402
 from .levels import dequantize_levels_sum, quantize_levels  # noqa: E402
 from .quantize import quantize  # noqa: E402
 from .reduce_dequantize import reduce_dequantize  # noqa: E402
@@ -40,6 +42,7 @@ from .reduce_requantize import reduce_requantize  # noqa: E402
 __all__ = [
     "dequantize",
     "dequantize_levels_sum",
+    "digest",
     "quantize",
     "quantize_levels",
     "reduce_dequantize",
