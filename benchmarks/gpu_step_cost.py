@@ -212,10 +212,12 @@ def describe_syncs(s) -> str:
     return text
 
 
-def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str], steps: int,
-            warmup: int, dev: str, profile: bool = False) -> dict:
-    """One model, one configuration: timed steps, peak memory, host syncs, bytes; with
-    ``profile``, where two more steps spend their time (``profile_steps``)."""
+def build_step(shape: LlamaShape, world: int, per_node: int, preset: Optional[str], dev: str,
+               param_dtype: Optional[torch.dtype] = None):
+    """Rank 0 of ``world`` fake ranks: the model sharded per block and at its root, bf16
+    parameters on CUDA (fp32 on the CPU unless ``param_dtype``), fp32 reduction, ``enable``
+    when ``preset`` is given, AdamW, one batch. Returns ``(step, handle or None, padded
+    parameters)``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import fsdp_qcomm
@@ -225,8 +227,9 @@ def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str],
     torch.manual_seed(0)
     with torch.device(dev):
         model = Llama(shape)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32,
-                              reduce_dtype=torch.float32)
+    if param_dtype is None:
+        param_dtype = torch.bfloat16 if cuda else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for b in model.blocks:
         fully_shard(b, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -246,6 +249,15 @@ def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str],
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, handle, padded
+
+
+def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str], steps: int,
+            warmup: int, dev: str, profile: bool = False) -> dict:
+    """One model, one configuration: timed steps, peak memory, host syncs, bytes; with
+    ``profile``, where two more steps spend their time (``profile_steps``)."""
+    cuda = dev == "cuda"
+    step, handle, padded = build_step(shape, world, per_node, preset, dev)
     for _ in range(max(1, warmup)):
         step()
     syncs = "not checked (CPU)"

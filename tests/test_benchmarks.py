@@ -512,3 +512,49 @@ def test_kernel_sass_counts_opcodes_and_the_main_path():
     lines = kernel_sass._table([row], 90).splitlines()
     assert lines[-1] == "| k | 6 (4) | 0.5 | 8 | 0 | " + " | ".join("0" * 8) + " |"
     assert lines[-2].count("---") == lines[-3].count("|") - 1  # one separator per column
+
+
+# ---- gpu_codec_model: the codec's GPU work counted on the CPU ---------------------------------
+def test_gpu_codec_model_counts_bytes_of_copies_views_and_in_place_ops():
+    import gpu_codec_model as m
+
+    x, y = torch.zeros(8), torch.ones(8)
+    aten = torch.ops.aten
+    assert m._op_bytes(aten.copy_.default, (x, y), {}, x) == 64  # src read, dst written
+    assert m._op_bytes(aten.add_.Tensor, (x, y), {}, x) == 96  # both read, x written
+    assert m._op_bytes(aten.view.default, (x, [2, 4]), {}, x.view(2, 4)) == 0
+    assert m._op_bytes(aten.empty.memory_format, ([8],), {}, torch.empty(8)) == 0
+    big = m.padded_params(m.SHAPES["1B"], 8)
+    assert abs(big - m.SHAPES["1B"].params) < 1e-3 * big  # padding is small at this size
+
+
+def test_gpu_codec_model_counts_each_kernel_once_per_step_and_prices_it():
+    import gpu_codec_model as m
+
+    shape = m.SHAPES["tiny"]
+    base, n = m.count_step(shape, 4, 2, None, warmup=1)
+    enabled, n2 = m.count_step(shape, 4, 2, "sdp4bit", warmup=1)
+    assert n == n2 and not base.codec
+    kernels = {k for k, _ in enabled.codec}
+    # two hops of TLq-HS and qWD's encode / decode-and-add, each gathered group once
+    assert any(k.startswith("quantize 8b g128 +H32") for k in kernels), kernels
+    assert any(k.startswith("reduce_requantize k=2 8b->4b") for k in kernels), kernels
+    assert any(k.startswith("dequantize 4b g2048 +=") for k in kernels), kernels
+    calls = {k: v[0] for (k, _), v in enabled.codec.items()}
+    hop1 = next(v for k, v in calls.items() if k.startswith("quantize 8b"))
+    assert hop1 == shape.layers + 1  # one reduce-scatter per FSDP group and step
+    from gpu_step_cost import Llama
+
+    params = sum(1 for _ in Llama(shape).parameters())
+    assert calls["digest float32"] == params  # CUDA's one-pass digest kernel, once per shard
+    old, _ = m.count_step(shape, 4, 2, "sdp4bit", warmup=1, torch_digest=True)
+    assert not any(k.startswith("digest") for k, _ in old.codec)
+    torch_formula = [v for (s, _), v in old.ops.items() if s.endswith(":_torch_digest")]
+    assert sum(v[2] for v in torch_formula) >= 6 * params  # six passes per shard, or more
+    bw = {"clone_gbps": 1.0, "cases": [{"case": r, "gbps": 1.0} for _, r in enabled.codec
+                                       if r != m.CLONE_ROW]}
+    priced = m.price(base, enabled, 2.0, bw)
+    moved = sum(v[2] for v in enabled.codec.values())
+    assert priced["kernel_ms"] == pytest.approx(2 * moved / 1e9 * 1e3)
+    assert priced["floor_ms"] == pytest.approx(
+        priced["kernel_ms"] + priced["glue_ms"] + priced["fsdp_model_optimizer_change"]["ms"])
