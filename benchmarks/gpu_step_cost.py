@@ -312,9 +312,9 @@ def _our_kernels() -> set[str]:
 
 def profile_steps(step, dev: str, steps: int = 2, top: int = 15) -> dict:
     """Where ``steps`` training steps spend their time: the GPU kernels by total time (ours
-    marked), the share of the wall time the GPU is busy (idle gaps mean the CPU cannot launch
-    fast enough, or a host sync), and the Python functions of fsdp_qcomm by cumulative CPU time
-    (``cProfile``, one more step)."""
+    marked) and launches per step, the share of the wall time the GPU is busy (idle gaps mean
+    the CPU cannot launch fast enough, or a host sync), and the Python functions of fsdp_qcomm
+    by cumulative CPU time (``cProfile``, one more step)."""
     import cProfile
     import pstats
 
@@ -343,6 +343,8 @@ def profile_steps(step, dev: str, steps: int = 2, top: int = 15) -> dict:
                 end = b
         first = spans[0][0] if spans else 0.0
         out["gpu_busy_ms"] = busy / 1e3
+        # against gpu_codec_model.py's count of the launches enable() adds (docs/gpu_path.md)
+        out["launches_per_step"] = len(kernels) / steps
         out["gpu_span_ms"] = (end - first) / 1e3 if spans else 0.0
         by: dict[str, list[float]] = {}
         for e in kernels:

@@ -561,7 +561,9 @@ def _summary_line(name: str, rec: dict) -> str:
     elif name == "step_profile":
         what = "; ".join(f"{k}: GPU busy {v['profile'].get('gpu_busy_ms', 0):.0f} of "
                          f"{v['profile']['wall_ms']:.0f} ms, ours "
-                         f"{v['profile'].get('ours_ms', 0):.0f} ms" for k, v in r.items())
+                         f"{v['profile'].get('ours_ms', 0):.0f} ms, "
+                         f"{v['profile'].get('launches_per_step', 0):.0f} launches/step"
+                         for k, v in r.items())
     elif name == "tiles":
         what = "; ".join(f"TILE {k}: {sum(v >= GOAL for v in rows.values())} of {len(rows)} "
                          f"kernels at >= {GOAL}x clone" for k, rows in r.get("x_clone", {}).items())
