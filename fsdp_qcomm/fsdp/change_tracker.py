@@ -141,9 +141,10 @@ def shard_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
         total &= (1 << 64) - 1
         return torch.tensor(total - (1 << 64) if total >> 63 else total, dtype=torch.int64)
     if device.type == "cuda" and raw_memory_ok("cuda", *shards):
-        # imported lazily: triton is only needed on GPUs
-        from ..kernels.digest import digest, supports
-
+        try:  # imported lazily: triton is only needed on GPUs
+            from ..kernels.digest import digest, supports
+        except ImportError:  # no triton (a preset that quantizes nothing): the torch formula
+            return _torch_digest(shards)
         if all(supports(x) for x in shards):
             total = torch.zeros((), dtype=torch.int64, device=device)
             off = 0
