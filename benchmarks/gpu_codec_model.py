@@ -23,9 +23,13 @@ Python overhead, idle GPU time or kernels slower than at the bandwidth bench's s
 ``gpu_check.sh``'s ``step_profile`` step measures. The CPU path's own choices are replaced by
 the CUDA path's (``_as_on_cuda``).
 
+It also times, on this CPU, the host time the hooks add per step with the codec's work taken
+out (``host_ms``): their Python, dispatch and the glue's operations on small tensors. That is a
+proxy, tracked from commit to commit, for what the hooks cost a GPU job's host.
+
     python benchmarks/gpu_codec_model.py [--target 1B] [--world 8:1] [--preset sdp4bit]
         [--gpu-check results/gpu_check/h200_2026-12-04/gpu_check.json] [--out DIR --label L]
-        [--torch-digest]
+        [--torch-digest] [--host-steps 10]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -296,6 +301,79 @@ def _as_on_cuda(mode: Optional[_Mode] = None, torch_digest: bool = False):
         change_tracker.shard_digest, reduce_scatter.defer_reason = digest, defer
 
 
+class _NoCodec:
+    """Stands in for the codec's implementation in ``host_ms``: outputs of the right shape and
+    no work (zero codes; a decode leaves ``out`` as it is)."""
+
+    @staticmethod
+    def quantize(rows, spec, key, ref, hadamard):
+        from fsdp_qcomm.codec import wire
+
+        m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
+        return torch.zeros(rows.shape[0], wire.wire_bytes(m, spec), dtype=torch.uint8)
+
+    @staticmethod
+    def dequantize(rows, n, spec, hadamard, out, accumulate):
+        return out if out is not None else torch.zeros(rows.shape[0], n)
+
+    @staticmethod
+    def reduce_requantize(seq, n, spec_in, spec_out, key):
+        from fsdp_qcomm.codec import wire
+
+        return torch.zeros(seq[0].shape[0], wire.wire_bytes(n, spec_out), dtype=torch.uint8)
+
+    @staticmethod
+    def reduce_dequantize(seq, n, spec, hadamard, out):
+        return out if out is not None else torch.zeros(seq[0].shape[0], n)
+
+    @staticmethod
+    def quantize_levels(rows, spec, levels, key):
+        from fsdp_qcomm.codec import wire
+
+        return torch.zeros(rows.shape[0], wire.levels_wire_bytes(rows.shape[1], spec),
+                           dtype=torch.uint8)
+
+    @staticmethod
+    def dequantize_levels_sum(seq, n, spec, out=None, accumulate=False):
+        return out if out is not None else torch.zeros(seq[0].shape[0], n)
+
+
+def host_ms(shape: LlamaShape, world: int, per_node: int, preset: str, steps: int = 10,
+            rounds: int = 3, torch_digest: bool = False) -> dict:
+    """The host time per step the hooks add, with the codec's work taken out (``_NoCodec``):
+    their Python, dispatch and the glue's operations on the counted model's small tensors, on
+    this CPU. fp32 parameters keep the model's own CPU time small; runs without and with
+    ``enable`` alternate, ``rounds`` times, and the median of each run's median step counts."""
+    from fsdp_qcomm import codec
+    from fsdp_qcomm.codec import levels
+
+    runs: dict[str, list[float]] = {"fsdp2": [], preset: []}
+    impl, impl_levels = codec._impl, levels._impl
+    for _ in range(rounds):
+        for p in (None, preset):
+            step, handle, _ = build_step(shape, world, per_node, p, "cpu", torch.float32)
+            codec._impl = levels._impl = lambda *t: _NoCodec
+            try:
+                with _as_on_cuda(None, torch_digest):
+                    for _ in range(2):
+                        step()
+                    times = []
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        step()
+                        times.append(time.perf_counter() - t0)
+            finally:
+                codec._impl, levels._impl = impl, impl_levels
+                if handle is not None:
+                    handle.disable()
+                torch.distributed.destroy_process_group()
+            runs[p or "fsdp2"].append(1e3 * statistics.median(times))
+    out = {k: statistics.median(v) for k, v in runs.items()}
+    out["added"] = out[preset] - out["fsdp2"]
+    out["runs"] = runs
+    return out
+
+
 def padded_params(shape: LlamaShape, world: int) -> int:
     """FSDP2's padded parameter count: each parameter's dim 0 padded to a multiple of W."""
     hd = shape.dim // shape.heads
@@ -389,6 +467,13 @@ def report(res: dict) -> str:
         f"({p['kernel_ms']:.1f} in codec kernels, {p['glue_ms']:.1f} in other fsdp_qcomm work, "
         f"{f['ms']:+.1f} in FSDP2's), with {p['launches_added']} more launches per step.",
     ]
+    h = res.get("host_ms")
+    if h:
+        lines.append(
+            f"Host time the hooks add per step with the codec's work taken out (Python, "
+            f"dispatch, small tensors; this CPU, the counted shape in fp32): "
+            f"{h['added']:+.1f} ms ({h['fsdp2']:.1f} -> {h[res['preset']]:.1f} ms, medians of "
+            f"{len(h['runs']['fsdp2'])} alternating runs).")
     if m:
         lines.append(
             f"Measured by that GPU run (with its own commit's code): {m['enabled_ms']:.1f} ms "
@@ -406,6 +491,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="a gpu_check.json whose bandwidth step prices the counts")
     p.add_argument("--out", default="", help="folder for the report (.md) and counts (.json)")
     p.add_argument("--label", default="", help="prefix of the files' names in --out")
+    p.add_argument("--host-steps", type=int, default=10,
+                   help="steps per timed run of host_ms (0: no host timing)")
     p.add_argument("--torch-digest", action="store_true",
                    help="shard digests by the torch formula, as CUDA ran them before "
                         "kernels/digest.py (commit 24f5c64 and earlier)")
@@ -433,6 +520,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "clone_gbps": bandwidth["clone_gbps"],
         "priced": price(base, enabled, scale, bandwidth),
         "measured": _measured(gpu_check, a.target, world, per_node),
+        "host_ms": host_ms(shape, world, per_node, a.preset, a.host_steps,
+                           torch_digest=a.torch_digest) if a.host_steps else None,
         "count_s": time.perf_counter() - t0,
         "raw": {"fsdp2": {f"{s} | {o}": v for (s, o), v in base.ops.items()},
                 "enabled": {f"{s} | {o}": v for (s, o), v in enabled.ops.items()},

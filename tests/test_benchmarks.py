@@ -558,3 +558,11 @@ def test_gpu_codec_model_counts_each_kernel_once_per_step_and_prices_it():
     assert priced["kernel_ms"] == pytest.approx(2 * moved / 1e9 * 1e3)
     assert priced["floor_ms"] == pytest.approx(
         priced["kernel_ms"] + priced["glue_ms"] + priced["fsdp_model_optimizer_change"]["ms"])
+
+
+def test_gpu_codec_model_times_the_hooks_host_work_without_the_codec():
+    import gpu_codec_model as m
+
+    h = m.host_ms(m.SHAPES["tiny"], 4, 2, "sdp4bit", steps=1, rounds=1)
+    assert set(h) == {"fsdp2", "sdp4bit", "added", "runs"}
+    assert h["fsdp2"] > 0 and h["sdp4bit"] > 0 and h["added"] == h["sdp4bit"] - h["fsdp2"]
