@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -339,11 +338,13 @@ class _NoCodec:
 
 
 def host_ms(shape: LlamaShape, world: int, per_node: int, preset: str, steps: int = 10,
-            rounds: int = 3, torch_digest: bool = False) -> dict:
+            rounds: int = 5, torch_digest: bool = False) -> dict:
     """The host time per step the hooks add, with the codec's work taken out (``_NoCodec``):
     their Python, dispatch and the glue's operations on the counted model's small tensors, on
     this CPU. fp32 parameters keep the model's own CPU time small; runs without and with
-    ``enable`` alternate, ``rounds`` times, and the median of each run's median step counts."""
+    ``enable`` alternate, ``rounds`` times; each side's fastest step counts (the work is the
+    same every step: the fastest is the least disturbed), and ``added_range`` is the spread of
+    the rounds' differences (the noise)."""
     from fsdp_qcomm import codec
     from fsdp_qcomm.codec import levels
 
@@ -367,10 +368,12 @@ def host_ms(shape: LlamaShape, world: int, per_node: int, preset: str, steps: in
                 if handle is not None:
                     handle.disable()
                 torch.distributed.destroy_process_group()
-            runs[p or "fsdp2"].append(1e3 * statistics.median(times))
-    out = {k: statistics.median(v) for k, v in runs.items()}
+            runs[p or "fsdp2"].append(1e3 * min(times))
+    out = {k: min(v) for k, v in runs.items()}
     out["added"] = out[preset] - out["fsdp2"]
     out["runs"] = runs
+    per_round = [b - a for a, b in zip(runs["fsdp2"], runs[preset])]
+    out["added_range"] = [min(per_round), max(per_round)]
     return out
 
 
@@ -472,8 +475,9 @@ def report(res: dict) -> str:
         lines.append(
             f"Host time the hooks add per step with the codec's work taken out (Python, "
             f"dispatch, small tensors; this CPU, the counted shape in fp32): "
-            f"{h['added']:+.1f} ms ({h['fsdp2']:.1f} -> {h[res['preset']]:.1f} ms, medians of "
-            f"{len(h['runs']['fsdp2'])} alternating runs).")
+            f"{h['added']:+.1f} ms ({h['fsdp2']:.1f} -> {h[res['preset']]:.1f} ms, fastest "
+            f"steps of {len(h['runs']['fsdp2'])} alternating runs each; the runs' differences "
+            f"{h['added_range'][0]:+.1f} to {h['added_range'][1]:+.1f} ms).")
     if m:
         lines.append(
             f"Measured by that GPU run (with its own commit's code): {m['enabled_ms']:.1f} ms "

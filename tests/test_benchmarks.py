@@ -564,5 +564,5 @@ def test_gpu_codec_model_times_the_hooks_host_work_without_the_codec():
     import gpu_codec_model as m
 
     h = m.host_ms(m.SHAPES["tiny"], 4, 2, "sdp4bit", steps=1, rounds=1)
-    assert set(h) == {"fsdp2", "sdp4bit", "added", "runs"}
+    assert set(h) == {"fsdp2", "sdp4bit", "added", "runs", "added_range"}
     assert h["fsdp2"] > 0 and h["sdp4bit"] > 0 and h["added"] == h["sdp4bit"] - h["fsdp2"]
