@@ -110,22 +110,37 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _packed_rows(out: torch.Tensor, lay: "C.RowLayout", spec: QuantSpec) -> bool:
+    """Whether the kernel may write ``out`` [R, W] as it writes its own buffer: unit column
+    stride, rows ``W`` bytes apart, and a start the scale view can take."""
+    itemsize = spec.torch_scale_dtype.itemsize
+    return (out.stride(-1) == 1 and (out.shape[0] <= 1 or out.stride(0) == lay.width)
+            and out.storage_offset() % itemsize == 0)
+
+
 def quantize(
     rows: torch.Tensor,
     spec: QuantSpec,
     key: Optional[RngKey],
     ref: Optional[torch.Tensor] = None,
     hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """[R, n] float rows -> uint8 wire rows; same contract and bytes as
-    ``torch_codec.quantize`` (``ref``: encode ``x - ref``; ``hadamard``: encode ``H32 x``)."""
+    ``torch_codec.quantize`` (``ref``: encode ``x - ref``; ``hadamard``: encode ``H32 x``;
+    ``out``: [R, W] written in place, directly when its rows are packed and their start is
+    aligned for the scales, else through a copy)."""
     if spec.stochastic and key is None:
         raise ValueError(
             f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
     R, n = rows.shape
     m = wire.hadamard_len(n) if hadamard else n
     lay = C.RowLayout.of(m, spec)
-    out = torch.empty(R, lay.width, dtype=torch.uint8, device=rows.device)
+    if out is not None and not _packed_rows(out, lay, spec):
+        out.copy_(quantize(rows, spec, key, ref, hadamard))
+        return out
+    if out is None:
+        out = torch.empty(R, lay.width, dtype=torch.uint8, device=rows.device)
     if R == 0 or m == 0:
         return out
     C.check_row_len(m, spec.group_size)

@@ -219,6 +219,36 @@ def test_reduce_requantize_and_reduce_dequantize_match_unfused():
     assert rel < 0.2
 
 
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_quantize_into_out_writes_the_returned_bytes_and_nothing_else(hadamard):
+    """``out=``: the bytes ``quantize`` returns, written into a slice of a larger buffer (the
+    C loop and the torch code, through the public entry point and directly), the bytes around
+    it untouched; a transposed ``out`` too (through a copy); a wrong width or shape refused."""
+    spec = QuantSpec(bits=4, group_size=128)
+    x, r = torch.randn(3, 1000), torch.randn(3, 1000)
+    want = codec.quantize(x, spec, KEY, ref=r, hadamard=hadamard)
+    W = want.shape[-1]
+    for encode in (lambda o: codec.quantize(x, spec, KEY, ref=r, hadamard=hadamard, out=o),
+                   lambda o: torch_codec.quantize(x, spec, KEY, r, hadamard, o)):
+        buf = torch.full((3 * W + 8,), 7, dtype=torch.uint8)
+        o = buf[4:4 + 3 * W].view(3, W)
+        assert encode(o) is o and torch.equal(o, want)
+        assert buf[:4].tolist() == [7] * 4 and buf[-4:].tolist() == [7] * 4
+        t = torch.zeros(W, 3, dtype=torch.uint8).t()
+        encode(t)
+        assert torch.equal(t, want)
+    one = torch.zeros(W, dtype=torch.uint8)  # one row: counters from 0, unlike want[1]
+    codec.quantize(x[1], spec, KEY, ref=r[1], hadamard=hadamard, out=one)
+    assert torch.equal(one, codec.quantize(x[1], spec, KEY, ref=r[1], hadamard=hadamard))
+    with pytest.raises(ValueError, match="bytes but"):
+        codec.quantize(x, spec, KEY, hadamard=hadamard, out=torch.empty(3, W + 4,
+                                                                       dtype=torch.uint8))
+    with pytest.raises(ValueError, match="leading shape"):
+        codec.quantize(x, spec, KEY, hadamard=hadamard, out=torch.empty(2, W, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        codec.quantize(x, spec, KEY, hadamard=hadamard, out=torch.empty(3, W))
+
+
 def test_shapes_and_errors():
     spec = QuantSpec(bits=4, group_size=8, rounding="nearest")
     x = torch.randn(2, 3, 17)

@@ -284,6 +284,25 @@ def test_quantize_scale_edge_cases(K):
 
 
 @_exact
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_quantize_into_out(K, hadamard):
+    """``out=`` slices of one wire buffer: written in place where the scales can be written
+    directly (a start aligned to them), through a copy where not (an odd start), the same bytes
+    as the torch codec either way and nothing outside the slice touched."""
+    spec = QuantSpec(bits=4, group_size=96)  # 32-blocks cut by groups: the two-pass Hadamard
+    x = _data(3, 1001, torch.float32, seed=4)
+    want = torch_codec.quantize(x, spec, KEY, None, hadamard)
+    W = want.shape[-1]
+    for start in (4, 1):
+        buf = torch.full((3 * W + 8,), 7, dtype=torch.uint8, device=DEV)
+        o = buf[start:start + 3 * W].view(3, W)
+        assert K.quantize(_d(x), spec, KEY, None, hadamard, o) is o
+        _same(o, want)
+        rest = torch.cat((buf[:start], buf[start + 3 * W:])).cpu()
+        assert rest.tolist() == [7] * (8)
+
+
+@_exact
 def test_quantize_needs_key_for_stochastic(K):
     with pytest.raises(ValueError, match="needs key"):
         K.quantize(_d(torch.ones(1, 8)), _spec(4, True, "stochastic", "float32", 8), None)

@@ -56,11 +56,14 @@ def quantize(
     *,
     ref: Optional[torch.Tensor] = None,
     hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Encode rows of ``x`` (or ``x - ref``; or ``H32 x`` padded to whole 32-blocks).
 
     Returns uint8 of shape ``x.shape[:-1] + (wire_bytes(m, spec),)`` with ``m = n`` or
-    ``hadamard_len(n)``. ``key`` is required for stochastic rounding.
+    ``hadamard_len(n)``, or writes it into ``out`` of that shape (a slice of a larger wire
+    buffer: the kernels and the C loop write there directly, saving a copy and a launch per
+    call). ``key`` is required for stochastic rounding.
     """
     require_key(spec, key)
     rows = float_rows(x, "x")
@@ -69,8 +72,21 @@ def quantize(
         if ref.shape != x.shape:
             raise ValueError(f"ref shape {tuple(ref.shape)} must equal x shape {tuple(x.shape)}")
         r = float_rows(ref, "ref")
-    out = _impl(rows, r).quantize(rows, spec, key, r, hadamard)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    o = None
+    if out is not None:
+        m = hadamard_len(x.shape[-1]) if hadamard else x.shape[-1]
+        if out.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"out shape {tuple(out.shape)} must be x's leading shape "
+                             f"{tuple(x.shape[:-1])} plus the wire row")
+        wire_rows(out, wire_bytes(m, spec), "out", f"{m} values under {spec}")
+        try:
+            o = out.view(-1, out.shape[-1])
+        except RuntimeError as e:
+            raise ValueError(f"out (shape {tuple(out.shape)}, stride {out.stride()}) must be "
+                             "viewable as [rows, wire bytes]: a slice of a contiguous "
+                             "buffer, for example") from e
+    res = _impl(rows, r, o).quantize(rows, spec, key, r, hadamard, o)
+    return out if out is not None else res.view(*x.shape[:-1], res.shape[-1])
 
 
 def dequantize(

@@ -190,19 +190,24 @@ def quantize(
     key: Optional[RngKey],
     ref: Optional[torch.Tensor] = None,
     hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """As ``torch_codec.quantize``."""
+    """As ``torch_codec.quantize``; writes into ``out`` directly when its rows have unit
+    stride."""
     lib = library()
-    if lib is None or not _covers(spec):
-        return torch_codec.quantize(x, spec, key, ref, hadamard)
-    if not plain(x, ref):
-        return torch_codec.quantize(x, spec, key, ref, hadamard)
+    if lib is None or not _covers(spec) or not plain(x, ref, out):
+        return torch_codec.quantize(x, spec, key, ref, hadamard, out)
+    if out is not None and out.numel() and out.stride(-1) != 1:
+        res = quantize(x, spec, key, ref, hadamard)
+        out.copy_(res)
+        return out
     k0, k1 = _words(spec, key)
     v = _rows_f32(x)
     r = None if ref is None else _rows_f32(ref)
     rows, n0 = v.shape
     n = wire.hadamard_len(n0) if hadamard else n0
-    out = torch.empty(rows, wire.wire_bytes(n, spec), dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(rows, wire.wire_bytes(n, spec), dtype=torch.uint8)
     if n == 0 or rows == 0:
         return out
     if spec.stochastic:

@@ -493,9 +493,20 @@ def quantize(
     key: Optional[RngKey],
     ref: Optional[torch.Tensor] = None,
     hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """[R, n] -> wire rows. ``ref``: encode ``x - ref`` (qWD send). ``hadamard``: encode
-    ``H32 x`` of the row zero-padded to ``hadamard_len(n)``."""
+    """[R, n] -> wire rows (written into ``out`` [R, W] when given). ``ref``: encode
+    ``x - ref`` (qWD send). ``hadamard``: encode ``H32 x`` of the row zero-padded to
+    ``hadamard_len(n)``."""
+    res = _quantize(x, spec, key, ref, hadamard)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def _quantize(x: torch.Tensor, spec: QuantSpec, key: Optional[RngKey],
+              ref: Optional[torch.Tensor], hadamard: bool) -> torch.Tensor:
     v = x.to(torch.float32)
     r = None if ref is None else ref.to(torch.float32)
     if hadamard and spec.group_size % wire.HADAMARD_BLOCK:

@@ -214,8 +214,8 @@ def encode_shard(
             v = x[off:off + n] if r is None else x[off:off + n].float() - r.float()
             out[woff:woff + w] = quantize_levels(v, spec, levels, _segment_key(key, k))
         elif n:
-            out[woff:woff + w] = quantize(x[off:off + n], spec, _segment_key(key, k), ref=r,
-                                          hadamard=hadamard)
+            quantize(x[off:off + n], spec, _segment_key(key, k), ref=r, hadamard=hadamard,
+                     out=out[woff:woff + w])
         off += n
         woff += w
     return out
