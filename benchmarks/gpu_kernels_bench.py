@@ -127,6 +127,25 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
             moved=lambda d, out: nbytes(d["data"]) + nbytes(out) * (2 if accumulate else 1),
         )
 
+    def dequant_segments(name, spec, parts):
+        # A weight shard of ``parts`` parameters, each encoded on its own (qWD's rows), decoded
+        # and added into fp32 in one launch; the torch codec decodes segment by segment.
+        def make(rows, n, dev, check):
+            segs = [n // parts + (j < n % parts) for j in range(parts)]
+            data = torch.cat([encode(values(rows, m, dev, check and j == 1, j), spec,
+                                     key.fold(j), False, check) for j, m in enumerate(segs)], 1)
+            return {"data": data, "segs": tuple(segs),
+                    "out": values(rows, n, dev, False, 1)}
+
+        def run(impl, d):
+            out = d["out"].clone()
+            if hasattr(impl, "dequantize_segments"):
+                return impl.dequantize_segments(d["data"], d["segs"], spec, False, out, True)
+            return codec._each_segment(impl, d["data"], d["segs"], spec, False, out, True)
+
+        return Case(name, make, run,
+                    moved=lambda d, out: nbytes(d["data"]) + 2 * nbytes(out))
+
     def reduce(name, k, spec, spec_out=None, hadamard=False):
         def make(rows, n, dev, check):
             n = max(8, n // k)  # k chunks hold the input's elements together
@@ -220,6 +239,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", w4, ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q8, dtype=torch.bfloat16),
         dequant("dequantize 4b g2048 += fp32 (qWD)", w4, torch.float32, accumulate=True),
+        dequant_segments("dequantize_segments 4b g2048 += fp32 (9 segments)", w4, 9),
         dequant("dequantize 8b g1024 asym -> bf16", q8, torch.bfloat16),
         dequant("dequantize 8b g128 +H32^-1 -> fp32", s8, hadamard=True),
         reduce("reduce_requantize k=8 8b->4b g128", 8, s8, spec_out=s4),

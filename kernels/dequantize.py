@@ -3,10 +3,15 @@ accumulate into an output of any float dtype (qWD receive: ``ref += d``).
 
 Element-tiled: one program decodes ``BLK8`` 8-blocks of one row, reading each block's scale by
 group index, so any group size works. Torch twin: ``torch_codec.dequantize``.
+
+``dequantize_segments`` decodes rows made of several wire rows back to back (a weight shard's
+parameters, each encoded on its own: ``collectives.weight_gather``) in one launch instead of one
+per segment: a table, built once per layout, tells each program its segment.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -32,6 +37,80 @@ def _dequantize_kernel(
         v = tl.reshape(C.hadamard32(tl.reshape(v, [BLK8 // 4, 32]), BLK8 // 4), [BLK8, 8])
         v = v * (1.0 / 32)
     C.write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE)
+
+
+@triton.jit
+def _dequantize_segments_kernel(
+    data_b, data_s, out_ptr, seg_tab, blk_seg, W, WS, out_stride, nblk,
+    BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
+    GS: tl.constexpr, BLK8: tl.constexpr, HADAMARD: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """``_dequantize_kernel`` on segment ``blk_seg[blk]`` of the row: its first block, values,
+    encoded length, wire offset, output offset and groups are ``seg_tab[segment, 0:6]``."""
+    row, blk, row64 = C.row_block(nblk)
+    t = seg_tab + tl.load(blk_seg + blk).to(tl.int64) * 6
+    n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
+    woff, off = tl.load(t + 3), tl.load(t + 4)
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
+    e8 = (blk - tl.load(t)) * BLK8 + tl.arange(0, BLK8)
+    v = C.decode8(data_b + row64 * W + woff, data_s + row64 * WS + woff // SBYTES, e8,
+                  e8 * 8 < m, G, BITS, QMAX, SYM, SKIND, GS)
+    if HADAMARD:
+        v = tl.reshape(C.hadamard32(tl.reshape(v, [BLK8 // 4, 32]), BLK8 // 4), [BLK8, 8])
+        v = v * (1.0 / 32)
+    C.write_values(out_ptr + off, row64, out_stride, e8, v, n, ACCUMULATE)
+
+
+@functools.lru_cache(maxsize=1024)
+def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, blk8: int, device: str):
+    """(table int64 [S, 6], block -> segment int32, blocks per row, row bytes) of a layout."""
+    rows, blk_seg, woff, off = [], [], 0, 0
+    for n in segments:
+        m = wire.hadamard_len(n) if hadamard else n
+        if n:
+            C.check_row_len(m, spec.group_size)
+            lay = C.RowLayout.of(m, spec)
+            nblk = triton.cdiv(triton.cdiv(n, 8), blk8)
+            rows.append([len(blk_seg), n, m, woff, off, lay.groups])
+            blk_seg += [len(rows) - 1] * nblk
+            woff += lay.width
+        off += n
+    tab = torch.tensor(rows or [[0] * 6], dtype=torch.int64, device=device)
+    return tab, torch.tensor(blk_seg, dtype=torch.int32, device=device), len(blk_seg), woff
+
+
+def dequantize_segments(
+    data: torch.Tensor,
+    segments: tuple,
+    spec: QuantSpec,
+    hadamard: bool,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> torch.Tensor:
+    """Rows of back-to-back wire rows of ``segments`` values each -> written (or added) into
+    ``out`` [R, sum(segments)]: ``dequantize`` of each segment into its columns, one launch."""
+    R = data.shape[0]
+    blk8 = C.TILE // 8
+    tab, blk_seg, nblk, width = _segment_table(tuple(segments), spec, hadamard, blk8,
+                                               str(data.device))
+    if data.shape[1] != width:
+        raise ValueError(f"data rows have {data.shape[1]} bytes but segments {segments} under "
+                         f"{spec} take {width}")
+    if R == 0 or nblk == 0:
+        return out
+    if out.stride(-1) != 1:  # the kernel writes unit-stride rows
+        o = out.contiguous()
+        dequantize_segments(data, segments, spec, hadamard, o, accumulate)
+        return out.copy_(o)
+    data = C.aligned_rows(data, spec)
+    lay = C.RowLayout.of(max(segments), spec)  # constexprs only: they do not depend on n
+    with C.on_device(data):
+        _dequantize_segments_kernel[(R * nblk,)](
+            data, C.scale_view(data, spec), out, tab, blk_seg, width,
+            width // spec.torch_scale_dtype.itemsize, out.stride(0), nblk, **lay.constexprs(),
+            BLK8=blk8, HADAMARD=hadamard, ACCUMULATE=accumulate, **C.launch_opts(C.TILE),
+        )
+    return out
 
 
 def dequantize(

@@ -539,10 +539,12 @@ def test_gpu_codec_model_counts_each_kernel_once_per_step_and_prices_it():
     # two hops of TLq-HS and qWD's encode / decode-and-add, each gathered group once
     assert any(k.startswith("quantize 8b g128 +H32") for k in kernels), kernels
     assert any(k.startswith("reduce_requantize k=2 8b->4b") for k in kernels), kernels
-    assert any(k.startswith("dequantize 4b g2048 +=") for k in kernels), kernels
+    assert any(k.startswith("dequantize_segments 4b g2048 +=") for k in kernels), kernels
     calls = {k: v[0] for (k, _), v in enabled.codec.items()}
     hop1 = next(v for k, v in calls.items() if k.startswith("quantize 8b"))
     assert hop1 == shape.layers + 1  # one reduce-scatter per FSDP group and step
+    decode = next(v for k, v in calls.items() if k.startswith("dequantize_segments"))
+    assert decode == shape.layers + 1  # one launch per gathered group, not per parameter
     from gpu_step_cost import Llama
 
     params = sum(1 for _ in Llama(shape).parameters())

@@ -249,6 +249,33 @@ def test_quantize_into_out_writes_the_returned_bytes_and_nothing_else(hadamard):
         codec.quantize(x, spec, KEY, hadamard=hadamard, out=torch.empty(3, W))
 
 
+def test_dequantize_segments_is_dequantize_per_segment():
+    """Rows of back-to-back segment rows decode (or add) into their columns exactly as a
+    ``dequantize`` per segment does, empty segments included; wrong widths are refused."""
+    spec = QuantSpec(bits=4, group_size=96, symmetric=False, scale_dtype="bfloat16")
+    segs = (300, 0, 1001, 7)
+    for hadamard in (False, True):
+        parts = [codec.quantize(torch.randn(3, n), spec, KEY.fold(k), hadamard=hadamard)
+                 if n else torch.empty(3, 0, dtype=torch.uint8) for k, n in enumerate(segs)]
+        data = torch.cat(parts, 1)
+        for accumulate in (False, True):
+            base = torch.randn(3, sum(segs)).to(torch.bfloat16)
+            want, got = base.clone(), base.clone()
+            off = 0
+            for n, p in zip(segs, parts):
+                if n:
+                    codec.dequantize(p, n, spec, hadamard=hadamard, out=want[:, off:off + n],
+                                     accumulate=accumulate)
+                off += n
+            assert codec.dequantize_segments(data, segs, spec, out=got, hadamard=hadamard,
+                                             accumulate=accumulate) is got
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="bytes but segments"):
+        codec.dequantize_segments(data[:, 4:], segs, spec, out=got, hadamard=True)
+    with pytest.raises(ValueError, match=">= 0"):
+        codec.dequantize_segments(data, (-1, 2), spec, out=got)
+
+
 def test_shapes_and_errors():
     spec = QuantSpec(bits=4, group_size=8, rounding="nearest")
     x = torch.randn(2, 3, 17)

@@ -127,6 +127,9 @@ def _compile_cases():
          "y_ptr": "*fp32"}, dict(NB32=64, HAS_REF=True), False),
         (m["dequantize"]._dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
          "out_ptr": "*bf16"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, ACCUMULATE=True), False),
+        (m["dequantize"]._dequantize_segments_kernel, {"data_b": "*u8", "data_s": "*i32",
+         "out_ptr": "*bf16", "seg_tab": "*i64", "blk_seg": "*i32"},
+         dict(**q4, GS=2048, BLK8=blk8, HADAMARD=False, ACCUMULATE=True), False),
         (m["reduce_dequantize"]._reduce_dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
          "out_ptr": "*fp32"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True), False),
         (m["reduce_requantize"]._reduce_requantize_kernel, {"in_b": "*u8", "in_s": "*i16",
@@ -340,6 +343,43 @@ def test_dequantize_same_values(K, bits, sym, sdt, gs, hadamard):
         K.dequantize(_d(data), n, spec, hadamard, got, accumulate)
         torch_codec.dequantize(data, n, spec, hadamard, want, accumulate)
         _same(got, want)
+
+
+@_exact
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_dequantize_segments_same_values(K, hadamard):
+    """One launch over back-to-back segment rows (a weight shard's parameters): the torch
+    codec's values per segment, with NaN/Inf groups, empty and odd segments, groups that cut
+    32-blocks, bf16 and fp32 outputs, written, added, and into strided rows."""
+    spec = _spec(5, False, "stochastic", "bfloat16", 96)
+    segs = (1000, 0, 4096, 7, 2049, 300)
+    parts = [torch_codec.quantize(_data(3, n, torch.float32, seed=k), spec, KEY.fold(k), None,
+                                  hadamard) if n else torch.empty(3, 0, dtype=torch.uint8)
+             for k, n in enumerate(segs)]
+    data = torch.cat(parts, 1)
+    N = sum(segs)
+    for dtype in (torch.float32, torch.bfloat16):
+        for accumulate in (False, True):
+            base = _data(3, N + 5, dtype, seed=9, specials=False)
+            want, got = base.clone(), _d(base.clone())
+            off = 0
+            for n, p in zip(segs, parts):
+                if n:
+                    torch_codec.dequantize(p, n, spec, hadamard, want[:, 5 + off:5 + off + n],
+                                           accumulate)
+                off += n
+            K.dequantize_segments(_d(data), segs, spec, hadamard, got[:, 5:], accumulate)
+            _same(got, want)
+    wide = torch.zeros(N, 3)
+    strided = _d(wide).t()  # columns of a transposed buffer: not unit-stride rows
+    K.dequantize_segments(_d(data), segs, spec, hadamard, strided, False)
+    want = torch.zeros(3, N)
+    off = 0
+    for n, p in zip(segs, parts):
+        if n:
+            torch_codec.dequantize(p, n, spec, hadamard, want[:, off:off + n])
+        off += n
+    _same(strided.contiguous(), want)
 
 
 @_exact

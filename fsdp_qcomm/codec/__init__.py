@@ -106,6 +106,50 @@ def dequantize(
     return out if out is not None else res.view(*data.shape[:-1], n)
 
 
+def dequantize_segments(
+    data: torch.Tensor,
+    segments: Sequence[int],
+    spec: QuantSpec,
+    *,
+    out: torch.Tensor,
+    hadamard: bool = False,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Decode rows of back-to-back wire rows, one per segment of ``segments[k]`` values (each
+    encoded on its own, as ``quantize`` of that segment), into the columns of ``out``
+    ``[..., sum(segments)]`` (``accumulate`` adds). One kernel launch on CUDA, where a launch
+    per segment would cost the host more than the GPU; elsewhere a ``dequantize`` per
+    segment."""
+    segs = tuple(int(n) for n in segments)
+    if any(n < 0 for n in segs):
+        raise ValueError(f"segment lengths must be >= 0, got {list(segs)}")
+    widths = [wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segs]
+    rows = wire_rows(data, sum(widths), "data", f"segments of {list(segs)} values under {spec}")
+    o = out_rows(out, rows.shape[0], sum(segs), accumulate)
+    impl = _impl(rows, o)
+    fused = getattr(impl, "dequantize_segments", None)
+    if fused is not None:
+        fused(rows, segs, spec, hadamard, o, accumulate)
+    else:
+        _each_segment(impl, rows, segs, spec, hadamard, o, accumulate)
+    return out
+
+
+def _each_segment(impl, rows: torch.Tensor, segments: Sequence[int], spec: QuantSpec,
+                 hadamard: bool, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """``dequantize_segments`` as a ``dequantize`` of ``impl`` (an implementation module) per
+    segment, on checked ``[R, W]`` rows and ``[R, sum(segments)]`` output."""
+    off = woff = 0
+    for n in segments:
+        w = wire_bytes(hadamard_len(n) if hadamard else n, spec)
+        if n:
+            impl.dequantize(rows[:, woff:woff + w], n, spec, hadamard, out[:, off:off + n],
+                            accumulate)
+        off += n
+        woff += w
+    return out
+
+
 def _chunk_list(chunks: Chunks, n: int, spec: QuantSpec) -> list[torch.Tensor]:
     return [_check_wire(c, n, spec, "chunk") for c in chunk_list(chunks)]
 
@@ -148,6 +192,7 @@ __all__ = [
     "RngKey",
     "bits_per_element",
     "dequantize",
+    "dequantize_segments",
     "hadamard_len",
     "quantize",
     "reduce_dequantize",

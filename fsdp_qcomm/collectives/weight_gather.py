@@ -37,7 +37,14 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..codec import FLOAT_DTYPES, RngKey, dequantize, hadamard_len, quantize, wire_bytes
+from ..codec import (
+    FLOAT_DTYPES,
+    RngKey,
+    dequantize_segments,
+    hadamard_len,
+    quantize,
+    wire_bytes,
+)
 from ..codec.levels import dequantize_levels, levels_wire_bytes, quantize_levels
 from ..config import QuantSpec
 from . import _c10d
@@ -233,17 +240,16 @@ def decode_shards(
 ) -> None:
     """Decode ``data[world, W]`` (one wire buffer per rank) into ``out[world, n]`` (or add);
     ``learned``: the rows are learned-levels rows; ``hadamard``: rotated rows."""
+    if not learned:
+        dequantize_segments(data, segments, spec, out=out, accumulate=accumulate,
+                            hadamard=hadamard)
+        return
     off = woff = 0
     for n in segments:
         w = _row_bytes(n, spec, learned, hadamard)
-        if n and learned:
+        if n:
             dequantize_levels(
                 data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate
-            )
-        elif n:
-            dequantize(
-                data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate,
-                hadamard=hadamard,
             )
         off += n
         woff += w

@@ -32,7 +32,7 @@ if not (_HERE / "_common.py").is_file():  # a source checkout: the sources are i
         )
     __path__.append(str(_SRC))  # noqa: F821 - __path__ is set by the import system
 
-from .dequantize import dequantize  # noqa: E402
+from .dequantize import dequantize, dequantize_segments  # noqa: E402
 from .digest import digest  # noqa: E402
 from .levels import dequantize_levels_sum, quantize_levels  # noqa: E402
 from .quantize import quantize  # noqa: E402
@@ -41,6 +41,7 @@ from .reduce_requantize import reduce_requantize  # noqa: E402
 
 __all__ = [
     "dequantize",
+    "dequantize_segments",
     "dequantize_levels_sum",
     "digest",
     "quantize",
