@@ -146,6 +146,26 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         return Case(name, make, run,
                     moved=lambda d, out: nbytes(d["data"]) + 2 * nbytes(out))
 
+    def quant_segments(name, spec, parts):
+        # qWD's send: a shard of ``parts`` parameters, each encoded on its own against the
+        # reference, in one launch; the torch codec encodes segment by segment.
+        def make(rows, n, dev, check):
+            x = values(1, rows * n, dev, check, 0)[0]
+            segs = [x.numel() // parts + (j < x.numel() % parts) for j in range(parts)]
+            return {"x": x, "ref": x + 0.01 * values(1, x.numel(), dev, False, 1)[0],
+                    "segs": tuple(segs)}
+
+        def run(impl, d):
+            if hasattr(impl, "quantize_segments"):
+                return impl.quantize_segments(d["x"], d["segs"], spec, key, 1 << 40, d["ref"])
+            out = torch.empty(sum(codec.wire_bytes(m, spec) for m in d["segs"]),
+                              dtype=torch.uint8, device=d["x"].device)
+            return codec._each_quantize(impl, d["x"], d["segs"], spec, key, 1 << 40, d["ref"],
+                                        False, out)
+
+        return Case(name, make, run,
+                    moved=lambda d, out: nbytes(d["x"]) + nbytes(d["ref"]) + nbytes(out))
+
     def reduce(name, k, spec, spec_out=None, hadamard=False):
         def make(rows, n, dev, check):
             n = max(8, n // k)  # k chunks hold the input's elements together
@@ -238,6 +258,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         quant("quantize 8b g128 sym stoch +H32", s8, hadamard=True),
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", w4, ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q8, dtype=torch.bfloat16),
+        quant_segments("quantize_segments 4b g2048 x-ref (9 segments)", w4, 9),
         dequant("dequantize 4b g2048 += fp32 (qWD)", w4, torch.float32, accumulate=True),
         dequant_segments("dequantize_segments 4b g2048 += fp32 (9 segments)", w4, 9),
         dequant("dequantize 8b g1024 asym -> bf16", q8, torch.bfloat16),

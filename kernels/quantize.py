@@ -7,6 +7,7 @@ large group in two passes over sub-tiles (statistics, then codes). Torch twin:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from ..codec import wire
 from ..codec.rng import RngKey, check_counter_range
+from ..codec.rng import _splitmix64 as _splitmix64_host
 from ..config import QuantSpec
 from . import _common as C
 
@@ -32,18 +34,13 @@ def _values(x_row, r_row, i, lmask, HAS_REF: tl.constexpr, HADAMARD: tl.constexp
 
 
 @triton.jit
-def _quantize_kernel(
-    x_ptr, r_ptr, out_b, out_s, n, m, x_stride, r_stride, W, WS, G, nblk, k0, k1,
+def _encode_groups(
+    x_row, r_row, row_b, row_s, grp, n, m, G, row, k0, k1,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
     STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr,
 ):
-    row, blk, row64 = C.row_block(nblk)
-    x_row = x_ptr + row64 * x_stride
-    r_row = r_ptr + row64 * r_stride
-    row_b = out_b + row64 * W
-    row_s = out_s + row64 * WS
-    grp = blk * GPB + tl.arange(0, GPB)
+    """Encode the groups ``grp`` [GPB] of one row (``row``: its index, for the RNG counters)."""
     gmask = grp < G
     NB8: tl.constexpr = SUB // 8
     M32: tl.constexpr = GPB * SUB // 32
@@ -79,6 +76,59 @@ def _quantize_kernel(
 
 
 @triton.jit
+def _quantize_kernel(
+    x_ptr, r_ptr, out_b, out_s, n, m, x_stride, r_stride, W, WS, G, nblk, k0, k1,
+    BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
+    GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
+    STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr,
+):
+    row, blk, row64 = C.row_block(nblk)
+    _encode_groups(x_ptr + row64 * x_stride, r_ptr + row64 * r_stride, out_b + row64 * W,
+                   out_s + row64 * WS, blk * GPB + tl.arange(0, GPB), n, m, G, row, k0, k1,
+                   BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF, HADAMARD)
+
+
+@triton.jit
+def _splitmix64(x):
+    """``codec.rng._splitmix64`` on uint64 (wrapping adds and multiplies)."""
+    x = x + tl.full([], 0x9E3779B97F4A7C15, tl.uint64)
+    x = (x ^ (x >> 30)) * tl.full([], 0xBF58476D1CE4E5B9, tl.uint64)
+    x = (x ^ (x >> 27)) * tl.full([], 0x94D049BB133111EB, tl.uint64)
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _quantize_segments_kernel(
+    x_ptr, r_ptr, out_b, out_s, seg_tab, blk_seg, h3, bucket, salt,
+    BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
+    GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
+    STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr,
+):
+    """``_quantize_kernel`` on one row of back-to-back segments, each its own wire row: this
+    program's segment is ``blk_seg[program]``, whose first block, values, encoded length,
+    value offset, wire offset, groups and index are ``seg_tab[segment, 0:7]``. Its RNG key is
+    ``RngKey.fold(salt + index)``, derived here from the key's words so far (``h3``, after seed,
+    step and rank) and its ``bucket``."""
+    pid = tl.program_id(0)
+    t = seg_tab + tl.load(blk_seg + pid).to(tl.int64) * 7
+    n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
+    xoff, woff = tl.load(t + 3), tl.load(t + 4)
+    k0 = 0
+    k1 = 0
+    if STOCH:
+        salted = (tl.cast(salt, tl.int64) + tl.load(t + 6)).to(tl.uint64, bitcast=True) << 20
+        b = _splitmix64(tl.cast(bucket, tl.int64).to(tl.uint64, bitcast=True) ^ salted)
+        h = _splitmix64(tl.cast(h3, tl.int64).to(tl.uint64, bitcast=True) ^ b)
+        k0 = (h & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+        k1 = (h >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
+    grp = (pid - tl.load(t)) * GPB + tl.arange(0, GPB)
+    _encode_groups(x_ptr + xoff, r_ptr + xoff, out_b + woff, out_s + woff // SBYTES, grp, n, m,
+                   G, 0, k0, k1, BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF,
+                   HADAMARD)
+
+
+@triton.jit
 def _hadamard_rows_kernel(x_ptr, r_ptr, y_ptr, n, m, x_stride, r_stride, nblk,
                           NB32: tl.constexpr, HAS_REF: tl.constexpr):
     """y[R, m] = H32 (x - ref) zero-padded; used when groups do not hold whole 32-blocks."""
@@ -108,6 +158,84 @@ def _hadamard_rows(x: torch.Tensor, ref: Optional[torch.Tensor], m: int) -> torc
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@functools.lru_cache(maxsize=1024)
+def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, device: str):
+    """(table int64 [S, 7], program -> segment int32, programs, wire bytes, whether any row has
+    padding after its codes) of one layout of back-to-back segment rows."""
+    gs_p2, gpb, sub = C.group_tiling(spec.group_size)
+    rows, blk_seg, xoff, woff, pad = [], [], 0, 0, False
+    for k, n in enumerate(segments):
+        m = wire.hadamard_len(n) if hadamard else n
+        if n:
+            C.check_row_len(m, spec.group_size)
+            check_counter_range(1, m)
+            lay = C.RowLayout.of(m, spec)
+            rows.append([len(blk_seg), n, m, xoff, woff, lay.groups, k])
+            blk_seg += [len(rows) - 1] * triton.cdiv(lay.groups, gpb)
+            woff += lay.width
+            pad |= lay.width > lay.code_end
+        xoff += n
+    tab = torch.tensor(rows or [[0] * 7], dtype=torch.int64, device=device)
+    return tab, torch.tensor(blk_seg, dtype=torch.int32, device=device), len(blk_seg), woff, pad
+
+
+def _signed64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
+
+
+def quantize_segments(
+    x: torch.Tensor,
+    segments: tuple,
+    spec: QuantSpec,
+    key: Optional[RngKey],
+    key_salt: int,
+    ref: Optional[torch.Tensor] = None,
+    hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """A flat row of back-to-back segments -> their wire rows back to back, in one launch:
+    segment ``k`` as ``quantize`` of it alone with ``key.fold(key_salt + k)`` (``out``: the
+    flat wire buffer to write; x, ref and out contiguous)."""
+    if spec.stochastic and key is None:
+        raise ValueError(
+            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
+    segments = tuple(segments)
+    tab, blk_seg, nblk, width, pad = _segment_table(segments, spec, hadamard, str(x.device))
+    if out is None:
+        out = torch.empty(width, dtype=torch.uint8, device=x.device)
+    if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
+        # Groups cut 32-blocks apart: the two-pass transform, segment by segment.
+        off = woff = 0
+        for k, n in enumerate(segments):
+            if n:
+                w = wire.wire_bytes(wire.hadamard_len(n), spec)
+                r = None if ref is None else ref[off:off + n].view(1, n)
+                quantize(x[off:off + n].view(1, n), spec, None if key is None else
+                         key.fold(key_salt + k), r, True, out[woff:woff + w].view(1, w))
+                woff += w
+            off += n
+        return out
+    if nblk == 0:
+        return out
+    if pad:
+        out.zero_()
+    h3 = 0
+    for v in (key.seed, key.step, key.rank) if key is not None else ():
+        h3 = _splitmix64_host(h3 ^ (int(v) & ((1 << 64) - 1)))
+    bucket = int(key.bucket) if key is not None else 0
+    gs_p2, gpb, sub = C.group_tiling(spec.group_size)
+    r = ref if ref is not None else x
+    with C.on_device(x):
+        _quantize_segments_kernel[(nblk,)](
+            x, r, out, C.scale_view(out, spec), tab, blk_seg, _signed64(h3), _signed64(bucket),
+            _signed64(key_salt), **C.RowLayout.of(1, spec).constexprs(), GS_P2=gs_p2, GPB=gpb,
+            SUB=sub, STOCH=spec.stochastic, HAS_REF=ref is not None, HADAMARD=hadamard,
+            **C.launch_opts(gpb * sub),
+        )
+    return out
 
 
 def _packed_rows(out: torch.Tensor, lay: "C.RowLayout", spec: QuantSpec) -> bool:

@@ -543,8 +543,9 @@ def test_gpu_codec_model_counts_each_kernel_once_per_step_and_prices_it():
     calls = {k: v[0] for (k, _), v in enabled.codec.items()}
     hop1 = next(v for k, v in calls.items() if k.startswith("quantize 8b"))
     assert hop1 == shape.layers + 1  # one reduce-scatter per FSDP group and step
-    decode = next(v for k, v in calls.items() if k.startswith("dequantize_segments"))
-    assert decode == shape.layers + 1  # one launch per gathered group, not per parameter
+    for kind in ("dequantize_segments", "quantize_segments"):
+        n = next(v for k, v in calls.items() if k.startswith(kind))
+        assert n == shape.layers + 1, kind  # one launch per gathered group, not per parameter
     from gpu_step_cost import Llama
 
     params = sum(1 for _ in Llama(shape).parameters())

@@ -249,6 +249,40 @@ def test_quantize_into_out_writes_the_returned_bytes_and_nothing_else(hadamard):
         codec.quantize(x, spec, KEY, hadamard=hadamard, out=torch.empty(3, W))
 
 
+def test_quantize_segments_is_quantize_per_segment_with_folded_keys():
+    """A flat tensor of back-to-back segments encodes as ``quantize`` of each segment alone
+    with ``key.fold(key_salt + k)``, rows back to back (or into ``out``); empty segments send
+    nothing; ``dequantize_segments`` decodes it; bad segment lists and buffers are refused."""
+    spec = QuantSpec(bits=4, group_size=96)
+    segs = (300, 0, 1001, 7)
+    x, r = torch.randn(sum(segs)), torch.randn(sum(segs))
+    for hadamard in (False, True):
+        want, off = [], 0
+        for k, n in enumerate(segs):
+            if n:
+                want.append(codec.quantize(x[off:off + n], spec, KEY.fold(77 + k),
+                                           ref=r[off:off + n], hadamard=hadamard))
+            off += n
+        want = torch.cat(want)
+        got = codec.quantize_segments(x, segs, spec, KEY, key_salt=77, ref=r, hadamard=hadamard)
+        assert torch.equal(got, want)
+        buf = torch.zeros(want.numel(), dtype=torch.uint8)
+        assert codec.quantize_segments(x, segs, spec, KEY, key_salt=77, ref=r,
+                                       hadamard=hadamard, out=buf) is buf
+        assert torch.equal(buf, want)
+        back = torch.zeros(1, sum(segs))
+        codec.dequantize_segments(got.view(1, -1), segs, spec, out=back, hadamard=hadamard)
+        assert (back[0] - (x - r)).abs().max() < 1.0
+    with pytest.raises(ValueError, match="sum to"):
+        codec.quantize_segments(x, (5, 5), spec, KEY)
+    with pytest.raises(ValueError, match="flat"):
+        codec.quantize_segments(x.view(1, -1), segs, spec, KEY)
+    with pytest.raises(ValueError, match="bytes but"):
+        codec.quantize_segments(x, segs, spec, KEY, out=torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="RngKey"):
+        codec.quantize_segments(x, segs, spec)
+
+
 def test_dequantize_segments_is_dequantize_per_segment():
     """Rows of back-to-back segment rows decode (or add) into their columns exactly as a
     ``dequantize`` per segment does, empty segments included; wrong widths are refused."""

@@ -123,6 +123,10 @@ def _compile_cases():
         (m["quantize"]._quantize_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32", "out_b": "*u8",
          "out_s": "*i32"}, dict(**q4, **grp(4104), STOCH=True, HAS_REF=True, HADAMARD=False),
          True),
+        (m["quantize"]._quantize_segments_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32",
+         "out_b": "*u8", "out_s": "*i32", "seg_tab": "*i64", "blk_seg": "*i32", "h3": "i64",
+         "bucket": "i64", "salt": "i64"},
+         dict(**q4, **grp(2048), STOCH=True, HAS_REF=True, HADAMARD=False), True),
         (m["quantize"]._hadamard_rows_kernel, {"x_ptr": "*fp16", "r_ptr": "*fp16",
          "y_ptr": "*fp32"}, dict(NB32=64, HAS_REF=True), False),
         (m["dequantize"]._dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
@@ -303,6 +307,38 @@ def test_quantize_into_out(K, hadamard):
         _same(o, want)
         rest = torch.cat((buf[:start], buf[start + 3 * W:])).cpu()
         assert rest.tolist() == [7] * (8)
+
+
+@_exact
+@pytest.mark.parametrize("spec", [
+    _spec(4, True, "stochastic", "float32", 2048),  # qWD's weights
+    _spec(5, False, "stochastic", "bfloat16", 96),  # groups cutting 32-blocks
+    _spec(3, True, "stochastic", "float16", 4104),  # groups larger than a tile
+    _spec(8, False, "nearest", "float32", 64),
+], ids=["4b-g2048", "5b-g96-asym", "3b-g4104", "8b-nearest"])
+def test_quantize_segments_same_bytes(K, spec):
+    """One launch over a flat shard of segments: each segment's bytes as the torch codec's
+    ``quantize`` of it alone with ``key.fold(salt + k)``, the per-segment keys derived in the
+    kernel (keys with negative, large and 64-bit-wrapping fields), NaN groups, empty and odd
+    segments, with and without a reference and the Hadamard rotation."""
+    segs = (1000, 0, 4096, 7, 2049, 300)
+    N = sum(segs)
+    x = _data(1, N, torch.float32, seed=3)[0]
+    r = _data(1, N, torch.float32, seed=4, specials=False)[0]
+    salt = 1 << 40
+    for key in (KEY, RngKey(seed=-5, step=123456789, rank=7, bucket=(1 << 64) - 3)):
+        for ref in (None, r):
+            for hadamard in (False, True):
+                want, off = [], 0
+                for k, n in enumerate(segs):
+                    if n:
+                        want.append(torch_codec.quantize(
+                            x[off:off + n].view(1, n), spec, key.fold(salt + k),
+                            None if ref is None else ref[off:off + n].view(1, n),
+                            hadamard).view(-1))
+                    off += n
+                got = K.quantize_segments(_d(x), segs, spec, key, salt, _d(ref), hadamard)
+                _same(got, torch.cat(want))
 
 
 @_exact

@@ -89,6 +89,65 @@ def quantize(
     return out if out is not None else res.view(*x.shape[:-1], res.shape[-1])
 
 
+def quantize_segments(
+    x: torch.Tensor,
+    segments: Sequence[int],
+    spec: QuantSpec,
+    key: Optional[RngKey] = None,
+    *,
+    key_salt: int = 0,
+    ref: Optional[torch.Tensor] = None,
+    hadamard: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Encode a flat ``x`` (or ``x - ref``) made of back-to-back segments of ``segments[k]``
+    values, each as its own wire row, as ``quantize`` of that segment alone with the key
+    ``key.fold(key_salt + k)``; the rows back to back in a flat uint8 tensor (or in ``out``).
+    One kernel launch on CUDA, where a launch per segment would cost the host more than the
+    GPU; elsewhere a ``quantize`` per segment (``dequantize_segments`` decodes it)."""
+    require_key(spec, key)
+    if x.dim() != 1:
+        raise ValueError(f"x must be flat (1-D), got shape {tuple(x.shape)}")
+    float_rows(x, "x")
+    segs = tuple(int(n) for n in segments)
+    if any(n < 0 for n in segs) or sum(segs) != x.numel():
+        raise ValueError(f"segments {list(segs)} must be >= 0 and sum to x's {x.numel()} values")
+    if ref is not None and ref.shape != x.shape:
+        raise ValueError(f"ref shape {tuple(ref.shape)} must equal x shape {tuple(x.shape)}")
+    if ref is not None:
+        float_rows(ref, "ref")
+    total = sum(wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segs)
+    if out is not None:
+        wire_rows(out, total, "out", f"segments of {list(segs)} values under {spec}")
+        if out.dim() != 1:
+            raise ValueError(f"out must be flat (1-D), got shape {tuple(out.shape)}")
+    impl = _impl(x, ref, out)
+    fused = getattr(impl, "quantize_segments", None)
+    if fused is not None and all(t is None or t.is_contiguous() for t in (x, ref, out)):
+        return fused(x, segs, spec, key, key_salt, ref, hadamard, out)
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8, device=x.device)
+    return _each_quantize(impl, x, segs, spec, key, key_salt, ref, hadamard, out)
+
+
+def _each_quantize(impl, x: torch.Tensor, segments: Sequence[int], spec: QuantSpec,
+                   key: Optional[RngKey], key_salt: int, ref: Optional[torch.Tensor],
+                   hadamard: bool, out: torch.Tensor) -> torch.Tensor:
+    """``quantize_segments`` as a ``quantize`` of ``impl`` (an implementation module) per
+    segment, on checked flat tensors."""
+    off = woff = 0
+    for k, n in enumerate(segments):
+        w = wire_bytes(hadamard_len(n) if hadamard else n, spec)
+        if n:
+            impl.quantize(x[off:off + n].view(1, n), spec,
+                          None if key is None else key.fold(key_salt + k),
+                          None if ref is None else ref[off:off + n].view(1, n), hadamard,
+                          out[woff:woff + w].view(1, w))
+        off += n
+        woff += w
+    return out
+
+
 def dequantize(
     data: torch.Tensor,
     n: int,
@@ -195,6 +254,7 @@ __all__ = [
     "dequantize_segments",
     "hadamard_len",
     "quantize",
+    "quantize_segments",
     "reduce_dequantize",
     "reduce_requantize",
     "wire_bytes",

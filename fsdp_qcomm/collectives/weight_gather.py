@@ -42,7 +42,7 @@ from ..codec import (
     RngKey,
     dequantize_segments,
     hadamard_len,
-    quantize,
+    quantize_segments,
     wire_bytes,
 )
 from ..codec.levels import dequantize_levels, levels_wire_bytes, quantize_levels
@@ -210,6 +210,9 @@ def encode_shard(
     learned = levels is not None
     if learned and hadamard:
         raise ValueError("learned levels and the Hadamard rotation do not combine; pick one")
+    if not learned:
+        return quantize_segments(x, segments, spec, key, key_salt=_WEIGHT_SALT, ref=ref,
+                                 hadamard=hadamard)
     out = torch.empty(
         shard_wire_bytes(segments, spec, learned, hadamard), dtype=torch.uint8, device=x.device
     )
@@ -217,12 +220,9 @@ def encode_shard(
     for k, n in enumerate(segments):
         w = _row_bytes(n, spec, learned, hadamard)
         r = None if ref is None else ref[off:off + n]
-        if n and learned:
+        if n:
             v = x[off:off + n] if r is None else x[off:off + n].float() - r.float()
             out[woff:woff + w] = quantize_levels(v, spec, levels, _segment_key(key, k))
-        elif n:
-            quantize(x[off:off + n], spec, _segment_key(key, k), ref=r, hadamard=hadamard,
-                     out=out[woff:woff + w])
         off += n
         woff += w
     return out
