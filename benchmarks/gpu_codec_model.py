@@ -287,12 +287,13 @@ def count_step(shape: LlamaShape, world: int, per_node: int, preset: Optional[st
 
 @contextlib.contextmanager
 def _as_on_cuda(mode: Optional[_Mode] = None, torch_digest: bool = False):
-    """The CUDA path's choices on CPU tensors: shard digests as CUDA takes them (one Triton
-    kernel per shard, counted like a codec call and priced at clone's GB/s; the torch formula
-    for tensors the kernel does not read, or for all with ``torch_digest``: what CUDA ran before
-    ``kernels/digest.py``) and gradient reductions finished inside their call (the CPU path may
-    defer them to a thread, which the census would not see)."""
-    from fsdp_qcomm.kernels.digest import supports
+    """The CUDA path's choices on CPU tensors: shard digests as CUDA takes them (a zeroed sum
+    and one Triton kernel over a group's shards, counted like a codec call and priced at
+    clone's GB/s; the torch formula for tensors the kernel does not read, or for all with
+    ``torch_digest``: what CUDA ran before ``kernels/digest.py``) and gradient reductions
+    finished inside their call (the CPU path may defer them to a thread, which the census
+    would not see)."""
+    from fsdp_qcomm.kernels.digest import INT_BITS, supports
 
     from fsdp_qcomm.codec._checks import raw_memory_ok
     from fsdp_qcomm.fsdp import change_tracker, reduce_scatter
@@ -301,7 +302,8 @@ def _as_on_cuda(mode: Optional[_Mode] = None, torch_digest: bool = False):
 
     def shard_digest(shards):
         if torch_digest or not (raw_memory_ok("cpu", *shards)
-                                and all(supports(x) for x in shards)):
+                                and all(supports(x) for x in shards)
+                                and len({INT_BITS[x.dtype] for x in shards}) == 1):
             return change_tracker._torch_digest(shards)
         if mode is None:
             return digest(shards)
@@ -310,9 +312,10 @@ def _as_on_cuda(mode: Optional[_Mode] = None, torch_digest: bool = False):
             out = digest(shards)  # the C loop: the same value
         finally:
             mode.inside_codec -= 1
-        for x in shards:
-            mode.census.add_codec(f"digest {x.dtype}".replace("torch.", ""), CLONE_ROW,
-                                  x.numel(), _nbytes(x))
+        mode.census.add_op(f"{Path(change_tracker.__file__).relative_to(ROOT)}:shard_digest",
+                           "aten.zeros", 8)
+        mode.census.add_codec(f"digest {shards[0].dtype}".replace("torch.", ""), CLONE_ROW,
+                              sum(x.numel() for x in shards), sum(map(_nbytes, shards)))
         return out
 
     change_tracker.shard_digest = shard_digest

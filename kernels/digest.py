@@ -4,13 +4,17 @@ The digest of flat values ``x`` at positions ``off, off + 1, ...`` is the sum of
 raw bits, sign-extended to 64 bits, times ``(position % 65521) + 1``, modulo 2^64. The torch
 formula takes six passes with int64 temporaries (about 84 bytes moved per 4-byte value, seven
 launches per parameter: 4 ms and 1,000 launches per step of a 1.5B model on 8 ranks,
-``results/gpu_codec_model``); this kernel reads each value once. Each program sums ``BLOCK``
-values in wrapping int64 and adds its sum into one int64 with an atomic add: integer sums wrap
-alike in any order, so the value is exact and the same on every run, equal to the C loop's
-(``codec.cpu_native.digest``) and the torch formula's.
+``results/gpu_codec_model``). This kernel reads each value once, and one launch covers all of
+an FSDP group's shards, whose addresses a table built once per layout gives. Each program sums
+``BLOCK`` values in wrapping int64 and adds its sum into one int64 with an atomic add: integer
+sums wrap alike in any order, so the value is exact and the same on every run, equal to the C
+loop's (``codec.cpu_native.digest``) and the torch formula's.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Sequence
 
 import torch
 import triton
@@ -27,38 +31,74 @@ INT_BITS = {torch.float32: 32, torch.float64: 64, torch.bfloat16: 16, torch.floa
 
 
 @triton.jit
-def _digest_kernel(x_ptr, out_ptr, n, off_mod, IBITS: tl.constexpr, BLOCK: tl.constexpr,
-                   P: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + i, mask=i < n, other=0)
+def _digest_many_kernel(tab, blk_shard, out_ptr, IBITS: tl.constexpr, BLOCK: tl.constexpr,
+                        P: tl.constexpr):
+    """``BLOCK`` values of one tensor: the tensor is ``blk_shard[program]``, whose address,
+    length, first position and first program are ``tab[tensor, 0:4]``. Raw bits are read as
+    integers of their width, summed in wrapping int64 with their position weights, and the sum
+    added into ``out_ptr`` atomically."""
+    pid = tl.program_id(0)
+    t = tab + tl.load(blk_shard + pid).to(tl.int64) * 4
+    ptr, n, off, first = tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3)
+    blk = (pid - first).to(tl.int64)
+    i = blk * BLOCK + tl.arange(0, BLOCK)
     if IBITS == 16:
-        b = v.to(tl.int16, bitcast=True).to(tl.int64)
+        b = tl.load(ptr.to(tl.pointer_type(tl.int16)) + i, mask=i < n, other=0).to(tl.int64)
     elif IBITS == 32:
-        b = v.to(tl.int32, bitcast=True).to(tl.int64)
+        b = tl.load(ptr.to(tl.pointer_type(tl.int32)) + i, mask=i < n, other=0).to(tl.int64)
     else:
-        b = v.to(tl.int64, bitcast=True)
-    w0 = ((off_mod + (pid * BLOCK) % P) % P).to(tl.int32)
+        b = tl.load(ptr.to(tl.pointer_type(tl.int64)) + i, mask=i < n, other=0)
+    w0 = ((off % P + (blk * BLOCK) % P) % P).to(tl.int32)
     w = w0 + tl.arange(0, BLOCK)
     w = tl.where(w >= P, w - P, w) + 1
     tl.atomic_add(out_ptr, tl.sum(b * w.to(tl.int64), axis=0))
 
 
-def supports(x: torch.Tensor) -> bool:
-    """Whether ``digest`` reads this tensor (contiguous, a dtype of ``INT_BITS``)."""
-    return x.dtype in INT_BITS and x.is_contiguous()
+@functools.lru_cache(maxsize=256)
+def _table(layout: tuple, offset: int, device: str):
+    """(rows of address, length, first position, first program; program -> tensor; programs;
+    the event its copy recorded, or None) for tensors at ``layout`` ((address, length) each),
+    on ``device``: built once per layout (FSDP keeps its shards where they are), copied from
+    pinned memory without a host sync; a launch on any stream waits for that event."""
+    rows, blk_shard, off = [], [], offset
+    for ptr, n in layout:
+        if n:
+            rows.append([ptr, n, off, len(blk_shard)])
+            blk_shard += [len(rows) - 1] * triton.cdiv(n, BLOCK)
+        off += n
+    tab = torch.tensor(rows or [[0] * 4], dtype=torch.int64)
+    idx = torch.tensor(blk_shard, dtype=torch.int32)
+    done = None
+    if device != "cpu":
+        tab = tab.pin_memory().to(device, non_blocking=True)
+        idx = idx.pin_memory().to(device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(tab.device))
+    return tab, idx, len(blk_shard), done
 
 
-def digest(x: torch.Tensor, offset: int, out: torch.Tensor) -> None:
-    """Adds the digest of contiguous ``x`` (its values at positions ``offset, ...``) into
-    ``out``, an int64 scalar on ``x``'s device; asynchronous on CUDA (no host read)."""
-    if not supports(x):
-        raise ValueError(f"digest reads contiguous tensors of {sorted(map(str, INT_BITS))}; got "
-                         f"{x.dtype}, contiguous={x.is_contiguous()}")
-    n = x.numel()
-    if n == 0:
+def digest_many(shards: Sequence[torch.Tensor], out: torch.Tensor, offset: int = 0) -> None:
+    """Adds the digest of ``shards``, back to back from position ``offset``, into ``out`` (an
+    int64 scalar on their device) in one launch, asynchronously on CUDA (no host read); each
+    shard as ``supports`` requires, all of one element width."""
+    if not shards:
         return
-    with C.on_device(x):
-        _digest_kernel[(triton.cdiv(n, BLOCK),)](
-            x.view(-1), out, n, offset % PRIME, IBITS=INT_BITS[x.dtype], BLOCK=BLOCK, P=PRIME,
-            **C.launch_opts(BLOCK))
+    widths = {INT_BITS.get(x.dtype) for x in shards}
+    if len(widths) != 1 or None in widths or not all(x.is_contiguous() for x in shards):
+        raise ValueError("digest_many reads contiguous tensors of one element width from "
+                         f"{sorted(map(str, INT_BITS))}; got "
+                         f"{[(str(x.dtype), x.is_contiguous()) for x in shards]}")
+    tab, idx, nblk, done = _table(tuple((x.data_ptr(), x.numel()) for x in shards), offset,
+                                  str(out.device))
+    if nblk == 0:
+        return
+    if done is not None:
+        torch.cuda.current_stream(out.device).wait_event(done)
+    with C.on_device(out):
+        _digest_many_kernel[(nblk,)](tab, idx, out, IBITS=widths.pop(), BLOCK=BLOCK, P=PRIME,
+                                     **C.launch_opts(BLOCK))
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether ``digest_many`` reads this tensor (contiguous, a dtype of ``INT_BITS``)."""
+    return x.dtype in INT_BITS and x.is_contiguous()

@@ -149,10 +149,12 @@ def _compile_cases():
         (m["levels"]._decode_levels_kernel, {"data_b": "*u8", "data_s": "*i16",
          "data_l": "*fp32", "out_ptr": "*bf16"},
          dict(BITS=6, SYM=False, SKIND=1, GS=1024, BLK8=blk8, ACCUMULATE=True), False),
-        (m["digest"]._digest_kernel, {"x_ptr": "*bf16", "out_ptr": "*i64", "off_mod": "i64"},
-         dict(IBITS=16, BLOCK=m["digest"].BLOCK, P=m["digest"].PRIME), False),
-        (m["digest"]._digest_kernel, {"x_ptr": "*fp64", "out_ptr": "*i64", "off_mod": "i64"},
-         dict(IBITS=64, BLOCK=m["digest"].BLOCK, P=m["digest"].PRIME), False),
+        (m["digest"]._digest_many_kernel, {"tab": "*i64", "blk_shard": "*i32",
+         "out_ptr": "*i64"}, dict(IBITS=16, BLOCK=m["digest"].BLOCK, P=m["digest"].PRIME),
+         False),
+        (m["digest"]._digest_many_kernel, {"tab": "*i64", "blk_shard": "*i32",
+         "out_ptr": "*i64"}, dict(IBITS=64, BLOCK=m["digest"].BLOCK, P=m["digest"].PRIME),
+         False),
     ]
 
 
@@ -561,19 +563,20 @@ def test_digest_equals_the_torch_formula(dtype):
         shards[0][:16] = 2 ** 62
     lead = (1 << 33) + 65_000  # an offset past 2^32, 521 values before the prime wraps
     for start in (0, lead):
-        out = torch.zeros((), dtype=torch.int64, device=DEV)
-        off = start
-        for s in shards:
-            kd.digest(_d(s), off, out)
-            off += s.numel()
-        # the torch formula from ``start``: ``start`` leading zeros weigh nothing
-        want = _torch_digest([torch.zeros(start % 65521, dtype=dtype), *shards])
-        assert out.device.type == DEV and int(out) == int(want), (dtype, start)
+        for _ in range(2):  # the second call reuses the layout's table
+            out = torch.zeros((), dtype=torch.int64, device=DEV)
+            kd.digest_many(_d(shards), out, start)
+            # the torch formula from ``start``: ``start`` leading zeros weigh nothing
+            want = _torch_digest([torch.zeros(start % 65521, dtype=dtype), *shards])
+            assert out.device.type == DEV and int(out) == int(want), (dtype, start)
     flipped = shards[0].clone()
     assert flipped[100] != flipped[101]
     flipped[100], flipped[101] = shards[0][101], shards[0][100]
     out = torch.zeros((), dtype=torch.int64, device=DEV)
-    kd.digest(_d(flipped), 0, out)
+    kd.digest_many([_d(flipped)], out)
     assert int(out) != int(_torch_digest(shards[:1]))
     with pytest.raises(ValueError, match="contiguous"):
-        kd.digest(_d(torch.zeros(8, 2, dtype=dtype))[:, 0], 0, out)
+        kd.digest_many([_d(torch.zeros(8, 2, dtype=dtype))[:, 0]], out)
+    other = torch.int32 if dtype.itemsize == 2 else torch.int16
+    with pytest.raises(ValueError, match="one element width"):
+        kd.digest_many([_d(shards[0]), _d(torch.zeros(4, dtype=other))], out)

@@ -123,9 +123,10 @@ def shard_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     of each value weighted by its position. Any single changed value, and any exchange of two
     values, changes it; equal inputs give equal digests on every device and in any order of
     summation (integer arithmetic wraps modulo 2^64, deterministically). CPU tensors take the
-    C codec's one-pass loop (``codec.cpu_native.digest``), CUDA tensors the one-pass Triton
-    kernel (``kernels/digest.py``), others the torch formula (``_torch_digest``): the same
-    value (``tests/test_codec_native.py``, ``tests/test_kernels.py``)."""
+    C codec's one-pass loop (``codec.cpu_native.digest``), CUDA tensors one launch of the
+    Triton kernel over all of them (``kernels/digest.py``), others the torch formula
+    (``_torch_digest``): the same value (``tests/test_codec_native.py``,
+    ``tests/test_kernels.py``)."""
     device = shards[0].device if shards else torch.device("cpu")
     if device.type == "cpu":
         total, off = 0, 0
@@ -142,15 +143,12 @@ def shard_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.tensor(total - (1 << 64) if total >> 63 else total, dtype=torch.int64)
     if device.type == "cuda" and raw_memory_ok("cuda", *shards):
         try:  # imported lazily: triton is only needed on GPUs
-            from ..kernels.digest import digest, supports
+            from ..kernels.digest import INT_BITS, digest_many, supports
         except ImportError:  # no triton (a preset that quantizes nothing): the torch formula
             return _torch_digest(shards)
-        if all(supports(x) for x in shards):
+        if all(supports(x) for x in shards) and len({INT_BITS[x.dtype] for x in shards}) == 1:
             total = torch.zeros((), dtype=torch.int64, device=device)
-            off = 0
-            for x in shards:
-                digest(x.detach(), off, total)
-                off += x.numel()
+            digest_many([x.detach() for x in shards], total)
             return total
     return _torch_digest(shards)
 

@@ -33,7 +33,7 @@ if not (_HERE / "_common.py").is_file():  # a source checkout: the sources are i
     __path__.append(str(_SRC))  # noqa: F821 - __path__ is set by the import system
 
 from .dequantize import dequantize, dequantize_segments  # noqa: E402
-from .digest import digest  # noqa: E402
+from .digest import digest_many  # noqa: E402
 from .levels import dequantize_levels_sum, quantize_levels  # noqa: E402
 from .quantize import quantize, quantize_segments  # noqa: E402
 from .reduce_dequantize import reduce_dequantize  # noqa: E402
@@ -43,7 +43,7 @@ __all__ = [
     "dequantize",
     "dequantize_segments",
     "dequantize_levels_sum",
-    "digest",
+    "digest_many",
     "quantize",
     "quantize_levels",
     "quantize_segments",
