@@ -112,6 +112,24 @@ def launch_opts(tile: int) -> dict:
             "num_warps": max(1, min(8, tile // 256))}
 
 
+def table_to(device: str, *tables: torch.Tensor):
+    """Small host-built tables (a layout's segment offsets) on ``device``: copied from pinned
+    memory without a host sync, with the event a launch on any stream must wait for
+    (``wait_for``; None on the CPU)."""
+    if device == "cpu":
+        return (*tables, None)
+    moved = tuple(t.pin_memory().to(device, non_blocking=True) for t in tables)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(moved[0].device))
+    return (*moved, done)
+
+
+def wait_for(done, device: torch.device) -> None:
+    """The current stream of ``device`` waits (on the GPU) for a ``table_to`` copy."""
+    if done is not None:
+        torch.cuda.current_stream(device).wait_event(done)
+
+
 def on_device(t: torch.Tensor):
     """Launch on the tensor's GPU, not whichever is current (a no-op for CPU tensors)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -63,7 +63,8 @@ def _dequantize_segments_kernel(
 
 @functools.lru_cache(maxsize=1024)
 def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, blk8: int, device: str):
-    """(table int64 [S, 6], block -> segment int32, blocks per row, row bytes) of a layout."""
+    """(table int64 [S, 6], block -> segment int32, blocks per row, row bytes, the tables' copy
+    event: ``C.table_to``) of a layout."""
     rows, blk_seg, woff, off = [], [], 0, 0
     for n in segments:
         m = wire.hadamard_len(n) if hadamard else n
@@ -75,8 +76,9 @@ def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, blk8: int, 
             blk_seg += [len(rows) - 1] * nblk
             woff += lay.width
         off += n
-    tab = torch.tensor(rows or [[0] * 6], dtype=torch.int64, device=device)
-    return tab, torch.tensor(blk_seg, dtype=torch.int32, device=device), len(blk_seg), woff
+    tab, idx, done = C.table_to(device, torch.tensor(rows or [[0] * 6], dtype=torch.int64),
+                                torch.tensor(blk_seg, dtype=torch.int32))
+    return tab, idx, len(blk_seg), woff, done
 
 
 def dequantize_segments(
@@ -91,8 +93,8 @@ def dequantize_segments(
     ``out`` [R, sum(segments)]: ``dequantize`` of each segment into its columns, one launch."""
     R = data.shape[0]
     blk8 = C.TILE // 8
-    tab, blk_seg, nblk, width = _segment_table(tuple(segments), spec, hadamard, blk8,
-                                               str(data.device))
+    tab, blk_seg, nblk, width, done = _segment_table(tuple(segments), spec, hadamard, blk8,
+                                                     str(data.device))
     if data.shape[1] != width:
         raise ValueError(f"data rows have {data.shape[1]} bytes but segments {segments} under "
                          f"{spec} take {width}")
@@ -104,6 +106,7 @@ def dequantize_segments(
         return out.copy_(o)
     data = C.aligned_rows(data, spec)
     lay = C.RowLayout.of(max(segments), spec)  # constexprs only: they do not depend on n
+    C.wait_for(done, data.device)
     with C.on_device(data):
         _dequantize_segments_kernel[(R * nblk,)](
             data, C.scale_view(data, spec), out, tab, blk_seg, width,

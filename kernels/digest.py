@@ -57,23 +57,16 @@ def _digest_many_kernel(tab, blk_shard, out_ptr, IBITS: tl.constexpr, BLOCK: tl.
 @functools.lru_cache(maxsize=256)
 def _table(layout: tuple, offset: int, device: str):
     """(rows of address, length, first position, first program; program -> tensor; programs;
-    the event its copy recorded, or None) for tensors at ``layout`` ((address, length) each),
-    on ``device``: built once per layout (FSDP keeps its shards where they are), copied from
-    pinned memory without a host sync; a launch on any stream waits for that event."""
+    the copy's event) for tensors at ``layout`` ((address, length) each), on ``device``: built
+    once per layout, since FSDP keeps its shards where they are (``C.table_to``)."""
     rows, blk_shard, off = [], [], offset
     for ptr, n in layout:
         if n:
             rows.append([ptr, n, off, len(blk_shard)])
             blk_shard += [len(rows) - 1] * triton.cdiv(n, BLOCK)
         off += n
-    tab = torch.tensor(rows or [[0] * 4], dtype=torch.int64)
-    idx = torch.tensor(blk_shard, dtype=torch.int32)
-    done = None
-    if device != "cpu":
-        tab = tab.pin_memory().to(device, non_blocking=True)
-        idx = idx.pin_memory().to(device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(tab.device))
+    tab, idx, done = C.table_to(device, torch.tensor(rows or [[0] * 4], dtype=torch.int64),
+                                torch.tensor(blk_shard, dtype=torch.int32))
     return tab, idx, len(blk_shard), done
 
 
@@ -92,8 +85,7 @@ def digest_many(shards: Sequence[torch.Tensor], out: torch.Tensor, offset: int =
                                   str(out.device))
     if nblk == 0:
         return
-    if done is not None:
-        torch.cuda.current_stream(out.device).wait_event(done)
+    C.wait_for(done, out.device)
     with C.on_device(out):
         _digest_many_kernel[(nblk,)](tab, idx, out, IBITS=widths.pop(), BLOCK=BLOCK, P=PRIME,
                                      **C.launch_opts(BLOCK))

@@ -163,7 +163,8 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=1024)
 def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, device: str):
     """(table int64 [S, 7], program -> segment int32, programs, wire bytes, whether any row has
-    padding after its codes) of one layout of back-to-back segment rows."""
+    padding after its codes, the tables' copy event: ``C.table_to``) of one layout of
+    back-to-back segment rows."""
     gs_p2, gpb, sub = C.group_tiling(spec.group_size)
     rows, blk_seg, xoff, woff, pad = [], [], 0, 0, False
     for k, n in enumerate(segments):
@@ -177,8 +178,9 @@ def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, device: str
             woff += lay.width
             pad |= lay.width > lay.code_end
         xoff += n
-    tab = torch.tensor(rows or [[0] * 7], dtype=torch.int64, device=device)
-    return tab, torch.tensor(blk_seg, dtype=torch.int32, device=device), len(blk_seg), woff, pad
+    tab, idx, done = C.table_to(device, torch.tensor(rows or [[0] * 7], dtype=torch.int64),
+                                torch.tensor(blk_seg, dtype=torch.int32))
+    return tab, idx, len(blk_seg), woff, pad, done
 
 
 def _signed64(v: int) -> int:
@@ -203,7 +205,8 @@ def quantize_segments(
         raise ValueError(
             f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
     segments = tuple(segments)
-    tab, blk_seg, nblk, width, pad = _segment_table(segments, spec, hadamard, str(x.device))
+    tab, blk_seg, nblk, width, pad, done = _segment_table(segments, spec, hadamard,
+                                                          str(x.device))
     if out is None:
         out = torch.empty(width, dtype=torch.uint8, device=x.device)
     if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
@@ -228,6 +231,7 @@ def quantize_segments(
     bucket = int(key.bucket) if key is not None else 0
     gs_p2, gpb, sub = C.group_tiling(spec.group_size)
     r = ref if ref is not None else x
+    C.wait_for(done, x.device)
     with C.on_device(x):
         _quantize_segments_kernel[(nblk,)](
             x, r, out, C.scale_view(out, spec), tab, blk_seg, _signed64(h3), _signed64(bucket),
