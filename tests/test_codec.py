@@ -273,8 +273,13 @@ def test_quantize_segments_is_quantize_per_segment_with_folded_keys():
         back = torch.zeros(1, sum(segs))
         codec.dequantize_segments(got.view(1, -1), segs, spec, out=back, hadamard=hadamard)
         assert (back[0] - (x - r)).abs().max() < 1.0
+    empty = codec.quantize_segments(torch.zeros(0), (0, 0), spec, KEY)  # a rank with nothing
+    assert empty.shape == (0,)
+    codec.dequantize_segments(empty.view(2, 0), (0, 0), spec, out=torch.zeros(2, 0))
     with pytest.raises(ValueError, match="sum to"):
         codec.quantize_segments(x, (5, 5), spec, KEY)
+    with pytest.raises(TypeError, match="float32"):
+        codec.quantize_segments(x.to(torch.int32), segs, spec, KEY)
     with pytest.raises(ValueError, match="flat"):
         codec.quantize_segments(x.view(1, -1), segs, spec, KEY)
     with pytest.raises(ValueError, match="bytes but"):

@@ -106,16 +106,16 @@ def quantize_segments(
     One kernel launch on CUDA, where a launch per segment would cost the host more than the
     GPU; elsewhere a ``quantize`` per segment (``dequantize_segments`` decodes it)."""
     require_key(spec, key)
+    for t, what in ((x, "x"), (ref, "ref")):
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{what} must be float32/bfloat16/float16, got {t.dtype}")
     if x.dim() != 1:
         raise ValueError(f"x must be flat (1-D), got shape {tuple(x.shape)}")
-    float_rows(x, "x")
     segs = tuple(int(n) for n in segments)
     if any(n < 0 for n in segs) or sum(segs) != x.numel():
         raise ValueError(f"segments {list(segs)} must be >= 0 and sum to x's {x.numel()} values")
     if ref is not None and ref.shape != x.shape:
         raise ValueError(f"ref shape {tuple(ref.shape)} must equal x shape {tuple(x.shape)}")
-    if ref is not None:
-        float_rows(ref, "ref")
     total = sum(wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segs)
     if out is not None:
         wire_rows(out, total, "out", f"segments of {list(segs)} values under {spec}")
@@ -184,6 +184,8 @@ def dequantize_segments(
         raise ValueError(f"segment lengths must be >= 0, got {list(segs)}")
     widths = [wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segs]
     rows = wire_rows(data, sum(widths), "data", f"segments of {list(segs)} values under {spec}")
+    if sum(segs) == 0:  # nothing to decode (and no [R, 0] view to take)
+        return out
     o = out_rows(out, rows.shape[0], sum(segs), accumulate)
     impl = _impl(rows, o)
     fused = getattr(impl, "dequantize_segments", None)
