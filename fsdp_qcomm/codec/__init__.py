@@ -183,9 +183,12 @@ def dequantize_segments(
     if any(n < 0 for n in segs):
         raise ValueError(f"segment lengths must be >= 0, got {list(segs)}")
     widths = [wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segs]
-    rows = wire_rows(data, sum(widths), "data", f"segments of {list(segs)} values under {spec}")
-    if sum(segs) == 0:  # nothing to decode (and no [R, 0] view to take)
+    if sum(segs) == 0:  # a rank with nothing: no [R, 0] view to take
+        if data.dtype != torch.uint8 or data.shape[-1] != 0:
+            raise ValueError(f"data must be empty uint8 rows for segments {list(segs)}, got "
+                             f"{data.dtype} {tuple(data.shape)}")
         return out
+    rows = wire_rows(data, sum(widths), "data", f"segments of {list(segs)} values under {spec}")
     o = out_rows(out, rows.shape[0], sum(segs), accumulate)
     impl = _impl(rows, o)
     fused = getattr(impl, "dequantize_segments", None)
