@@ -46,6 +46,7 @@ def test_gpu_check_dry_run(tmp_path):
         for link in r["implied_step_s"]["fsdp2"].values():
             assert link["overlap_s"] <= link["serial_s"]
     prof = steps["step_profile"]["result"]
+    assert list(prof) == ["fsdp2", "sdp4bit", "sdp4bit_per_parameter"]
     assert prof["fsdp2"]["profile"]["python_top"] == []  # nothing of ours runs without enable
     assert any("weight" in f["function"] or "grad" in f["function"]
                for f in prof["sdp4bit"]["profile"]["python_top"])
