@@ -30,8 +30,6 @@ sections (``levels_wire_bytes``); their scale is the group's range, not range / 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..config import QuantSpec
@@ -61,16 +59,7 @@ def code_bytes(numel: int, spec: QuantSpec) -> int:
 
 
 def wire_bytes(numel: int, spec: QuantSpec) -> int:
-    """Exact bytes one encoded row of ``numel`` values occupies on the wire (cached: the hooks
-    ask for the same rows' sizes on every collective, several times each)."""
-    try:
-        return _wire_bytes(numel, spec)
-    except TypeError:  # an unhashable size (a symbolic one, under tracing)
-        return _wire_bytes.__wrapped__(numel, spec)
-
-
-@functools.lru_cache(maxsize=4096)
-def _wire_bytes(numel: int, spec: QuantSpec) -> int:
+    """Exact bytes one encoded row of ``numel`` values occupies on the wire."""
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if numel == 0:
