@@ -229,11 +229,10 @@ class _Recorder:
 
     def _quantize_segments(self, x, segs, spec, key, key_salt, ref, hadamard, out):
         """The CPU implementations' loop of ``codec.quantize_segments`` (a kernel on CUDA)."""
-        from fsdp_qcomm.codec import _each_quantize, hadamard_len, wire_bytes
+        from fsdp_qcomm.codec import _each_quantize, _widths
 
         if out is None:
-            total = sum(wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segs)
-            out = torch.empty(total, dtype=torch.uint8)
+            out = torch.empty(sum(_widths(segs, spec, hadamard)), dtype=torch.uint8)
         return _each_quantize(self._impl, x, segs, spec, key, key_salt, ref, hadamard, out)
 
     def __getattr__(self, kernel: str):
@@ -293,7 +292,7 @@ def _as_on_cuda(mode: Optional[_Mode] = None, torch_digest: bool = False):
     ``torch_digest``: what CUDA ran before ``kernels/digest.py``) and gradient reductions
     finished inside their call (the CPU path may defer them to a thread, which the census
     would not see)."""
-    from fsdp_qcomm.kernels.digest import INT_BITS, supports
+    from fsdp_qcomm.kernels.digest import supports
 
     from fsdp_qcomm.codec._checks import raw_memory_ok
     from fsdp_qcomm.fsdp import change_tracker, reduce_scatter
@@ -302,8 +301,7 @@ def _as_on_cuda(mode: Optional[_Mode] = None, torch_digest: bool = False):
 
     def shard_digest(shards):
         if torch_digest or not (raw_memory_ok("cpu", *shards)
-                                and all(supports(x) for x in shards)
-                                and len({INT_BITS[x.dtype] for x in shards}) == 1):
+                                and supports(shards)):
             return change_tracker._torch_digest(shards)
         if mode is None:
             return digest(shards)
@@ -341,12 +339,11 @@ class _NoCodec:
 
     @staticmethod
     def quantize_segments(x, segs, spec, key, key_salt, ref, hadamard, out):
-        from fsdp_qcomm.codec import hadamard_len, wire
+        from fsdp_qcomm.codec import _widths
 
         if out is not None:
             return out
-        return torch.zeros(sum(wire.wire_bytes(hadamard_len(n) if hadamard else n, spec)
-                               for n in segs), dtype=torch.uint8)
+        return torch.zeros(sum(_widths(segs, spec, hadamard)), dtype=torch.uint8)
 
     @staticmethod
     def dequantize(rows, n, spec, hadamard, out, accumulate):

@@ -158,7 +158,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         def run(impl, d):
             if hasattr(impl, "quantize_segments"):
                 return impl.quantize_segments(d["x"], d["segs"], spec, key, 1 << 40, d["ref"])
-            out = torch.empty(sum(codec.wire_bytes(m, spec) for m in d["segs"]),
+            out = torch.empty(sum(codec._widths(d["segs"], spec, False)),
                               dtype=torch.uint8, device=d["x"].device)
             return codec._each_quantize(impl, d["x"], d["segs"], spec, key, 1 << 40, d["ref"],
                                         False, out)

@@ -73,11 +73,10 @@ def _table(layout: tuple, offset: int, device: str):
 def digest_many(shards: Sequence[torch.Tensor], out: torch.Tensor, offset: int = 0) -> None:
     """Adds the digest of ``shards``, back to back from position ``offset``, into ``out`` (an
     int64 scalar on their device) in one launch, asynchronously on CUDA (no host read); each
-    shard as ``supports`` requires, all of one element width."""
+    shard as ``supports`` requires."""
     if not shards:
         return
-    widths = {INT_BITS.get(x.dtype) for x in shards}
-    if len(widths) != 1 or None in widths or not all(x.is_contiguous() for x in shards):
+    if not supports(shards):
         raise ValueError("digest_many reads contiguous tensors of one element width from "
                          f"{sorted(map(str, INT_BITS))}; got "
                          f"{[(str(x.dtype), x.is_contiguous()) for x in shards]}")
@@ -87,10 +86,12 @@ def digest_many(shards: Sequence[torch.Tensor], out: torch.Tensor, offset: int =
         return
     C.wait_for(done, out.device)
     with C.on_device(out):
-        _digest_many_kernel[(nblk,)](tab, idx, out, IBITS=widths.pop(), BLOCK=BLOCK, P=PRIME,
-                                     **C.launch_opts(BLOCK))
+        _digest_many_kernel[(nblk,)](tab, idx, out, IBITS=INT_BITS[shards[0].dtype],
+                                     BLOCK=BLOCK, P=PRIME, **C.launch_opts(BLOCK))
 
 
-def supports(x: torch.Tensor) -> bool:
-    """Whether ``digest_many`` reads this tensor (contiguous, a dtype of ``INT_BITS``)."""
-    return x.dtype in INT_BITS and x.is_contiguous()
+def supports(shards: Sequence[torch.Tensor]) -> bool:
+    """Whether ``digest_many`` reads these tensors: contiguous, of dtypes in ``INT_BITS``, all
+    of one element width."""
+    return (all(x.dtype in INT_BITS and x.is_contiguous() for x in shards)
+            and len({INT_BITS[x.dtype] for x in shards}) <= 1)

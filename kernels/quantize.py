@@ -8,6 +8,7 @@ large group in two passes over sub-tiles (statistics, then codes). Torch twin:
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Optional
 
 import torch
@@ -16,7 +17,6 @@ import triton.language as tl
 
 from ..codec import wire
 from ..codec.rng import RngKey, check_counter_range
-from ..codec.rng import _splitmix64 as _splitmix64_host
 from ..config import QuantSpec
 from . import _common as C
 
@@ -107,8 +107,8 @@ def _quantize_segments_kernel(
     """``_quantize_kernel`` on one row of back-to-back segments, each its own wire row: this
     program's segment is ``blk_seg[program]``, whose first block, values, encoded length,
     value offset, wire offset, groups and index are ``seg_tab[segment, 0:7]``. Its RNG key is
-    ``RngKey.fold(salt + index)``, derived here from the key's words so far (``h3``, after seed,
-    step and rank) and its ``bucket``."""
+    ``RngKey.fold(salt + index)``, derived here from the key's ``prefix()`` (``h3``) and its
+    ``bucket``."""
     pid = tl.program_id(0)
     t = seg_tab + tl.load(blk_seg + pid).to(tl.int64) * 7
     n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
@@ -205,29 +205,24 @@ def quantize_segments(
         raise ValueError(
             f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
     segments = tuple(segments)
+    if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
+        # Groups cut 32-blocks apart: the two-pass transform, segment by segment.
+        from ..codec import _each_quantize, _widths
+
+        if out is None:
+            out = torch.empty(sum(_widths(segments, spec, True)), dtype=torch.uint8,
+                              device=x.device)
+        return _each_quantize(sys.modules[__name__], x, segments, spec, key, key_salt, ref,
+                              True, out)
     tab, blk_seg, nblk, width, pad, done = _segment_table(segments, spec, hadamard,
                                                           str(x.device))
     if out is None:
         out = torch.empty(width, dtype=torch.uint8, device=x.device)
-    if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
-        # Groups cut 32-blocks apart: the two-pass transform, segment by segment.
-        off = woff = 0
-        for k, n in enumerate(segments):
-            if n:
-                w = wire.wire_bytes(wire.hadamard_len(n), spec)
-                r = None if ref is None else ref[off:off + n].view(1, n)
-                quantize(x[off:off + n].view(1, n), spec, None if key is None else
-                         key.fold(key_salt + k), r, True, out[woff:woff + w].view(1, w))
-                woff += w
-            off += n
-        return out
     if nblk == 0:
         return out
     if pad:
         out.zero_()
-    h3 = 0
-    for v in (key.seed, key.step, key.rank) if key is not None else ():
-        h3 = _splitmix64_host(h3 ^ (int(v) & ((1 << 64) - 1)))
+    h3 = key.prefix() if key is not None else 0
     bucket = int(key.bucket) if key is not None else 0
     gs_p2, gpb, sub = C.group_tiling(spec.group_size)
     r = ref if ref is not None else x

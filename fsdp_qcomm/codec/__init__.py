@@ -116,7 +116,7 @@ def quantize_segments(
         raise ValueError(f"segments {list(segs)} must be >= 0 and sum to x's {x.numel()} values")
     if ref is not None and ref.shape != x.shape:
         raise ValueError(f"ref shape {tuple(ref.shape)} must equal x shape {tuple(x.shape)}")
-    total = sum(wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segs)
+    total = sum(_widths(segs, spec, hadamard))
     if out is not None:
         wire_rows(out, total, "out", f"segments of {list(segs)} values under {spec}")
         if out.dim() != 1:
@@ -130,14 +130,18 @@ def quantize_segments(
     return _each_quantize(impl, x, segs, spec, key, key_salt, ref, hadamard, out)
 
 
+def _widths(segments: Sequence[int], spec: QuantSpec, hadamard: bool) -> list[int]:
+    """Wire bytes of each segment's row (rotated rows pad to whole 32-blocks)."""
+    return [wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segments]
+
+
 def _each_quantize(impl, x: torch.Tensor, segments: Sequence[int], spec: QuantSpec,
                    key: Optional[RngKey], key_salt: int, ref: Optional[torch.Tensor],
                    hadamard: bool, out: torch.Tensor) -> torch.Tensor:
     """``quantize_segments`` as a ``quantize`` of ``impl`` (an implementation module) per
     segment, on checked flat tensors."""
     off = woff = 0
-    for k, n in enumerate(segments):
-        w = wire_bytes(hadamard_len(n) if hadamard else n, spec)
+    for k, (n, w) in enumerate(zip(segments, _widths(segments, spec, hadamard))):
         if n:
             impl.quantize(x[off:off + n].view(1, n), spec,
                           None if key is None else key.fold(key_salt + k),
@@ -182,7 +186,7 @@ def dequantize_segments(
     segs = tuple(int(n) for n in segments)
     if any(n < 0 for n in segs):
         raise ValueError(f"segment lengths must be >= 0, got {list(segs)}")
-    widths = [wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segs]
+    widths = _widths(segs, spec, hadamard)
     if sum(segs) == 0:  # a rank with nothing: no [R, 0] view to take
         if data.dtype != torch.uint8 or data.shape[-1] != 0:
             raise ValueError(f"data must be empty uint8 rows for segments {list(segs)}, got "
@@ -204,8 +208,7 @@ def _each_segment(impl, rows: torch.Tensor, segments: Sequence[int], spec: Quant
     """``dequantize_segments`` as a ``dequantize`` of ``impl`` (an implementation module) per
     segment, on checked ``[R, W]`` rows and ``[R, sum(segments)]`` output."""
     off = woff = 0
-    for n in segments:
-        w = wire_bytes(hadamard_len(n) if hadamard else n, spec)
+    for n, w in zip(segments, _widths(segments, spec, hadamard)):
         if n:
             impl.dequantize(rows[:, woff:woff + w], n, spec, hadamard, out[:, off:off + n],
                             accumulate)

@@ -37,10 +37,16 @@ class RngKey(NamedTuple):
     bucket: int
 
     def words(self) -> tuple[int, int]:
-        h = 0
-        for v in self:
-            h = _splitmix64(h ^ (int(v) & 0xFFFFFFFFFFFFFFFF))
+        h = _splitmix64(self.prefix() ^ (int(self.bucket) & 0xFFFFFFFFFFFFFFFF))
         return h & MASK32, (h >> 32) & MASK32
+
+    def prefix(self) -> int:
+        """The hash state ``words`` reaches after seed, step and rank, before the bucket:
+        what the grouped encoder needs to derive every folded key's words on the GPU."""
+        h = 0
+        for v in (self.seed, self.step, self.rank):
+            h = _splitmix64(h ^ (int(v) & 0xFFFFFFFFFFFFFFFF))
+        return h
 
     def fold(self, salt: int) -> "RngKey":
         """A derived key for a sub-call (for example a pipeline chunk or a second hop)."""

@@ -143,10 +143,10 @@ def shard_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.tensor(total - (1 << 64) if total >> 63 else total, dtype=torch.int64)
     if device.type == "cuda" and raw_memory_ok("cuda", *shards):
         try:  # imported lazily: triton is only needed on GPUs
-            from ..kernels.digest import INT_BITS, digest_many, supports
+            from ..kernels.digest import digest_many, supports
         except ImportError:  # no triton (a preset that quantizes nothing): the torch formula
             return _torch_digest(shards)
-        if all(supports(x) for x in shards) and len({INT_BITS[x.dtype] for x in shards}) == 1:
+        if supports(shards):
             total = torch.zeros((), dtype=torch.int64, device=device)
             digest_many([x.detach() for x in shards], total)
             return total
