@@ -66,6 +66,8 @@ def counted_shape(target: LlamaShape) -> LlamaShape:
 
 #: a kernel the bandwidth table has no row for, priced at ``torch.clone``'s GB/s
 CLONE_ROW = "torch.clone"
+#: rows added to the bandwidth table after a GPU run, priced at the nearest row that run has
+_STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32"}
 _PKG = (str(ROOT / "fsdp_qcomm"), str(ROOT / "kernels"))
 _OTHER = "FSDP2, model, optimizer"
 #: operations that allocate or alias without moving data
@@ -153,7 +155,7 @@ def bench_row(kernel: str, a: tuple) -> str:
         if ref is not None:
             return "quantize 4b g2048 sym stoch x-ref (qWD)"
         if hadamard:
-            return "quantize 8b g128 sym stoch +H32"
+            return f"quantize {8 if spec.bits == 8 else 4}b g128 sym stoch +H32"
         if x.dtype == torch.bfloat16:
             return "quantize 8b g1024 asym stoch bf16 in"
         return "quantize 4b g128 sym stoch"
@@ -436,6 +438,7 @@ def price(base: Census, enabled: Census, scale: float, bandwidth: dict) -> dict:
     rows[CLONE_ROW] = clone
     kernels = []
     for (kernel, row), (calls, elems, nbytes) in sorted(enabled.codec.items()):
+        row = row if row in rows else _STAND_IN.get(row, row)
         kernels.append({"kernel": kernel, "row": row, "calls": calls,
                         "elements": elems * scale, "gbytes": nbytes * scale / 1e9,
                         "ms": nbytes * scale / rows[row] * 1e3, "gbps": rows[row] / 1e9})

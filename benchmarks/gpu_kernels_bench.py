@@ -256,6 +256,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
     return [
         quant("quantize 4b g128 sym stoch", s4),
         quant("quantize 8b g128 sym stoch +H32", s8, hadamard=True),
+        quant("quantize 4b g128 sym stoch +H32", s4, hadamard=True),
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", w4, ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q8, dtype=torch.bfloat16),
         quant_segments("quantize_segments 4b g2048 x-ref (9 segments)", w4, 9),

@@ -100,6 +100,7 @@ def _cases(C) -> list[Case]:
         quant("quantize 4b g128 sym stoch", q(4, True, F32, 128)),
         quant("quantize 4b g128 sym nearest (no GPU row)", q(4, True, F32, 128), stoch=False),
         quant("quantize 8b g128 sym stoch +H32", q(8, True, F32, 128), had=True),
+        quant("quantize 4b g128 sym stoch +H32", q(4, True, F32, 128), had=True),
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", q(4, True, F32, 2048), ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q(8, False, BF16, 1024), x="*bf16"),
         dequant("dequantize 4b g2048 += fp32 (qWD)", q(4, True, F32, 2048), acc=True),

@@ -29,7 +29,7 @@ def _values(x_row, r_row, i, lmask, HAS_REF: tl.constexpr, HADAMARD: tl.constexp
     if HAS_REF:
         v = v - C.load_f32(r_row + i, lmask)
     if HADAMARD:
-        v = tl.reshape(C.hadamard32(tl.reshape(v, [M32, 32]), M32), v.shape)
+        v = C.hadamard_blocks(v, M32)
     return v
 
 
