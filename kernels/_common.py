@@ -7,11 +7,10 @@ bit-identical on a GPU, where the Triton interpreter alone would not show a diff
 * divisions are ``tl.math.div_rn`` (IEEE round-to-nearest, like torch's ``/``); Triton's ``/``
   on fp32 may lower to an approximate division;
 * kernels launch with ``enable_fp_fusion=False`` so ``a * b + c`` is not contracted into a
-  fused multiply-add (torch rounds the product first). Where it would matter: the asymmetric
+  fused multiply-add (torch rounds the product first). Where it matters: the asymmetric
   decode ``code * scale + min``, which feeds dequantized outputs and the sums that
-  ``reduce_requantize`` re-encodes (an ulp there can flip a code). The encoder itself only
-  adds exact products (``k * 2^-24`` of the RNG, ``x * (1/32)``), so contraction could not
-  change its bytes;
+  ``reduce_requantize`` re-encodes, and the encoder's ``t = (x * f) * r`` before ``t + u``
+  (an ulp there can flip a code);
 * kernels launch with ``enable_reflect_ftz=False``: libdevice's ``floor`` would otherwise flush
   subnormals to zero (``floor(-1e-40)`` is -1 in torch, -0 with FTZ);
 * bfloat16 <-> float32 conversions are integer ops (round to nearest even), identical on GPUs
@@ -47,6 +46,8 @@ _BITS_VIEW = {"float32": torch.int32, "bfloat16": torch.int16, "float16": torch.
 _NAN_F32 = tl.constexpr(wire.NAN_BITS["float32"])
 _NAN_BF16 = tl.constexpr(wire.NAN_BITS["bfloat16"])
 _NAN_F16 = tl.constexpr(wire.NAN_BITS["float16"])
+_TINY_SCALE = tl.constexpr(wire.TINY_SCALE)
+_TINY_PRESCALE = tl.constexpr(wire.TINY_PRESCALE)
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -449,13 +450,16 @@ def encode_codes(
     i: element index in the row [GPB, B, 8]; e8: 8-block index [GPB, B]; e8_ok: which 8-blocks
     hold at least one element of the row (partial blocks store zero codes past ``numel``).
     """
-    s3 = scale[:, None, None]
+    # t = (v * f) * (1 / (scale * f)), a reciprocal per group (``wire``, "Encoding")
+    f = tl.where(scale < _TINY_SCALE, _TINY_PRESCALE, 1.0)
+    r3 = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * f)[:, None, None]
+    f3 = f[:, None, None]
     if SYM:
-        t = tl.math.div_rn(v, s3)
+        t = (v * f3) * r3
         lo = -QMAX
         bias = QMAX
     else:
-        t = tl.math.div_rn(v - mins[:, None, None], s3)
+        t = ((v - mins[:, None, None]) * f3) * r3
         lo = 0
         bias = 0
     if STOCH:

@@ -9,13 +9,17 @@ import torch
 def sample_rows(
     rows: int, n: int, seed: int, specials: bool = True, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Rows with per-region magnitudes (1e-3..1e2), exact zeros and a -0, and (optionally)
+    """Rows with per-region magnitudes (1e-3..1e2), exact zeros and a -0, from 1024 values on
+    whole groups below ``wire.TINY_SCALE`` (1e-24) and of subnormals (1e-41), and (optionally)
     NaN and +-Inf, so groups of every kind occur."""
     g = torch.Generator().manual_seed(seed)
     mag = torch.logspace(-3, 2, n)[torch.randperm(n, generator=g)]
     x = torch.randn(rows, n, generator=g) * mag
     x[:, 3:11] = 0.0
     x[:, 5] = -0.0
+    if n >= 1024:
+        x[:, 512:768] *= 1e-24
+        x[:, 768:1024] *= 1e-41
     if specials and n > 40:
         x[0, n // 2] = float("nan")
         x[-1, 17] = float("inf")

@@ -88,6 +88,28 @@ def test_nearest_round_trip_within_half_scale(bits, symmetric, dtype):
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+def test_tiny_and_subnormal_groups_round_trip_within_half_scale(symmetric, scale_dtype):
+    """Scales below ``wire.TINY_SCALE`` are prescaled before their reciprocal (else it would
+    overflow): groups of ~1e-24, of subnormals (~1e-41) and around the threshold decode within
+    half a step, and every decoded value is finite."""
+    spec = QuantSpec(bits=4, group_size=64, symmetric=symmetric, rounding="nearest",
+                     scale_dtype=scale_dtype)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5))
+    x[:, :128] *= 1e-24
+    x[:, 128:256] *= 1e-41
+    x[:, 256:384] *= wire.TINY_SCALE * spec.qmax / 3  # scales on both sides of the threshold
+    y = codec.dequantize(codec.quantize(x, spec), 512, spec)
+    assert bool(torch.isfinite(y).all())
+    g = _groups(x, 64)
+    rng = g.abs().amax(-1) if symmetric else g.amax(-1) - g.amin(-1)
+    rng = rng[..., None].expand_as(g).reshape(3, -1)
+    ulp = {"float32": 0.0, "bfloat16": 2**-8}[scale_dtype]
+    bound = 0.5 * _scale(x, spec) * (1 + 1e-5) + ulp * rng * 2 + 2 * 2.0**-149
+    assert bool(((y - x).abs() <= bound).all()), float(((y - x).abs() - bound).max())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
 def test_stochastic_error_below_one_scale(symmetric):
     spec = QuantSpec(bits=4, group_size=128, symmetric=symmetric)
     x = torch.randn(4, 777, generator=torch.Generator().manual_seed(0))

@@ -303,12 +303,22 @@ static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int6
         if (scale == 0.0f) scale = 1.0f;
         memcpy(row + 4 * g, &scale, 4);
         if (!s->symmetric) memcpy(row + 4 * (G + g), &mins, 4);
-        /* t = x / scale (or (x - min) / scale), then + u or + 1/2, floor, clamp, code. */
+        /* t = (x * f) * (1 / (scale * f)) (x - min for x if asymmetric; f = 2^64 below a
+         * scale of 2^-64, else 1: wire.TINY_SCALE), then + u or + 1/2, floor, clamp, code. */
         float *t = x;
-        if (s->symmetric)
-            for (int64_t i = 0; i < len; i++) t[i] = x[i] / scale;
-        else
-            for (int64_t i = 0; i < len; i++) t[i] = (x[i] - mins) / scale;
+        float f = scale < 0x1p-64f ? 0x1p64f : 1.0f;
+        float r = 1.0f / (scale * f);
+        if (s->symmetric) {
+            if (f == 1.0f)
+                for (int64_t i = 0; i < len; i++) t[i] = x[i] * r;
+            else
+                for (int64_t i = 0; i < len; i++) t[i] = (x[i] * f) * r;
+        } else {
+            if (f == 1.0f)
+                for (int64_t i = 0; i < len; i++) t[i] = (x[i] - mins) * r;
+            else
+                for (int64_t i = 0; i < len; i++) t[i] = ((x[i] - mins) * f) * r;
+        }
         if (stochastic) {
             uint32_t ctr = ctr0 + (uint32_t)(g0 - w0);
             for (int64_t i = 0; i < len; i++) {

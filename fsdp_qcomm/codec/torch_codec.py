@@ -315,11 +315,18 @@ def _encode_groups(
         scale = ((mx - mins) / spec.qmax).to(sdt).to(torch.float32)
     scale.masked_fill_(scale == 0, 1.0)
     t = scratch.get("t", R * nb * gs, torch.float32).view(R, nb, gs)
+    # t = (g * f) * (1 / (scale * f)): a reciprocal per group (wire.py, "Encoding")
+    tiny = scale < wire.TINY_SCALE
+    f = torch.where(tiny, wire.TINY_PRESCALE, 1.0) if bool(tiny.any()) else None
+    recip = 1.0 / (scale if f is None else scale * f)
     if mins is None:
-        torch.div(g, scale[..., None], out=t)
+        torch.mul(g, recip[..., None] if f is None else f[..., None], out=t)
     else:
         torch.sub(g, mins[..., None], out=t)
-        t.div_(scale[..., None])
+        if f is not None:
+            t.mul_(f[..., None])
+    if f is not None or mins is not None:
+        t.mul_(recip[..., None])
     if starts is not None:
         x = scratch.get("x", t.numel(), torch.int32).view(R, -1)
         tmp = scratch.get("tmp", t.numel(), torch.int32).view(R, -1)

@@ -24,6 +24,13 @@ minimum otherwise differ between CPU code paths and GPUs).
 
 Decoding: symmetric ``x = (u - (2^(b-1)-1)) * scale``; asymmetric ``x = u * scale + min``.
 
+Encoding divides by the scale as a multiplication by its reciprocal, taken once per group:
+``t = (x * f) * (1 / (scale * f))`` (asymmetric: ``x - min`` for ``x``), each operation rounded
+to fp32, with ``f = TINY_PRESCALE`` for scales below ``TINY_SCALE`` (else 1) so the reciprocal
+stays finite; then ``floor(t + u)`` (``u`` the stochastic uniform, or 1/2), clamped. A division
+per element costs a GPU encoder about 8 of its 70-120 instructions per element; ``t`` differs
+from ``x / scale`` by at most about an ulp. Every implementation computes exactly this.
+
 Learned-levels rows (``codec.levels``) put the ``2^b`` fp32 levels in front of the same
 sections (``levels_wire_bytes``); their scale is the group's range, not range / qmax.
 """
@@ -38,6 +45,9 @@ ROW_ALIGN = 4
 HADAMARD_BLOCK = 32
 # Quiet NaN bit patterns (as signed integers of the scale's width) of a non-finite group's scale.
 NAN_BITS = {"float32": 0x7FC00000, "bfloat16": 0x7FC0, "float16": 0x7E00}
+# Scales below TINY_SCALE are multiplied by TINY_PRESCALE (exact) before their reciprocal.
+TINY_SCALE = 2.0 ** -64
+TINY_PRESCALE = 2.0 ** 64
 
 
 def _ceil_div(a: int, b: int) -> int:
