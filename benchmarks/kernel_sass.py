@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     rows = [measure(c, a.arch) for c in _cases(C) if a.only in c.name]
     if not rows:
         raise SystemExit(f"kernel_sass: no kernel name contains {a.only!r}")
-    table = f"TILE {C.TILE}; " + _table(rows, a.arch)
+    table = f"triton {triton.__version__}, TILE {C.TILE}; " + _table(rows, a.arch)
     print(table)
     if a.out:
         label = a.label or "kernels"
