@@ -185,9 +185,11 @@ def _table(rows: list[dict], arch: int) -> str:
 
 def main(argv=None) -> int:
     a = _args(argv)
-    rec = _provenance.record(a.out) if a.out else None
-    sys.path.insert(0, str(a.src.resolve()))
     import triton
+
+    rec = _provenance.record(a.out, notes=f"triton {triton.__version__} ({sys.executable})") \
+        if a.out else None
+    sys.path.insert(0, str(a.src.resolve()))
 
     import fsdp_qcomm.kernels as K
 
