@@ -339,8 +339,8 @@ def hadamard_blocks(x, R: tl.constexpr):
     """``hadamard32`` on x of R * 32 elements in any shape, the same butterflies in the same
     order, each stage as sums over one size-2 axis: nothing reshapes the values between
     stages, so they stay in the layout the kernel loaded them in. The encoders use it (sm_90,
-    triton 3.6 / 3.9, instructions per element against ``hadamard32``'s: 4-bit g128 encoder
-    151.2 / 145.4 -> 116.6 / 93.9, 8-bit 115.6 / 110.5 -> 101.1 / 79.8;
+    triton 3.6 / 3.9, instructions per element against ``hadamard32``'s, at 6d08913: 4-bit
+    g128 encoder 151.2 / 145.4 -> 116.6 / 93.9, 8-bit 115.6 / 110.5 -> 101.1 / 79.8;
     ``benchmarks/kernel_sass.py``)."""
     shape: tl.constexpr = x.shape
     y = tl.reshape(x, [R, 2, 2, 2, 2, 2])

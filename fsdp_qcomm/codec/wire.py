@@ -28,7 +28,7 @@ Encoding divides by the scale as a multiplication by its reciprocal, taken once 
 ``t = (x * f) * (1 / (scale * f))`` (asymmetric: ``x - min`` for ``x``), each operation rounded
 to fp32, with ``f = TINY_PRESCALE`` for scales below ``TINY_SCALE`` (else 1) so the reciprocal
 stays finite; then ``floor(t + u)`` (``u`` the stochastic uniform, or 1/2), clamped. A division
-per element costs a GPU encoder about 8 of its 70-120 instructions per element; ``t`` differs
+per element cost a GPU encoder 8-11 of its 74-151 instructions per element; ``t`` differs
 from ``x / scale`` by at most about an ulp. Every implementation computes exactly this.
 
 Learned-levels rows (``codec.levels``) put the ``2^b`` fp32 levels in front of the same
