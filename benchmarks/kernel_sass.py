@@ -4,10 +4,11 @@ Compiles each kernel of ``benchmarks/gpu_kernels_bench.py``'s rows the way a lau
 GPU specializes it (pointers and integer arguments divisible by 16, the code's own launch
 options and tiles), disassembles the cubin with the ``cuobjdump`` shipped in the triton wheel,
 and prints per kernel: SASS instructions, those of the main path (all but the subroutines
-after the last ``EXIT``: the IEEE division's slow path) per element a thread holds, registers,
-shared memory, and the memory and cross-lane instructions (global loads/stores, shared memory,
-shuffles, barriers). One row that no GPU benchmark has, 4-bit with nearest rounding, shows what
-the stochastic rows spend on the counter-hash random numbers.
+after the last ``EXIT``: the IEEE division's slow path) per element a thread holds and how
+many of them are conversions (``CONVERT``: they issue at a fraction of the others' rate),
+registers, shared memory, and the memory and cross-lane instructions (global loads/stores,
+shared memory, shuffles, barriers). One row that no GPU benchmark has, 4-bit with nearest
+rounding, shows what the stochastic rows spend on the counter-hash random numbers.
 
 What it is for: the kernels run at 0.12-0.77x of ``torch.clone``'s bandwidth on the H200
 (``results/gpu_check/h200_2026-12-04``) because they spend too many instructions per element,
@@ -41,6 +42,12 @@ import _provenance  # noqa: E402
 
 #: instruction classes reported besides the total (SASS opcode prefixes)
 MEMORY = ("LDG", "STG", "LDS", "STS", "LDSM", "STSM", "SHFL", "BAR")
+#: conversions (float <-> int, float rounding) and special functions: on compute capability
+#: 8.x-9.0 the CUDA C++ Programming Guide's throughput table gives type conversions and MUFU
+#: 16 results per clock per SM against 128 for fp32 adds and multiplies, so each costs the issue
+#: time of several ordinary instructions (I2FP, sm_86's int-to-float, is counted with them;
+#: whether it issues faster, only a GPU profile says)
+CONVERT = ("F2I", "I2F", "I2FP", "F2F", "F2FP", "FRND", "I2I", "MUFU")
 F32, BF16 = "float32", "bfloat16"  # scale dtypes
 #: integer arguments that are multiples of 16 at the benchmark's sizes (Triton specializes them)
 _DIV16 = ("n", "m", "x_stride", "r_stride", "W", "WS", "G", "nblk", "W_in", "WS_in", "G_in",
@@ -168,16 +175,17 @@ def measure(case: Case, arch: int) -> dict:
         "registers": int(res.get("REG", 0)), "shared_bytes": int(res.get("SHARED", 0)),
         "spill_bytes": int(res.get("LOCAL", 0)),
         "memory": {k: counts[k] for k in MEMORY},
+        "conversions_per_element": round(sum(o in CONVERT for o in ops[:main]) / per_thread, 1),
         "top": counts.most_common(8),
     }
 
 
 def _table(rows: list[dict], arch: int) -> str:
-    head = ("| kernel | SASS (main path) | main path per element | regs | shared B | "
-            + " | ".join(MEMORY) + " |\n|" + "---|" * (5 + len(MEMORY)) + "\n")
+    head = ("| kernel | SASS (main path) | main path per element | of them conversions | regs | "
+            "shared B | " + " | ".join(MEMORY) + " |\n|" + "---|" * (6 + len(MEMORY)) + "\n")
     body = "".join(
         f"| {r['kernel']} | {r['instructions']} ({r['main_path']}) | {r['per_element']} | "
-        f"{r['registers']} | "
+        f"{r['conversions_per_element']} | {r['registers']} | "
         f"{r['shared_bytes']} | " + " | ".join(str(r["memory"][k]) for k in MEMORY) + " |\n"
         for r in rows)
     return f"sm_{arch}, static counts (see the module docstring)\n\n{head}{body}"

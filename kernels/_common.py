@@ -48,6 +48,9 @@ _NAN_BF16 = tl.constexpr(wire.NAN_BITS["bfloat16"])
 _NAN_F16 = tl.constexpr(wire.NAN_BITS["float16"])
 _TINY_SCALE = tl.constexpr(wire.TINY_SCALE)
 _TINY_PRESCALE = tl.constexpr(wire.TINY_PRESCALE)
+_ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2^23
+_ROUNDER_BITS = tl.constexpr(0x4B400000)
+_INT_FLOAT_BITS = tl.constexpr(0x4B000000)  # 2^23: an integer below 2^23 ORed in is 2^23 + it
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -401,11 +404,13 @@ def decode8(
     codes = load_codes8(row_b, e8, ok, G, BITS, SYM, SKIND)
     grp = (e8 * 8) // GS
     scale = bits_to_scale(tl.load(row_s + grp, mask=ok, other=0), SKIND)
+    # code -> float without a conversion instruction: 2^23 + code as bits, minus 2^23 (exact)
+    c = (codes | _INT_FLOAT_BITS).to(tl.float32, bitcast=True)
     if SYM:
-        v = (codes - QMAX).to(tl.float32) * scale[:, None]
+        v = (c - (8388608.0 + QMAX)) * scale[:, None]
     else:
         mins = bits_to_scale(tl.load(row_s + G + grp, mask=ok, other=0), SKIND)
-        v = codes.to(tl.float32) * scale[:, None] + mins[:, None]
+        v = (c - 8388608.0) * scale[:, None] + mins[:, None]
     return v
 
 
@@ -448,6 +453,18 @@ def store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM: tl.constexpr,
 
 
 @triton.jit
+def floor_int(t):
+    """floor(t) as int32 for |t| < 2^22, in adds and integer ops: t + 1.5 * 2^23 rounds t to
+    an integer held in the sum's low mantissa bits, and one comparison turns that rounding into
+    floor. FRND and F2I, which it replaces, issue at a quarter of the rate of adds on sm_80-90.
+    Elsewhere (non-finite t, only in groups sent as zero codes) the result is unspecified."""
+    y = t + _ROUNDER
+    r = y - _ROUNDER  # t rounded to an integer, exact
+    k = y.to(tl.int32, bitcast=True) - _ROUNDER_BITS
+    return k - (r > t).to(tl.int32)
+
+
+@triton.jit
 def encode_codes(
     v, valid, i, e8, e8_ok, row, numel, row_b, G, scale, mins, bad, k0, k1,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
@@ -474,9 +491,9 @@ def encode_codes(
         t = t + uniform(row, numel, i, k0, k1)
     else:
         t = t + 0.5
-    q = tl.minimum(tl.maximum(tl.math.floor(t), lo), QMAX)
-    q = tl.where(bad[:, None, None] != 0, 0.0, q)  # a non-finite group sends the zero code
-    codes = tl.where(valid, q + bias, 0.0).to(tl.int32)  # padding past the row encodes as 0
+    q = tl.minimum(tl.maximum(floor_int(t), lo), QMAX)
+    q = tl.where(bad[:, None, None] != 0, 0, q)  # a non-finite group sends the zero code
+    codes = tl.where(valid, q + bias, 0)  # padding past the row encodes as 0
     store_codes(codes, row_b, G, e8, e8_ok, BITS, SYM, SKIND)
 
 

@@ -254,6 +254,32 @@ def test_quantize_same_bytes(K, bits, sym, rounding):
 
 
 @_exact
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantize_rounds_halves_and_integers_as_torch_floor(K, bits, sym, rounding):
+    """Values on and next to the code boundaries, where the kernels' floor (adds and integer
+    ops, ``_common.floor_int``) could differ from torch's: power-of-two scales make x / scale
+    exact, so t + 1/2 lands on integers and halves, and one ulp either side; signed zeros and
+    subnormals too."""
+    spec = _spec(bits, sym, rounding, "float32", 64)
+    q = spec.qmax
+    steps = torch.arange(-2 * q, 2 * q + 1, dtype=torch.float32) / 2  # halves of a step
+    rows = []
+    for e in (-3, 0, 5):
+        g = torch.cat([steps, steps.nextafter(torch.tensor(float("inf"))),
+                       steps.nextafter(torch.tensor(-float("inf")))])
+        g = torch.cat([g, torch.tensor([0.0, -0.0, 1e-40, -1e-40])]) * 2.0 ** e
+        g = g[:64 * (g.numel() // 64)].view(-1, 64)
+        g[:, 0] = q * 2.0 ** e  # the group's absmax: scale 2^e (symmetric)
+        g[:, 1] = -q * 2.0 ** e if sym else 0.0
+        rows.append(g.reshape(-1))
+    x = torch.stack([r[:min(map(len, rows))] for r in rows])
+    want = torch_codec.quantize(x, spec, KEY, None, False)
+    _same(K.quantize(_d(x), spec, KEY, None, False), want)
+
+
+@_exact
 @pytest.mark.parametrize("gs", [32, 96, 24])  # whole 32-blocks per group (pow2 or not), or not
 @pytest.mark.parametrize("ref", [False, True])
 @pytest.mark.parametrize("hadamard", [False, True])
