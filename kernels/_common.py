@@ -454,10 +454,11 @@ def store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM: tl.constexpr,
 
 @triton.jit
 def floor_int(t):
-    """floor(t) as int32 for |t| < 2^22, in adds and integer ops: t + 1.5 * 2^23 rounds t to
-    an integer held in the sum's low mantissa bits, and one comparison turns that rounding into
-    floor. FRND and F2I, which it replaces, issue at a quarter of the rate of adds on sm_80-90.
-    Elsewhere (non-finite t, only in groups sent as zero codes) the result is unspecified."""
+    """floor(t) as int32 for |t| < 2^22 (callers clamp t first), in adds and integer ops:
+    t + 1.5 * 2^23 rounds t to an integer held in the sum's low mantissa bits, and one
+    comparison turns that rounding into floor. FRND and F2I, which it replaces, issue at an
+    eighth of the rate of fp32 adds on compute capability 8.x-9.0. Outside that range (and for
+    NaN) the result is unspecified."""
     y = t + _ROUNDER
     r = y - _ROUNDER  # t rounded to an integer, exact
     k = y.to(tl.int32, bitcast=True) - _ROUNDER_BITS
@@ -491,7 +492,9 @@ def encode_codes(
         t = t + uniform(row, numel, i, k0, k1)
     else:
         t = t + 0.5
-    q = tl.minimum(tl.maximum(floor_int(t), lo), QMAX)
+    # clamp(floor(t), lo, QMAX) as floor(clamp(t, lo, QMAX)): the same codes (floor is monotone
+    # and the bounds are integers), and floor_int's argument stays in its exact range
+    q = floor_int(tl.minimum(tl.maximum(t, lo), QMAX))
     q = tl.where(bad[:, None, None] != 0, 0, q)  # a non-finite group sends the zero code
     codes = tl.where(valid, q + bias, 0)  # padding past the row encodes as 0
     store_codes(codes, row_b, G, e8, e8_ok, BITS, SYM, SKIND)

@@ -280,6 +280,19 @@ def test_quantize_rounds_halves_and_integers_as_torch_floor(K, bits, sym, roundi
 
 
 @_exact
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantize_far_outside_the_code_range_as_torch(K, rounding):
+    """A minimum that rounds (bfloat16) onto the group's maximum makes the scale 0, hence 1, and
+    leaves x - min far below 0 (here down to -1.6e7, past -1.5 * 2^23): codes clamp to 0 as in
+    torch, whatever the kernels' floor does outside its exact range."""
+    spec = _spec(8, False, rounding, "bfloat16", 64)
+    top = 2.0 ** 33  # a bfloat16 value; its lower neighbour is 2^25 below
+    x = (top - torch.linspace(0, 1.6e7, 64)).repeat(2, 3)
+    want = torch_codec.quantize(x, spec, KEY, None, False)
+    _same(K.quantize(_d(x), spec, KEY, None, False), want)
+
+
+@_exact
 @pytest.mark.parametrize("gs", [32, 96, 24])  # whole 32-blocks per group (pow2 or not), or not
 @pytest.mark.parametrize("ref", [False, True])
 @pytest.mark.parametrize("hadamard", [False, True])
