@@ -47,12 +47,30 @@ def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         cmd, env=env, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=timeout
     )
+    if proc.returncode != 0 and _aborted_at_exit(proc):
+        return proc
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun failed ({proc.returncode}): {' '.join(cmd)}\n"
             f"--- stdout (tail)\n{proc.stdout[-6000:]}\n--- stderr (tail)\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+#: torchtitan's last log line, after ``destroy_process_group`` (rank 0 logs it)
+_FINISHED = "Process group destroyed"
+#: the gloo abort at interpreter exit (docs/known_issues.md, "gloo aborts a process at exit")
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _aborted_at_exit(proc: subprocess.CompletedProcess) -> bool:
+    """Whether the only failure is torch's known gloo abort at interpreter exit: rank 0 logged
+    the end of training and of the process group (so every rank ran every collective), and a
+    rank then died with that abort. Stock ``torchtitan.train`` keeps its model alive through
+    ``destroy_process_group``, so the example's workaround cannot apply; the callers check
+    what the run wrote as usual."""
+    out = proc.stdout + proc.stderr
+    return _FINISHED in out and _EXIT_ABORT in proc.stderr
 
 
 def read_summary(dump: Path) -> dict:
