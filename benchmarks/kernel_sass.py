@@ -148,6 +148,11 @@ def _opcodes(sass: str) -> tuple[list[str], int]:
     return [o for _, o in found], main
 
 
+def conversions(ops: list[str]) -> int:
+    """How many of ``ops`` are conversions or special functions (``CONVERT``)."""
+    return sum(o in CONVERT for o in ops)
+
+
 def measure(case: Case, arch: int) -> dict:
     """Compile one case for sm_<arch> and count its SASS."""
     import importlib
@@ -175,7 +180,7 @@ def measure(case: Case, arch: int) -> dict:
         "registers": int(res.get("REG", 0)), "shared_bytes": int(res.get("SHARED", 0)),
         "spill_bytes": int(res.get("LOCAL", 0)),
         "memory": {k: counts[k] for k in MEMORY},
-        "conversions_per_element": round(sum(o in CONVERT for o in ops[:main]) / per_thread, 1),
+        "conversions_per_element": round(conversions(ops[:main]) / per_thread, 1),
         "top": counts.most_common(8),
     }
 

@@ -506,11 +506,14 @@ def test_kernel_sass_counts_opcodes_and_the_main_path():
     ops, main = kernel_sass._opcodes(listing)
     assert ops == ["LDC", "BRA", "LOP3", "EXIT", "MUFU", "RET"]
     assert main == 4  # the subroutine after the last EXIT is not the main path
+    # the division's MUFU.RCP sits in the subroutine: no conversion on the main path
+    assert kernel_sass.conversions(ops[:main]) == 0 and kernel_sass.conversions(ops) == 1
+    assert kernel_sass.conversions(["F2I", "I2FP", "FRND", "FADD"]) == 3
     row = {"kernel": "k", "instructions": 6, "main_path": 4, "per_element": 0.5,
-           "registers": 8, "shared_bytes": 0,
+           "conversions_per_element": 0.1, "registers": 8, "shared_bytes": 0,
            "memory": dict.fromkeys(kernel_sass.MEMORY, 0)}
     lines = kernel_sass._table([row], 90).splitlines()
-    assert lines[-1] == "| k | 6 (4) | 0.5 | 8 | 0 | " + " | ".join("0" * 8) + " |"
+    assert lines[-1] == "| k | 6 (4) | 0.5 | 0.1 | 8 | 0 | " + " | ".join("0" * 8) + " |"
     assert lines[-2].count("---") == lines[-3].count("|") - 1  # one separator per column
 
 
