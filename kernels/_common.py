@@ -49,8 +49,9 @@ _NAN_F16 = tl.constexpr(wire.NAN_BITS["float16"])
 _TINY_SCALE = tl.constexpr(wire.TINY_SCALE)
 _TINY_PRESCALE = tl.constexpr(wire.TINY_PRESCALE)
 _ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2^23
-_ROUNDER_BITS = tl.constexpr(0x4B400000)
-_INT_FLOAT_BITS = tl.constexpr(0x4B000000)  # 2^23: an integer below 2^23 ORed in is 2^23 + it
+_ROUNDER_BITS = tl.constexpr(0x4B400000)  # its float32 bits
+_INT_FLOAT = tl.constexpr(8388608.0)  # 2^23: an integer below 2^23 ORed into its bits is 2^23 + it
+_INT_FLOAT_BITS = tl.constexpr(0x4B000000)
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -381,6 +382,7 @@ def load_codes8(row_b, e8, ok, G, BITS: tl.constexpr, SYM: tl.constexpr, SKIND: 
         if BITS == 4:
             codes = tl.join(w & M, w >> 4)
         else:  # 2 bits: [c0, c2] and [c1, c3] joined, which reads c0, c1, c2, c3 in order
+            tl.static_assert(BITS == 2)
             codes = tl.join(tl.join(w & M, (w >> 4) & M), tl.join((w >> 2) & M, w >> 6))
         codes = tl.reshape(codes, [B, 8])
     else:
@@ -407,10 +409,10 @@ def decode8(
     # code -> float without a conversion instruction: 2^23 + code as bits, minus 2^23 (exact)
     c = (codes | _INT_FLOAT_BITS).to(tl.float32, bitcast=True)
     if SYM:
-        v = (c - (8388608.0 + QMAX)) * scale[:, None]
+        v = (c - (_INT_FLOAT + QMAX)) * scale[:, None]
     else:
         mins = bits_to_scale(tl.load(row_s + G + grp, mask=ok, other=0), SKIND)
-        v = (c - 8388608.0) * scale[:, None] + mins[:, None]
+        v = (c - _INT_FLOAT) * scale[:, None] + mins[:, None]
     return v
 
 

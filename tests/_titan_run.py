@@ -47,9 +47,7 @@ def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         cmd, env=env, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=timeout
     )
-    if proc.returncode != 0 and _aborted_at_exit(proc):
-        return proc
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not _aborted_at_exit(proc):
         raise AssertionError(
             f"torchrun failed ({proc.returncode}): {' '.join(cmd)}\n"
             f"--- stdout (tail)\n{proc.stdout[-6000:]}\n--- stderr (tail)\n{proc.stderr[-6000:]}"

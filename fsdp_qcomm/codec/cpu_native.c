@@ -308,17 +308,10 @@ static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int6
         float *t = x;
         float f = scale < 0x1p-64f ? 0x1p64f : 1.0f;
         float r = 1.0f / (scale * f);
-        if (s->symmetric) {
-            if (f == 1.0f)
-                for (int64_t i = 0; i < len; i++) t[i] = x[i] * r;
-            else
-                for (int64_t i = 0; i < len; i++) t[i] = (x[i] * f) * r;
-        } else {
-            if (f == 1.0f)
-                for (int64_t i = 0; i < len; i++) t[i] = (x[i] - mins) * r;
-            else
-                for (int64_t i = 0; i < len; i++) t[i] = ((x[i] - mins) * f) * r;
-        }
+        if (s->symmetric)
+            for (int64_t i = 0; i < len; i++) t[i] = (x[i] * f) * r;
+        else
+            for (int64_t i = 0; i < len; i++) t[i] = ((x[i] - mins) * f) * r;
         if (stochastic) {
             uint32_t ctr = ctr0 + (uint32_t)(g0 - w0);
             for (int64_t i = 0; i < len; i++) {

@@ -319,14 +319,10 @@ def _encode_groups(
     tiny = scale < wire.TINY_SCALE
     f = torch.where(tiny, wire.TINY_PRESCALE, 1.0) if bool(tiny.any()) else None
     recip = 1.0 / (scale if f is None else scale * f)
-    if mins is None:
-        torch.mul(g, recip[..., None] if f is None else f[..., None], out=t)
-    else:
-        torch.sub(g, mins[..., None], out=t)
-        if f is not None:
-            t.mul_(f[..., None])
-    if f is not None or mins is not None:
-        t.mul_(recip[..., None])
+    num = g if mins is None else torch.sub(g, mins[..., None], out=t)
+    if f is not None:
+        num = torch.mul(num, f[..., None], out=t)
+    torch.mul(num, recip[..., None], out=t)
     if starts is not None:
         x = scratch.get("x", t.numel(), torch.int32).view(R, -1)
         tmp = scratch.get("tmp", t.numel(), torch.int32).view(R, -1)
