@@ -95,7 +95,8 @@ def _cases(C) -> list[Case]:
         t, tile = tiling(spec["GS"])
         return Case(name, "quantize", "_quantize_kernel",
                     {"x_ptr": x, "r_ptr": x, "out_b": "*u8", "out_s": words(spec)},
-                    dict(**spec, **t, STOCH=stoch, HAS_REF=ref, HADAMARD=had), tile)
+                    dict(**spec, **t, STOCH=stoch, HAS_REF=ref, HADAMARD=had,
+                         FLAT=C.flat_tile(spec["BITS"], had)), tile)
 
     def dequant(name, spec, out="*fp32", had=False, acc=False):
         return Case(name, "dequantize", "_dequantize_kernel",

@@ -172,6 +172,18 @@ def group_tile(grp, gmask, s, n, GS: tl.constexpr, NB8: tl.constexpr):
 
 
 @triton.jit
+def flat_group_tile(grp, gmask, n, GS: tl.constexpr, SUB: tl.constexpr):
+    """``group_tile`` of whole groups as one [GPB, SUB] tile: (i element indices, valid:
+    elements inside a group and the row, inside: inside a group). Each group is one contiguous
+    row of the tile, so Triton's coalescing gives it consecutive lanes of one warp whatever its
+    version (``flat_tile``)."""
+    e = tl.arange(0, SUB)
+    i = grp[:, None] * GS + e[None, :]
+    inside = gmask[:, None] & (e < GS)[None, :]
+    return i, inside & (i < n), inside
+
+
+@triton.jit
 def write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE: tl.constexpr):
     """Write (``ACCUMULATE``: add) the values v [B, 8] of the 8-blocks e8 [B] into output row
     ``row64`` (any float dtype), the first ``n`` elements only."""
@@ -417,18 +429,44 @@ def decode8(
 
 
 @triton.jit
+def _per_group(x, like):
+    """Per-group values x [GPB] broadcastable against a tile ``like`` ([GPB, B, 8] or flat)."""
+    if len(like.shape) == 3:
+        y = x[:, None, None]
+    else:
+        y = x[:, None]
+    return y
+
+
+@triton.jit
+def _group_max(x):
+    """Max over all but the first axis of a tile ([GPB, B, 8] or flat [GPB, SUB])."""
+    if len(x.shape) == 3:
+        x = tl.max(x, axis=2)
+    return tl.max(x, axis=1)
+
+
+@triton.jit
+def _group_min(x):
+    if len(x.shape) == 3:
+        x = tl.min(x, axis=2)
+    return tl.min(x, axis=1)
+
+
+@triton.jit
 def group_stats(v, valid, SYM: tl.constexpr):
-    """Per-group (bad, lo, hi) over the last two axes of v [GPB, B, 8]: bad = any non-finite;
-    symmetric: hi = max |v|; asymmetric: lo, hi = min, max (non-finite lanes left out)."""
+    """Per-group (bad, lo, hi) over a tile v ([GPB, B, 8] or flat [GPB, SUB]): bad = any
+    non-finite; symmetric: hi = max |v|; asymmetric: lo, hi = min, max (non-finite lanes left
+    out)."""
     fin = tl.abs(v) < float("inf")  # False for NaN and +-inf
-    bad = tl.max(tl.max((valid & ~fin).to(tl.int32), axis=2), axis=1)
+    bad = _group_max((valid & ~fin).to(tl.int32))
     use = valid & fin
     if SYM:
         lo = tl.zeros_like(bad).to(tl.float32)
-        hi = tl.max(tl.max(tl.where(use, tl.abs(v), 0.0), axis=2), axis=1)
+        hi = _group_max(tl.where(use, tl.abs(v), 0.0))
     else:
-        lo = tl.min(tl.min(tl.where(use, v, float("inf")), axis=2), axis=1)
-        hi = tl.max(tl.max(tl.where(use, v, -float("inf")), axis=2), axis=1)
+        lo = _group_min(tl.where(use, v, float("inf")))
+        hi = _group_max(tl.where(use, v, -float("inf")))
     return bad, lo, hi
 
 
@@ -477,17 +515,18 @@ def encode_codes(
 
     i: element index in the row [GPB, B, 8]; e8: 8-block index [GPB, B]; e8_ok: which 8-blocks
     hold at least one element of the row (partial blocks store zero codes past ``numel``).
+    A ``flat_group_tile`` passes v, valid, i [GPB, SUB] and its ``inside`` as e8_ok (e8 unused).
     """
     # t = (v * f) * (1 / (scale * f)), a reciprocal per group (``wire``, "Encoding")
     f = tl.where(scale < _TINY_SCALE, _TINY_PRESCALE, 1.0)
-    r3 = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * f)[:, None, None]
-    f3 = f[:, None, None]
+    r = _per_group(tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * f), v)
+    f = _per_group(f, v)
     if SYM:
-        t = (v * f3) * r3
+        t = (v * f) * r
         lo = -QMAX
         bias = QMAX
     else:
-        t = ((v - mins[:, None, None]) * f3) * r3
+        t = ((v - _per_group(mins, v)) * f) * r
         lo = 0
         bias = 0
     if STOCH:
@@ -497,9 +536,12 @@ def encode_codes(
     # clamp(floor(t), lo, QMAX) as floor(clamp(t, lo, QMAX)): the same codes (floor is monotone
     # and the bounds are integers), and floor_int's argument stays in its exact range
     q = floor_int(tl.minimum(tl.maximum(t, lo), QMAX))
-    q = tl.where(bad[:, None, None] != 0, 0, q)  # a non-finite group sends the zero code
+    q = tl.where(_per_group(bad, v) != 0, 0, q)  # a non-finite group sends the zero code
     codes = tl.where(valid, q + bias, 0)  # padding past the row encodes as 0
-    store_codes(codes, row_b, G, e8, e8_ok, BITS, SYM, SKIND)
+    if len(codes.shape) == 2:
+        store_codes_flat(codes, i, e8_ok, numel, row_b, G, BITS, SYM, SKIND)
+    else:
+        store_codes(codes, row_b, G, e8, e8_ok, BITS, SYM, SKIND)
 
 
 @triton.jit
@@ -530,6 +572,53 @@ def store_codes(codes, row_b, G, e8, e8_ok, BITS: tl.constexpr, SYM: tl.constexp
         tl.store(base + off, byts, mask=e8_ok[:, :, None] & (k[None, None, :] < BITS))
 
 
+@triton.jit
+def store_codes_flat(codes, i, inside, numel, row_b, G, BITS: tl.constexpr, SYM: tl.constexpr,
+                     SKIND: tl.constexpr):
+    """``store_codes`` of a flat tile: codes and element indices i [GPB, SUB]; inside: elements
+    of a group. The 8-blocks that hold an element of the row are stored whole (zero codes past
+    ``numel``). Neighbouring codes are split apart in the thread that holds them and ORed into
+    a byte (2- and 4-bit), so the tile keeps the layout it was loaded in."""
+    NSEC: tl.constexpr = 1 if SYM else 2
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
+    base = row_b + G * (NSEC * SBYTES)
+    keep = inside & ((i // 8) * 8 < numel)
+    if BITS == 8:
+        tl.store(base + i, codes.to(tl.uint8), mask=keep)
+    else:
+        c0, c1 = _pairs(codes)
+        i0, _ = _pairs(i)
+        k0, _ = _pairs(keep)
+        if BITS == 4:
+            tl.store(base + i0 // 2, (c0 | (c1 << 4)).to(tl.uint8), mask=k0)
+        else:
+            tl.static_assert(BITS == 2)
+            p0, p1 = _pairs(c0 | (c1 << 2))
+            j0, _ = _pairs(i0)
+            m0, _ = _pairs(k0)
+            tl.store(base + j0 // 4, (p0 | (p1 << 4)).to(tl.uint8), mask=m0)
+
+
+@triton.jit
+def _pairs(x):
+    """x [A, S] -> (even, odd) columns, [A, S // 2] each."""
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+
+
+def flat_tile(bits: int, hadamard: bool) -> bool:
+    """Whether an encoder loads whole groups as ``flat_group_tile``'s rows rather than as
+    ``group_tile``'s [GPB, B, 8] 8-blocks: with the Hadamard rotation, for 2-, 4- and 8-bit
+    codes. The 8-block tile ties Triton's coalescing order between groups and blocks; triton
+    3.6 breaks the tie by spreading a group's blocks over warps, so the rotation's statistics
+    cross warps through shared memory with barriers. Instructions per element on sm_90
+    (``benchmarks/kernel_sass.py``), 8-block -> flat tile, triton 3.6 / 3.7 / 3.8 / 3.9: 8-bit
+    g128 +H32 94.6 / 76.5 / 73.2 / 73.9 -> 76.9 / 76.9 / 73.5 / 73.5 (barriers 17 -> 1 on
+    3.6); 4-bit 108.8 / 94.9 / 92.2 / 89.4 -> 95.5 / 95.4 / 91.4 / 93.1. Without the rotation
+    the 8-block tile counts fewer on 3.6 and 3.9 (4-bit g128: 68.4 against 74.1, 71.9 against
+    75.9)."""
+    return hadamard and 8 % bits == 0
+
+
 # ---- host side: received chunks ---------------------------------------------------------------
 def chunk_stack(chunks, spec: QuantSpec) -> tuple[torch.Tensor, int]:
     """(first chunk, byte stride between chunks) for k equally shaped [R, W] wire blocks.
@@ -553,3 +642,4 @@ def chunk_stack(chunks, spec: QuantSpec) -> tuple[torch.Tensor, int]:
             return first, step
     stacked = torch.stack([c.contiguous() for c in chunks])
     return stacked[0], stacked.stride(0)
+

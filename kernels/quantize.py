@@ -38,7 +38,7 @@ def _encode_groups(
     x_row, r_row, row_b, row_s, grp, n, m, G, row, k0, k1,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
-    STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr,
+    STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr, FLAT: tl.constexpr,
 ):
     """Encode the groups ``grp`` [GPB] of one row (``row``: its index, for the RNG counters)."""
     gmask = grp < G
@@ -46,7 +46,11 @@ def _encode_groups(
     M32: tl.constexpr = GPB * SUB // 32
     if SUB == GS_P2:
         # Whole groups in registers: one load, statistics, codes.
-        e8, e8_ok, i, valid = C.group_tile(grp, gmask, 0, m, GS, NB8)
+        if FLAT:
+            i, valid, inside = C.flat_group_tile(grp, gmask, m, GS, SUB)
+            e8, e8_ok = i, inside  # encode_codes stores a flat tile by its own masks
+        else:
+            e8, e8_ok, i, valid = C.group_tile(grp, gmask, 0, m, GS, NB8)
         v = _values(x_row, r_row, i, valid & (i < n), HAS_REF, HADAMARD, M32)
         bad, lo, hi = C.group_stats(v, valid, SYM)
         scale, mins = C.group_scales(lo, hi, QMAX, SYM, SKIND)
@@ -80,12 +84,12 @@ def _quantize_kernel(
     x_ptr, r_ptr, out_b, out_s, n, m, x_stride, r_stride, W, WS, G, nblk, k0, k1,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
-    STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr,
+    STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr, FLAT: tl.constexpr,
 ):
     row, blk, row64 = C.row_block(nblk)
     _encode_groups(x_ptr + row64 * x_stride, r_ptr + row64 * r_stride, out_b + row64 * W,
                    out_s + row64 * WS, blk * GPB + tl.arange(0, GPB), n, m, G, row, k0, k1,
-                   BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF, HADAMARD)
+                   BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF, HADAMARD, FLAT)
 
 
 @triton.jit
@@ -102,7 +106,7 @@ def _quantize_segments_kernel(
     x_ptr, r_ptr, out_b, out_s, seg_tab, blk_seg, h3, bucket, salt,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
-    STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr,
+    STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr, FLAT: tl.constexpr,
 ):
     """``_quantize_kernel`` on one row of back-to-back segments, each its own wire row: this
     program's segment is ``blk_seg[program]``, whose first block, values, encoded length,
@@ -125,7 +129,7 @@ def _quantize_segments_kernel(
     grp = (pid - tl.load(t)) * GPB + tl.arange(0, GPB)
     _encode_groups(x_ptr + xoff, r_ptr + xoff, out_b + woff, out_s + woff // SBYTES, grp, n, m,
                    G, 0, k0, k1, BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF,
-                   HADAMARD)
+                   HADAMARD, FLAT)
 
 
 @triton.jit
@@ -232,7 +236,7 @@ def quantize_segments(
             x, r, out, C.scale_view(out, spec), tab, blk_seg, _signed64(h3), _signed64(bucket),
             _signed64(key_salt), **C.RowLayout.of(1, spec).constexprs(), GS_P2=gs_p2, GPB=gpb,
             SUB=sub, STOCH=spec.stochastic, HAS_REF=ref is not None, HADAMARD=hadamard,
-            **C.launch_opts(gpb * sub),
+            FLAT=C.flat_tile(spec.bits, hadamard), **C.launch_opts(gpb * sub),
         )
     return out
 
@@ -287,7 +291,8 @@ def quantize(
             x, rr, out, C.scale_view(out, spec), n, m, x.stride(0), rr.stride(0), lay.width,
             lay.scale_words, lay.groups, nblk, k0, k1,
             **lay.constexprs(), GS_P2=gs_p2, GPB=gpb, SUB=sub, STOCH=spec.stochastic,
-            HAS_REF=r is not None, HADAMARD=hadamard, **C.launch_opts(gpb * sub),
+            HAS_REF=r is not None, HADAMARD=hadamard, FLAT=C.flat_tile(spec.bits, hadamard),
+            **C.launch_opts(gpb * sub),
         )
     if lay.width > lay.code_end:
         out[:, lay.code_end:].zero_()

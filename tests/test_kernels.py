@@ -119,14 +119,21 @@ def _compile_cases():
     u8s16 = {"out_b": "*u8", "out_s": "*i16"}
     return [
         (m["quantize"]._quantize_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", **u8s16},
-         dict(**q5, **grp(96), STOCH=True, HAS_REF=True, HADAMARD=True), True),
+         dict(**q5, **grp(96), STOCH=True, HAS_REF=True, HADAMARD=True, FLAT=False), True),
+        (m["quantize"]._quantize_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", **u8s16},
+         dict(**q4, **grp(96), STOCH=True, HAS_REF=True, HADAMARD=True, FLAT=True), True),
         (m["quantize"]._quantize_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32", "out_b": "*u8",
-         "out_s": "*i32"}, dict(**q4, **grp(4104), STOCH=True, HAS_REF=True, HADAMARD=False),
-         True),
+         "out_s": "*i32"}, dict(**q4, **grp(4104), STOCH=True, HAS_REF=True, HADAMARD=False,
+                               FLAT=False), True),
         (m["quantize"]._quantize_segments_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32",
          "out_b": "*u8", "out_s": "*i32", "seg_tab": "*i64", "blk_seg": "*i32", "h3": "i64",
          "bucket": "i64", "salt": "i64"},
-         dict(**q4, **grp(2048), STOCH=True, HAS_REF=True, HADAMARD=False), True),
+         dict(**q4, **grp(2048), STOCH=True, HAS_REF=True, HADAMARD=False, FLAT=False), True),
+        (m["quantize"]._quantize_segments_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32",
+         "out_b": "*u8", "out_s": "*i32", "seg_tab": "*i64", "blk_seg": "*i32", "h3": "i64",
+         "bucket": "i64", "salt": "i64"},
+         dict(BITS=8, QMAX=127, SYM=True, SKIND=0, **grp(128), STOCH=True, HAS_REF=False,
+              HADAMARD=True, FLAT=True), True),
         (m["quantize"]._hadamard_rows_kernel, {"x_ptr": "*fp16", "r_ptr": "*fp16",
          "y_ptr": "*fp32"}, dict(NB32=64, HAS_REF=True), False),
         (m["dequantize"]._dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
@@ -303,6 +310,31 @@ def test_quantize_difference_and_hadamard(K, gs, ref, hadamard):
     r = _data(2, 133, dtype, seed=gs + 1, specials=False) if ref else None
     got = K.quantize(_d(x), spec, KEY, _d(r), hadamard)
     _same(got, torch_codec.quantize(x, spec, KEY, r, hadamard))
+
+
+@_exact
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+def test_quantize_flat_and_8_block_tiles_same_bytes(K, monkeypatch, flat, bits, sym):
+    """Both ways the encoders can hold whole groups (``_common.flat_tile``: one row per group,
+    or 8-blocks) write the torch codec's bytes, each forced on every case it could take:
+    rotated or not, groups filling their power-of-two tile or not (96 of 128), rows ending
+    inside a group and inside an 8-block, and through ``quantize_segments``."""
+    monkeypatch.setattr(K._common, "flat_tile", lambda b, h: flat and 8 % b == 0)
+    for gs, n, hadamard in ((96, 203, True), (64, 203, False), (32, 45, True)):
+        spec = _spec(bits, sym, "stochastic" if gs != 64 else "nearest", SCALE_DTYPES[bits % 3],
+                     gs)
+        x = _data(3, n, IN_DTYPES[gs % 3], seed=bits + gs)
+        r = _data(3, n, IN_DTYPES[gs % 3], seed=bits + gs + 1, specials=False)
+        _same(K.quantize(_d(x), spec, KEY, _d(r), hadamard),
+              torch_codec.quantize(x, spec, KEY, r, hadamard))
+        segs = (n, 0, 2 * n)
+        flat_x = _data(1, 3 * n, torch.float32, seed=gs).view(-1)
+        want = torch.cat([torch_codec.quantize(p[None], spec, KEY.fold(5 + k), None,
+                                               hadamard).view(-1)
+                          for k, p in enumerate(flat_x.split(segs)) if p.numel()])
+        _same(K.quantize_segments(_d(flat_x), segs, spec, KEY, 5, None, hadamard), want)
 
 
 @_exact
