@@ -91,12 +91,15 @@ def _cases(C) -> list[Case]:
     def words(spec):  # the scale section as integers of the scale's width
         return "*i32" if spec["SKIND"] == 0 else "*i16"
 
+    # the tile the encoders choose (a checkout before 2026-12-05 has one: --src)
+    flat_tile = getattr(C, "flat_tile", lambda bits, hadamard: False)
+
     def quant(name, spec, x="*fp32", ref=False, had=False, stoch=True):
         t, tile = tiling(spec["GS"])
         return Case(name, "quantize", "_quantize_kernel",
                     {"x_ptr": x, "r_ptr": x, "out_b": "*u8", "out_s": words(spec)},
                     dict(**spec, **t, STOCH=stoch, HAS_REF=ref, HADAMARD=had,
-                         FLAT=C.flat_tile(spec["BITS"], had)), tile)
+                         FLAT=flat_tile(spec["BITS"], had)), tile)
 
     def dequant(name, spec, out="*fp32", had=False, acc=False):
         return Case(name, "dequantize", "_dequantize_kernel",
@@ -164,11 +167,12 @@ def measure(case: Case, arch: int) -> dict:
 
     C = importlib.import_module("fsdp_qcomm.kernels._common")
     fn = getattr(importlib.import_module(f"fsdp_qcomm.kernels.{case.module}"), case.kernel)
-    sig = {a: case.ptrs.get(a, "constexpr" if a in case.const else "i32") for a in fn.arg_names}
+    const = {k: v for k, v in case.const.items() if k in fn.arg_names}  # as --src's kernels
+    sig = {a: case.ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
     div16 = [a for a in fn.arg_names if a in case.ptrs or a in _DIV16]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
     opts = C.launch_opts(case.tile)
-    compiled = triton.compile(ASTSource(fn, sig, constexprs=case.const, attrs=attrs),
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=opts)
     dump = _cuobjdump(compiled.asm["cubin"], "--dump-resource-usage", "-sass")
     ops, main = _opcodes(dump)
