@@ -317,47 +317,27 @@ def unpack8(byts, BITS: tl.constexpr):
 
 # ---- device side: Hadamard --------------------------------------------------------------------
 @triton.jit
-def _butterfly(x, M: tl.constexpr, H: tl.constexpr):
-    y = tl.reshape(x, [M, 16 // H, 2, H])
-    y = tl.permute(y, (0, 1, 3, 2))
-    a, b = tl.split(y)
-    z = tl.join(a + b, a - b)
-    z = tl.permute(z, (0, 1, 3, 2))
-    return tl.reshape(z, [M, 32])
-
-
-@triton.jit
-def hadamard32(x, M: tl.constexpr):
-    """Unnormalized Sylvester Hadamard on each row of x [M, 32] (``torch_codec.hadamard32``).
-    The decoders use it: in their layouts it takes fewer instructions than
-    ``hadamard_blocks`` (sm_90, triton 3.6 / 3.9: dequantize 8b g128 +H32^-1 27.9 / 27.9
-    instructions per element against 34.2 / 30.8; ``benchmarks/kernel_sass.py``)."""
-    x = _butterfly(x, M, 1)
-    x = _butterfly(x, M, 2)
-    x = _butterfly(x, M, 4)
-    x = _butterfly(x, M, 8)
-    x = _butterfly(x, M, 16)
-    return x
-
-
-@triton.jit
 def _butterfly_axis(x, bit, AX: tl.constexpr):
     """One stage on x [R, 2, 2, 2, 2, 2] (the bits of an index in a 32-block), pairing along
-    the size-2 axis ``AX`` (``bit``: 0, 1 along it): a sum of two elements is a + b on every
-    device (in either order), and a + (-b) is exactly a - b."""
-    s = tl.sum(x, axis=AX, keep_dims=True)
-    d = tl.sum(tl.where(bit == 0, x, -x), axis=AX, keep_dims=True)
-    return tl.where(bit == 0, s, d)
+    the size-2 axis ``AX`` (``bit``: 0, 1 along it): each element takes its partner's value,
+    as bits (the pair's wrapping integer sum less its own bits: exact for every value, NaNs
+    included), then a + b at bit 0 and a - b at bit 1."""
+    own = x.to(tl.int32, bitcast=True)
+    y = (tl.sum(own, axis=AX, keep_dims=True) - own).to(tl.float32, bitcast=True)
+    return tl.where(bit == 0, x + y, y - x)
 
 
 @triton.jit
 def hadamard_blocks(x, R: tl.constexpr):
-    """``hadamard32`` on x of R * 32 elements in any shape, the same butterflies in the same
-    order, each stage as sums over one size-2 axis: nothing reshapes the values between
-    stages, so they stay in the layout the kernel loaded them in. The encoders use it (sm_90,
-    triton 3.6 / 3.9, instructions per element against ``hadamard32``'s, at 6d08913: 4-bit
-    g128 encoder 151.2 / 145.4 -> 116.6 / 93.9, 8-bit 115.6 / 110.5 -> 101.1 / 79.8;
-    ``benchmarks/kernel_sass.py``)."""
+    """``torch_codec.hadamard32`` (unnormalized Sylvester Hadamard on consecutive 32-blocks) on
+    x of R * 32 elements in any shape, the same butterflies in the same order. Each stage pairs
+    elements along one size-2 axis without reshaping the values between stages, so they stay
+    in the layout the kernel loaded them in: partners in one thread cost no data movement,
+    partners in two lanes one shuffle. Every kernel's rotation (sm_90, triton 3.6 / 3.9,
+    instructions per element, ``benchmarks/kernel_sass.py``): against reshapes and joins, the
+    4-bit g128 encoder 151.2 / 145.4 -> 116.6 / 93.9 (at 6d08913, sums over the pair); taking
+    the partner's value instead of two sums, 95.5 / 93.1 -> 85.5 / 87.1, and the decoders
+    27.9 -> 26.8 with 1 barrier instead of 5."""
     shape: tl.constexpr = x.shape
     y = tl.reshape(x, [R, 2, 2, 2, 2, 2])
     b = tl.arange(0, 2)
@@ -611,11 +591,11 @@ def flat_tile(bits: int, hadamard: bool) -> bool:
     codes. The 8-block tile ties Triton's coalescing order between groups and blocks; triton
     3.6 breaks the tie by spreading a group's blocks over warps, so the rotation's statistics
     cross warps through shared memory with barriers. Instructions per element on sm_90
-    (``benchmarks/kernel_sass.py``), 8-block -> flat tile, triton 3.6 / 3.7 / 3.8 / 3.9: 8-bit
-    g128 +H32 94.6 / 76.5 / 73.2 / 73.9 -> 76.9 / 76.9 / 73.5 / 73.5 (barriers 17 -> 1 on
-    3.6); 4-bit 108.8 / 94.9 / 92.2 / 89.4 -> 95.5 / 95.4 / 91.4 / 93.1. Without the rotation
-    the 8-block tile counts fewer on 3.6 and 3.9 (4-bit g128: 68.4 against 74.1, 71.9 against
-    75.9)."""
+    (``benchmarks/kernel_sass.py``), 8-block -> flat tile, triton 3.6 / 3.9: 8-bit g128 +H32
+    85.0 / 69.6 -> 69.4 / 69.5 (barriers 14 -> 1 on 3.6), 4-bit 96.9 / 83.2 -> 85.5 / 87.1
+    (13 -> 3); 3.7 and 3.8 count as 3.6 with the flat tile (``docs/gpu_path.md`` section 7).
+    Without the rotation the 8-block tile counts fewer on 3.6 and 3.9 (4-bit g128: 68.4
+    against 74.1, 71.9 against 75.9)."""
     return hadamard and 8 % bits == 0
 
 

@@ -34,7 +34,7 @@ def _dequantize_kernel(
     v = C.decode8(data_b + row64 * W, data_s + row64 * WS, e8, e8 * 8 < m, G,
                   BITS, QMAX, SYM, SKIND, GS)
     if HADAMARD:
-        v = tl.reshape(C.hadamard32(tl.reshape(v, [BLK8 // 4, 32]), BLK8 // 4), [BLK8, 8])
+        v = C.hadamard_blocks(v, BLK8 // 4)
         v = v * (1.0 / 32)
     C.write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE)
 
@@ -56,7 +56,7 @@ def _dequantize_segments_kernel(
     v = C.decode8(data_b + row64 * W + woff, data_s + row64 * WS + woff // SBYTES, e8,
                   e8 * 8 < m, G, BITS, QMAX, SYM, SKIND, GS)
     if HADAMARD:
-        v = tl.reshape(C.hadamard32(tl.reshape(v, [BLK8 // 4, 32]), BLK8 // 4), [BLK8, 8])
+        v = C.hadamard_blocks(v, BLK8 // 4)
         v = v * (1.0 / 32)
     C.write_values(out_ptr + off, row64, out_stride, e8, v, n, ACCUMULATE)
 

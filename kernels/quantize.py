@@ -142,7 +142,7 @@ def _hadamard_rows_kernel(x_ptr, r_ptr, y_ptr, n, m, x_stride, r_stride, nblk,
     v = C.load_f32(x_ptr + row64 * x_stride + i, lmask)
     if HAS_REF:
         v = v - C.load_f32(r_ptr + row64 * r_stride + i, lmask)
-    v = C.hadamard32(v, NB32)
+    v = C.hadamard_blocks(v, NB32)
     tl.store(y_ptr + row64 * m + i, v, mask=i < m)
 
 

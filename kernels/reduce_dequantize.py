@@ -35,7 +35,7 @@ def _reduce_dequantize_kernel(
         v = v + C.decode8(row_b + c64 * chunk_b, row_s + c64 * chunk_s, e8, ok, G,
                           BITS, QMAX, SYM, SKIND, GS)
     if HADAMARD:
-        v = tl.reshape(C.hadamard32(tl.reshape(v, [BLK8 // 4, 32]), BLK8 // 4), [BLK8, 8])
+        v = C.hadamard_blocks(v, BLK8 // 4)
         v = v * (1.0 / 32)
     C.write_values(out_ptr, row64, out_stride, e8, v, n, False)
 
