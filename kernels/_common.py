@@ -584,7 +584,7 @@ def flat_tile(bits: int, hadamard: bool) -> bool:
     85.0 / 69.6 -> 69.4 / 69.5 (barriers 14 -> 1 on 3.6), 4-bit 96.9 / 83.2 -> 84.2 / 83.9
     (13 -> 3); 3.7 and 3.8 count as 3.6 with the flat tile (``docs/gpu_path.md`` section 7).
     Without the rotation the 8-block tile counts fewer on 3.6 and 3.9 (4-bit g128: 68.4
-    against 74.1, 71.9 against 75.9)."""
+    against 73.2, 71.9 against 72.8)."""
     return hadamard and 8 % bits == 0
 
 
