@@ -611,4 +611,3 @@ def chunk_stack(chunks, spec: QuantSpec) -> tuple[torch.Tensor, int]:
             return first, step
     stacked = torch.stack([c.contiguous() for c in chunks])
     return stacked[0], stacked.stride(0)
-

@@ -1,8 +1,8 @@
 """Fused quantize: (x - ref), optional Hadamard-32, per-group scales, rounding, bit packing.
 
-One program encodes ``GPB`` whole groups of one row (groups up to ``TILE`` elements) or one
-large group in two passes over sub-tiles (statistics, then codes). Torch twin:
-``torch_codec.quantize``.
+One program encodes ``GPB`` whole groups of one row (groups up to ``TILE`` elements; held as
+8-blocks, or with the rotation as one row per group: ``_common.flat_tile``) or one large group
+in two passes over sub-tiles (statistics, then codes). Torch twin: ``torch_codec.quantize``.
 """
 
 from __future__ import annotations
