@@ -351,12 +351,19 @@ def hadamard_blocks(x, R: tl.constexpr):
 
 # ---- device side: decode and encode -----------------------------------------------------------
 @triton.jit
+def code_section(row_b, G, SYM: tl.constexpr, SKIND: tl.constexpr):
+    """The first code byte of a wire row whose scale section starts at ``row_b`` (``G`` groups:
+    their scales, and mins if asymmetric, come first)."""
+    NSEC: tl.constexpr = 1 if SYM else 2
+    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
+    return row_b + G * (NSEC * SBYTES)
+
+
+@triton.jit
 def load_codes8(row_b, e8, ok, G, BITS: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr):
     """Codes of the 8-blocks ``e8`` [B] of one wire row -> int32 [B, 8] (``row_b``: the byte
     where the row's scale section starts; ok: [B] mask)."""
-    NSEC: tl.constexpr = 1 if SYM else 2
-    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    base = row_b + G * (NSEC * SBYTES)
+    base = code_section(row_b, G, SYM, SKIND)
     if 8 % BITS == 0 and BITS < 8:
         # Each code sits inside one byte: load the block's BITS bytes and shift them apart in
         # 32-bit registers (no 64-bit word, no reduction across the block's lanes). Whole
@@ -529,9 +536,7 @@ def store_codes(codes, row_b, G, e8, e8_ok, BITS: tl.constexpr, SYM: tl.constexp
                 SKIND: tl.constexpr):
     """Pack codes [GPB, B, 8] (int32, < 2^BITS) into the code section of the row whose scale
     section starts at ``row_b``; e8 [GPB, B]: 8-block indices, e8_ok: which to store."""
-    NSEC: tl.constexpr = 1 if SYM else 2
-    SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    base = row_b + G * (NSEC * SBYTES)
+    base = code_section(row_b, G, SYM, SKIND)
     if 8 % BITS == 0:
         # Each byte holds 8 // BITS whole codes: OR neighbours in 32-bit registers.
         PER: tl.constexpr = 8 // BITS
@@ -563,9 +568,7 @@ def store_codes_flat(codes, i, inside, numel, row_b, G, BITS: tl.constexpr, SYM:
     against 85.5 / 87.1)."""
     keep = inside & ((i // 8) * 8 < numel)
     if BITS == 8:
-        NSEC: tl.constexpr = 1 if SYM else 2
-        SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-        tl.store(row_b + G * (NSEC * SBYTES) + i, codes.to(tl.uint8), mask=keep)
+        tl.store(code_section(row_b, G, SYM, SKIND) + i, codes.to(tl.uint8), mask=keep)
     else:
         A: tl.constexpr = codes.shape[0]
         B: tl.constexpr = codes.shape[1] // 8
