@@ -208,14 +208,28 @@ def _mix32(x):
 
 
 @triton.jit
+def _pair_uniform(bits):
+    """``(16 bits + 1/2) * 2^-16`` for 16 bits at bits 22..7 of ``bits``, from its float bits."""
+    one_u = ((bits & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True)  # 1 + u
+    return one_u - 1.0  # exact
+
+
+@triton.jit
 def uniform(row, numel, i, k0, k1):
-    """u in [0, 1) for counter ``(row * numel + i) mod 2^32``; k0, k1 are int32 key words."""
-    c = tl.cast(row, tl.uint32) * tl.cast(numel, tl.uint32) + i.to(tl.uint32)
+    """``codec.rng``'s u for element i [..., 2m] of row ``row``: one hash per pair (i, i + 1),
+    i even, of counter ``(row * numel + i) mod 2^32``; k0, k1 are int32 key words. i's last
+    axis holds whole pairs in order (tiles start at even indices: groups hold multiples of 8).
+    """
+    if len(i.shape) == 2:
+        even, _ = tl.split(tl.reshape(i, [i.shape[0], i.shape[1] // 2, 2]))
+    else:
+        even, _ = tl.split(tl.reshape(i, [i.shape[0], i.shape[1], i.shape[2] // 2, 2]))
+    c = tl.cast(row, tl.uint32) * tl.cast(numel, tl.uint32) + even.to(tl.uint32)
     w0 = tl.cast(k0, tl.uint32, bitcast=True)
     w1 = tl.cast(k1, tl.uint32, bitcast=True)
     x = _mix32(_mix32(c ^ w0) ^ w1)
     tl.static_assert(x.dtype == tl.uint32)
-    return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return tl.reshape(tl.join(_pair_uniform(x << 7), _pair_uniform(x >> 9)), i.shape)
 
 
 # ---- device side: float conversions ----------------------------------------------------------

@@ -13,17 +13,18 @@ KEY = RngKey(seed=11, step=12, rank=13, bucket=14)
 @pytest.mark.parametrize("starts", [[0], [2**31 - 300], [2**32 - 100], [7, 2**31 - 5, 2**32 - 1]])
 def test_int32_rng_equals_reference_formula(starts):
     # Counters cross the int32 sign boundary and wrap past 2^32 inside the rows.
-    width = 1000
+    width = 1001  # odd: the last column has no partner
     t = torch.randn(len(starts), width, generator=torch.Generator().manual_seed(len(starts)))
     x = torch.empty(len(starts), width, dtype=torch.int32)
     got = t.clone()
     rng.add_uniform_(got, rng.row_starts(starts, "cpu"), KEY.words(), x, torch.empty_like(x))
     c = (torch.tensor(starts)[:, None] + torch.arange(width)) & rng.MASK32
-    assert torch.equal(got, t + rng.uniform(c, KEY))
+    assert torch.equal(got, t + rng.uniform(c, torch.arange(width) % 2, KEY))
 
 
 def test_int32_rng_reference_values():
-    # Pins the formula itself: u = (mix32(mix32(c ^ k0) ^ k1) >> 8) * 2^-24, scalar Python.
+    # Pins the formula itself, scalar Python: columns 2j and 2j + 1 share h = mix32(mix32(c ^ k0)
+    # ^ k1) of column 2j's counter c and take its low and high 16 bits as (bits + 1/2) * 2^-16.
     def mix(v):
         v ^= v >> 16
         v = (v * rng.MIX_M1) & rng.MASK32
@@ -32,13 +33,39 @@ def test_int32_rng_reference_values():
         return v ^ (v >> 16)
 
     k0, k1 = KEY.words()
-    cs = [0, 1, 2**31, 2**32 - 1, 123456789]
-    want = [(mix(mix(c ^ k0) ^ k1) >> 8) / 2**24 for c in cs]
-    # Counters of one row are start + i, so run each as its own row of width 1.
-    t = torch.zeros(len(cs), 1)
-    x = torch.empty(len(cs), 1, dtype=torch.int32)
+    cs = [0, 1, 2**31, 2**32 - 2, 123456789]
+    want = []
+    for c in cs:
+        h = mix(mix(c ^ k0) ^ k1)
+        want.append([((h & 0xFFFF) + 0.5) / 2**16, ((h >> 16) + 0.5) / 2**16])
+    # Counters of one row are start + i, so run each as its own row of one pair.
+    t = torch.zeros(len(cs), 2)
+    x = torch.empty(len(cs), 2, dtype=torch.int32)
     rng.add_uniform_(t, rng.row_starts(cs, "cpu"), KEY.words(), x, torch.empty_like(x))
-    assert t.view(-1).tolist() == want
+    assert t.tolist() == want
+
+
+def test_rng_is_uniform_and_pairs_independent():
+    # 2^20 draws: each 16-bit half is uniform over its 2^16 values (chi-square over 64 bins), the
+    # two halves of a pair are uncorrelated, and so are neighbouring pairs.
+    n = 1 << 20
+    u = torch.zeros(1, n)
+    x = torch.empty(1, n, dtype=torch.int32)
+    rng.add_uniform_(u, rng.row_starts([5], "cpu"), KEY.words(), x, torch.empty_like(x))
+    u = u.view(-1).double()
+    assert float(u.min()) == 0.5 / 2**16 and float(u.max()) == 1 - 0.5 / 2**16
+    for half in (u[0::2], u[1::2]):
+        counts = torch.histc(half, bins=64, min=0, max=1)
+        expect = half.numel() / 64
+        chi2 = float(((counts - expect) ** 2 / expect).sum())
+        assert chi2 < 120, chi2  # 63 degrees of freedom: p ~ 1e-5
+        assert abs(float(half.mean()) - 0.5) < 4 * (1 / 12 / half.numel()) ** 0.5
+
+    def corr(a, b):
+        return float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+
+    assert abs(corr(u[0::2], u[1::2])) < 5 / (n / 2) ** 0.5
+    assert abs(corr(u[0:-2:2], u[2::2])) < 5 / (n / 2) ** 0.5
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

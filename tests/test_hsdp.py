@@ -447,7 +447,9 @@ def test_collective_against_exact_all_reduce(two_by_two, name, m):
     for r in two_by_two:
         rec = r["collective"][(name, m)]
         assert rec["bytes"] == rec["expect"], (rec["bytes"], rec["expect"])
-        bound = 0.012 if name == "8" else 0.3
+        # 8-bit, groups of 32, two replicas, m=100, over 300 keys: mean 0.0103, sd 0.0010,
+        # max 0.0138; a wrong factor gives 0.5, a bit less per element about twice the mean
+        bound = 0.016 if name == "8" else 0.3
         assert rec["err"] < bound, rec["err"]
     # replicas (ranks 0 and 2, ranks 1 and 3) hold bit-identical results
     for a, b in ((0, 2), (1, 3)):

@@ -33,6 +33,20 @@ static inline uint32_t mix32(uint32_t x) {
     return x;
 }
 
+/* The uniform of the even (odd = 0) or odd (odd = 1) element of a pair whose hash is h:
+ * (16 bits + 1/2) * 2^-16, built from its float bits as codec/rng.py does (exact). */
+static inline float pair_uniform(uint32_t h, int odd) {
+    uint32_t b = ((odd ? h >> 9 : h << 7) & 0x7FFF80u) | 0x3F800040u;
+    float f;
+    memcpy(&f, &b, 4);
+    return f - 1.0f;
+}
+
+/* The hash of the pair whose even element has counter c (codec/rng.py). */
+static inline uint32_t pair_hash(uint32_t c, uint32_t k0, uint32_t k1) {
+    return mix32(mix32(c ^ k0) ^ k1);
+}
+
 static int64_t gcd64(int64_t a, int64_t b) {
     while (b) {
         int64_t t = a % b;
@@ -313,11 +327,15 @@ static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int6
         else
             for (int64_t i = 0; i < len; i++) t[i] = ((x[i] - mins) * f) * r;
         if (stochastic) {
+            /* g0 - w0 is a multiple of the group size, so i's parity is its row index's */
             uint32_t ctr = ctr0 + (uint32_t)(g0 - w0);
-            for (int64_t i = 0; i < len; i++) {
-                uint32_t h = mix32(mix32((ctr + (uint32_t)i) ^ k0) ^ k1);
-                t[i] = t[i] + (float)(h >> 8) * 0x1p-24f;
+            for (int64_t i = 0; i + 1 < len; i += 2) {
+                uint32_t h = pair_hash(ctr + (uint32_t)i, k0, k1);
+                t[i] = t[i] + pair_uniform(h, 0);
+                t[i + 1] = t[i + 1] + pair_uniform(h, 1);
             }
+            if (len & 1) /* a last group of odd length: its last element has no partner */
+                t[len - 1] = t[len - 1] + pair_uniform(pair_hash(ctr + (uint32_t)(len - 1), k0, k1), 0);
         } else {
             for (int64_t i = 0; i < len; i++) t[i] = t[i] + 0.5f;
         }
@@ -372,8 +390,8 @@ static void encode_window_levels(float *v, int64_t n, const spec_t *s, const flo
             float p = (t - left) / (right - left);
             int up;
             if (stochastic) {
-                uint32_t h = mix32(mix32((ctr + (uint32_t)i) ^ k0) ^ k1);
-                up = (float)(h >> 8) * 0x1p-24f < p;
+                uint32_t h = pair_hash(ctr + (uint32_t)(i & ~(int64_t)1), k0, k1);
+                up = pair_uniform(h, (int)(i & 1)) < p;
             } else {
                 up = p >= 0.5f;
             }
