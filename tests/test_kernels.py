@@ -227,7 +227,8 @@ def test_every_kernel_compiles_ahead_of_time_exactly(target, tmp_path):
         assert arch and arch.group(1) == target, (name, arch and arch.group(0))
         assert len(compiled.asm["cubin"]) > 0, name
         # the one fma allowed is the rotation's y +- x, whose factor is a selected +-1: exact
-        signs = set(re.findall(r"selp\.f32\s+(%\w+), 0f(?:3F800000, 0fBF800000|BF800000, 0f3F800000), %\w+;", ptx))
+        pm1 = r"0f(?:3F800000, 0fBF800000|BF800000, 0f3F800000)"
+        signs = set(re.findall(rf"selp\.f32\s+(%\w+), {pm1}, %\w+;", ptx))
         for fma in re.findall(r"\bfma\.[^\n]*", ptx):
             ops = re.fullmatch(r"fma\.rn\.f32\s+%\w+, (%\w+), (%\w+), %\w+;", fma.strip())
             assert ops and signs & set(ops.groups()), (name, fma)
