@@ -52,6 +52,8 @@ _ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2^23
 _ROUNDER_BITS = tl.constexpr(0x4B400000)  # its float32 bits
 _INT_FLOAT = tl.constexpr(8388608.0)  # 2^23: an integer below 2^23 ORed into its bits is 2^23 + it
 _INT_FLOAT_BITS = tl.constexpr(0x4B000000)
+_POS_INF_BITS = tl.constexpr(0x7F800000)
+_NEG_INF_BITS = tl.constexpr(-0x800000)  # -inf's float32 bits as an int32 (0xFF800000)
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -456,19 +458,35 @@ def _group_min(x):
 
 
 @triton.jit
+def _ordered(b):
+    """int32 keys of float32 bits ``b`` that order as the floats do (-NaN < -inf < ... < -0 <
+    +0 < ... < inf < NaN); the map is its own inverse."""
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
 def group_stats(v, valid, SYM: tl.constexpr):
     """Per-group (bad, lo, hi) over a tile v ([GPB, B, 8] or flat [GPB, SUB]): bad = any
-    non-finite; symmetric: hi = max |v|; asymmetric: lo, hi = min, max (non-finite lanes left
-    out)."""
-    fin = tl.abs(v) < float("inf")  # False for NaN and +-inf
-    bad = _group_max((valid & ~fin).to(tl.int32))
-    use = valid & fin
+    non-finite; symmetric: hi = max |v|; asymmetric: lo, hi = min, max. The reductions run on
+    integer keys of the bits, in which infinities and NaNs are the extremes, so bad is read
+    from lo and hi instead of testing each lane, and the interpreter's integer reductions match
+    the GPU's bit for bit. lo and hi of a bad group are unused (codes 0, scale NaN). Against
+    a finite test per lane (triton 3.6, instructions per element): the 4-bit g128 encoder
+    59.4 -> 53.4, the 4-bit Hadamard one 71.4 -> 67.0, the asymmetric bf16 one 62.4 -> 58.6."""
+    b = v.to(tl.int32, bitcast=True)
     if SYM:
-        lo = tl.zeros_like(bad).to(tl.float32)
-        hi = _group_max(tl.where(use, tl.abs(v), 0.0))
+        hb = _group_max(tl.where(valid, b & 0x7FFFFFFF, 0))  # the bits of |v|
+        bad = (hb >= _POS_INF_BITS).to(tl.int32)
+        hi = hb.to(tl.float32, bitcast=True)
+        lo = tl.zeros_like(hi)
     else:
-        lo = _group_min(tl.where(use, v, float("inf")))
-        hi = _group_max(tl.where(use, v, -float("inf")))
+        k = _ordered(b)
+        # no valid lane: lo = inf, hi = -inf (not NaNs, which a sub-tile loop's min would keep)
+        lk = _group_min(tl.where(valid, k, _POS_INF_BITS))
+        hk = _group_max(tl.where(valid, k, _ordered(_NEG_INF_BITS)))
+        bad = ((lk <= _ordered(_NEG_INF_BITS)) | (hk >= _POS_INF_BITS)).to(tl.int32)
+        lo = _ordered(lk).to(tl.float32, bitcast=True)
+        hi = _ordered(hk).to(tl.float32, bitcast=True)
     return bad, lo, hi
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import torch
 
+NEG_NAN = torch.tensor([-0x400000], dtype=torch.int32).view(torch.float32).item()  # 0xFFC00000
+
 
 def sample_rows(
     rows: int, n: int, seed: int, specials: bool = True, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Rows with per-region magnitudes (1e-3..1e2), exact zeros and a -0, from 1024 values on
     whole groups below ``wire.TINY_SCALE`` (1e-24) and of subnormals (1e-41), and (optionally)
-    NaN and +-Inf, so groups of every kind occur."""
+    NaN (one with its sign bit set) and +-Inf, so groups of every kind occur."""
     g = torch.Generator().manual_seed(seed)
     mag = torch.logspace(-3, 2, n)[torch.randperm(n, generator=g)]
     x = torch.randn(rows, n, generator=g) * mag
@@ -24,6 +26,7 @@ def sample_rows(
         x[0, n // 2] = float("nan")
         x[-1, 17] = float("inf")
         x[rows // 2, n - 1] = -float("inf")
+        x[rows // 2, n // 3] = NEG_NAN  # a NaN with the sign bit set: kernels order raw bits
     return x.to(dtype)
 
 
