@@ -226,11 +226,15 @@ def test_every_kernel_compiles_ahead_of_time_exactly(target, tmp_path):
         arch = re.search(r"^\.target (sm_\d+)a?\b", ptx, re.M)
         assert arch and arch.group(1) == target, (name, arch and arch.group(0))
         assert len(compiled.asm["cubin"]) > 0, name
-        # the one fma allowed is the rotation's y +- x, whose factor is a selected +-1: exact
+        # the one fma allowed is the rotation's y +- x, whose factor is a selected +-1 (exact);
+        # sm_100 pairs fp32 operations (f32x2) on two such registers moved into 64 bits
         pm1 = r"0f(?:3F800000, 0fBF800000|BF800000, 0f3F800000)"
         signs = set(re.findall(rf"selp\.f32\s+(%\w+), {pm1}, %\w+;", ptx))
+        signs |= {d for d, a, b in re.findall(r"mov\.b64\s+(%\w+), \{(%\w+), (%\w+)\};", ptx)
+                  if a in signs and b in signs}
         for fma in re.findall(r"\bfma\.[^\n]*", ptx):
-            ops = re.fullmatch(r"fma\.rn\.f32\s+%\w+, (%\w+), (%\w+), %\w+;", fma.strip())
+            ops = re.fullmatch(r"fma\.rn\.f32(?:x2)?\s+%\w+, (%\w+), (%\w+), %\w+;",
+                               fma.strip())
             assert ops and signs & set(ops.groups()), (name, fma)
         assert ".ftz" not in ptx, name
         assert not re.search(r"div\.(full|approx)", ptx), name
