@@ -205,8 +205,8 @@ def test_every_kernel_compiles_ahead_of_time_exactly(target, tmp_path):
     """What the interpreter cannot show, for each GPU generation and without a GPU: every
     kernel goes through Triton's whole pipeline down to a cubin (ptxas included) for the target,
     divisions are IEEE ``div.rn``, no multiply-add was contracted into an ``fma`` (the rotation's
-    explicit ones multiply by +-1), nothing
-    flushes subnormals to zero, and nothing spills registers to local memory."""
+    explicit ones multiply by +-1), nothing flushes subnormals to zero, and nothing spills
+    registers to local memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -376,7 +376,7 @@ static void encode_window_levels(float *v, int64_t n, const spec_t *s, const flo
         memcpy(row + 4 * g, &scale, 4);
         if (!s->symmetric) memcpy(row + 4 * (G + g), &mins, 4);
         float safe = scale == 0.0f ? 1.0f : scale;
-        uint32_t ctr = ctr0 + (uint32_t)(g0 - w0);
+        uint32_t ctr = ctr0 + (uint32_t)(g0 - w0), h = 0;
         for (int64_t i = 0; i < len; i++) {
             float t = s->symmetric ? x[i] / safe : (x[i] - mins) / safe;
             t = t < dlo ? dlo : t;
@@ -390,7 +390,7 @@ static void encode_window_levels(float *v, int64_t n, const spec_t *s, const flo
             float p = (t - left) / (right - left);
             int up;
             if (stochastic) {
-                uint32_t h = pair_hash(ctr + (uint32_t)(i & ~(int64_t)1), k0, k1);
+                if (!(i & 1)) h = pair_hash(ctr + (uint32_t)i, k0, k1); /* i starts even */
                 up = pair_uniform(h, (int)(i & 1)) < p;
             } else {
                 up = p >= 0.5f;
