@@ -174,15 +174,53 @@ def group_tile(grp, gmask, s, n, GS: tl.constexpr, NB8: tl.constexpr):
 
 
 @triton.jit
-def flat_group_tile(grp, gmask, n, GS: tl.constexpr, SUB: tl.constexpr):
-    """``group_tile`` of whole groups as one [GPB, SUB] tile: (i element indices, valid:
-    elements inside a group and the row, inside: inside a group). Each group is one contiguous
-    row of the tile, so Triton's coalescing gives it consecutive lanes of one warp whatever its
-    version (``flat_tile``)."""
-    e = tl.arange(0, SUB)
-    i = grp[:, None] * GS + e[None, :]
-    inside = gmask[:, None] & (e < GS)[None, :]
-    return i, inside & (i < n), inside
+def _by8(lo, hi, A: tl.constexpr):
+    """Halves [A * B, 4] -> [A, B * 8]: each 8-block is lo's 4 values, then hi's."""
+    R: tl.constexpr = lo.shape[0]
+    return tl.reshape(tl.permute(tl.join(lo, hi), [0, 2, 1]), [A, R // A * 8])
+
+
+@triton.jit
+def flat_group_tile(x_row, r_row, g0, G, n, m, GPB: tl.constexpr, GS: tl.constexpr,
+                    SUB: tl.constexpr, BITS: tl.constexpr, HAS_REF: tl.constexpr):
+    """The groups ``g0 + arange(GPB)`` of a row as one [GPB, SUB] tile, a group per row:
+    (v: fp32 x - ref, loaded from the first ``n`` elements; i: element indices; valid:
+    elements inside a group and the row of ``m``; inside: inside a group). Each group is one
+    contiguous row of the tile, so Triton's coalescing gives it consecutive lanes of one warp
+    whatever its version (``flat_tile``).
+
+    How many consecutive values a thread holds follows from the kernel's widest memory access:
+    8-bit codes are stored from the tile as it is, 8 bytes a thread, so the loads give each
+    thread 8 values too. Packed 2- and 4-bit codes are stored a block's ``BITS`` bytes at a
+    time (``store_codes_flat``), which alone would leave fp32 loads at 4 values a thread, two
+    groups in each thread and the rotation's stages across more lanes; so each 8-block is
+    loaded as two halves of 4, joined in the thread. With the packed store that took the 4-bit
+    g128 +H32 encoder on sm_90 from 67.0 / 66.0 to 57.4 / 57.9 instructions per element on
+    triton 3.6 / 3.9, with one barrier instead of 3 (``benchmarks/kernel_sass.py``)."""
+    if BITS == 8:
+        e = tl.arange(0, SUB)
+        grp = g0 + tl.arange(0, GPB)
+        i = grp[:, None] * GS + e[None, :]
+        inside = (grp < G)[:, None] & (e < GS)[None, :]
+        v = load_f32(x_row + i, inside & (i < n))
+        if HAS_REF:
+            v = v - load_f32(r_row + i, inside & (i < n))
+    else:
+        B: tl.constexpr = SUB // 8
+        h = tl.arange(0, GPB * B)[:, None]  # an 8-block of the tile
+        e = (h % B) * 8 + tl.arange(0, 4)[None, :]  # its first half, in the group
+        lo = (g0 + h // B) * GS + e
+        # groups hold whole 8-blocks: the second half is inside a group if the first is
+        in_lo = ((g0 + h // B) < G) & (e < GS)
+        v_lo = load_f32(x_row + lo, in_lo & (lo < n))
+        v_hi = load_f32(x_row + lo + 4, in_lo & (lo + 4 < n))
+        if HAS_REF:
+            v_lo = v_lo - load_f32(r_row + lo, in_lo & (lo < n))
+            v_hi = v_hi - load_f32(r_row + lo + 4, in_lo & (lo + 4 < n))
+        v = _by8(v_lo, v_hi, GPB)
+        i = _by8(lo, lo + 4, GPB)
+        inside = _by8(in_lo, in_lo, GPB)
+    return v, i, inside & (i < m), inside
 
 
 @triton.jit
@@ -529,13 +567,14 @@ def floor_int(t):
 def encode_codes(
     v, valid, i, e8, e8_ok, row, numel, row_b, G, scale, mins, bad, k0, k1,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
-    STOCH: tl.constexpr,
+    STOCH: tl.constexpr, GS: tl.constexpr,
 ):
     """Round v [GPB, B, 8] against per-group scale/mins/bad [GPB] and store the packed codes.
 
     i: element index in the row [GPB, B, 8]; e8: 8-block index [GPB, B]; e8_ok: which 8-blocks
     hold at least one element of the row (partial blocks store zero codes past ``numel``).
-    A ``flat_group_tile`` passes v, valid, i [GPB, SUB] and its ``inside`` as e8_ok (e8 unused).
+    A ``flat_group_tile`` passes v, valid, i [GPB, SUB], its ``inside`` as e8_ok and the tile's
+    first 8-block as e8 (GS: the group size, for where the codes of its 8-blocks go).
     """
     # t = (v * f) * (1 / (scale * f)), a reciprocal per group (``wire``, "Encoding")
     f = tl.where(scale < _TINY_SCALE, _TINY_PRESCALE, 1.0)
@@ -559,7 +598,7 @@ def encode_codes(
     q = tl.where(_per_group(bad, v) != 0, 0, q)  # a non-finite group sends the zero code
     codes = tl.where(valid, q + bias, 0)  # padding past the row encodes as 0
     if len(codes.shape) == 2:
-        store_codes_flat(codes, i, e8_ok, numel, row_b, G, BITS, SYM, SKIND)
+        store_codes_flat(codes, i, e8_ok, e8, numel, row_b, G, BITS, SYM, SKIND, GS)
     else:
         store_codes(codes, row_b, G, e8, e8_ok, BITS, SYM, SKIND)
 
@@ -591,23 +630,33 @@ def store_codes(codes, row_b, G, e8, e8_ok, BITS: tl.constexpr, SYM: tl.constexp
 
 
 @triton.jit
-def store_codes_flat(codes, i, inside, numel, row_b, G, BITS: tl.constexpr, SYM: tl.constexpr,
-                     SKIND: tl.constexpr):
+def store_codes_flat(codes, i, inside, e80, numel, row_b, G, BITS: tl.constexpr,
+                     SYM: tl.constexpr, SKIND: tl.constexpr, GS: tl.constexpr):
     """``store_codes`` of a flat tile: codes and element indices i [GPB, SUB]; inside: elements
-    of a group. The 8-blocks that hold an element of the row are stored whole (zero codes past
-    ``numel``). Bytes are stored straight from the tile; 2- and 4-bit codes are packed as
-    8-blocks again (a reshape of the tile), which on sm_90 counts fewer instructions than
-    packing neighbours in the flat layout (4-bit g128 +H32, triton 3.6 / 3.9: 84.2 / 83.9
-    against 85.5 / 87.1)."""
-    keep = inside & ((i // 8) * 8 < numel)
+    of a group; e80: the 8-block where the tile's first group starts. The 8-blocks that hold an
+    element of the row are stored whole (zero codes past ``numel``). 8-bit codes are stored
+    straight from the tile. 2- and 4-bit codes come from ``flat_group_tile``'s tile, in which
+    each thread holds whole 8-blocks: each block's ``BITS`` bytes are packed in the thread and
+    stored from a [blocks, BITS] tile whose offsets are computed, not reshaped, so that Triton
+    keeps them where they are (no layout conversion through shared memory). A group narrower
+    than its tile row (96 of 128) has padding blocks, masked here: they would write zero codes
+    over the next group's, a race on a GPU that the interpreter, which stores in order, hides."""
+    base = code_section(row_b, G, SYM, SKIND)
     if BITS == 8:
-        tl.store(code_section(row_b, G, SYM, SKIND) + i, codes.to(tl.uint8), mask=keep)
+        keep = inside & ((i // 8) * 8 < numel)
+        tl.store(base + i, codes.to(tl.uint8), mask=keep)
     else:
         A: tl.constexpr = codes.shape[0]
-        B: tl.constexpr = codes.shape[1] // 8
-        e8 = tl.max(tl.reshape(i, [A, B, 8]), axis=2) // 8
-        ok = tl.max(tl.reshape(keep.to(tl.int32), [A, B, 8]), axis=2) != 0  # whole 8-blocks
-        store_codes(tl.reshape(codes, [A, B, 8]), row_b, G, e8, ok, BITS, SYM, SKIND)
+        NB: tl.constexpr = codes.shape[1] // 8  # 8-blocks per group of the tile (padded)
+        PER: tl.constexpr = 8 // BITS  # codes per byte
+        sh = (tl.arange(0, PER) * BITS)[None, None, :]
+        byts = tl.sum(tl.reshape(codes, [A * NB, BITS, PER]) << sh, axis=2)  # disjoint bits
+        h = tl.arange(0, A * NB)
+        b = h % NB
+        blk = e80 + (h // NB) * (GS // 8) + b
+        ok = (b < GS // 8) & (blk * 8 < numel)  # inside a group, and a block of the row
+        off = (blk * BITS)[:, None] + tl.arange(0, BITS)[None, :]
+        tl.store(base + off, byts.to(tl.uint8), mask=ok[:, None])
 
 
 def flat_tile(bits: int, hadamard: bool) -> bool:

@@ -35,28 +35,33 @@ def _values(x_row, r_row, i, lmask, HAS_REF: tl.constexpr, HADAMARD: tl.constexp
 
 @triton.jit
 def _encode_groups(
-    x_row, r_row, row_b, row_s, grp, n, m, G, row, k0, k1,
+    x_row, r_row, row_b, row_s, g0, n, m, G, row, k0, k1,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
     STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr, FLAT: tl.constexpr,
 ):
-    """Encode the groups ``grp`` [GPB] of one row (``row``: its index, for the RNG counters)."""
+    """Encode the groups ``g0 + arange(GPB)`` of one row (``row``: its index, for the RNG
+    counters)."""
+    grp = g0 + tl.arange(0, GPB)
     gmask = grp < G
     NB8: tl.constexpr = SUB // 8
     M32: tl.constexpr = GPB * SUB // 32
     if SUB == GS_P2:
         # Whole groups in registers: one load, statistics, codes.
         if FLAT:
-            i, valid, inside = C.flat_group_tile(grp, gmask, m, GS, SUB)
-            e8, e8_ok = i, inside  # encode_codes stores a flat tile by its own masks
+            v, i, valid, inside = C.flat_group_tile(x_row, r_row, g0, G, n, m, GPB, GS, SUB,
+                                                    BITS, HAS_REF)
+            if HADAMARD:
+                v = C.hadamard_blocks(v, M32)
+            e8, e8_ok = g0 * (GS // 8), inside  # the tile's first 8-block (encode_codes)
         else:
             e8, e8_ok, i, valid = C.group_tile(grp, gmask, 0, m, GS, NB8)
-        v = _values(x_row, r_row, i, valid & (i < n), HAS_REF, HADAMARD, M32)
+            v = _values(x_row, r_row, i, valid & (i < n), HAS_REF, HADAMARD, M32)
         bad, lo, hi = C.group_stats(v, valid, SYM)
         scale, mins = C.group_scales(lo, hi, QMAX, SYM, SKIND)
         C.store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM, SKIND)
         C.encode_codes(v, valid, i, e8, e8_ok, row, m, row_b, G, scale, mins, bad, k0, k1,
-                       BITS, QMAX, SYM, SKIND, STOCH)
+                       BITS, QMAX, SYM, SKIND, STOCH, GS)
     else:
         # One group larger than a tile (GPB == 1): statistics over sub-tiles, then codes.
         NSUB: tl.constexpr = (GS + SUB - 1) // SUB
@@ -76,7 +81,7 @@ def _encode_groups(
             e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, m, GS, NB8)
             v = _values(x_row, r_row, i, valid & (i < n), HAS_REF, HADAMARD, M32)
             C.encode_codes(v, valid, i, e8, e8_ok, row, m, row_b, G, scale, mins, bad, k0, k1,
-                           BITS, QMAX, SYM, SKIND, STOCH)
+                           BITS, QMAX, SYM, SKIND, STOCH, GS)
 
 
 @triton.jit
@@ -88,7 +93,7 @@ def _quantize_kernel(
 ):
     row, blk, row64 = C.row_block(nblk)
     _encode_groups(x_ptr + row64 * x_stride, r_ptr + row64 * r_stride, out_b + row64 * W,
-                   out_s + row64 * WS, blk * GPB + tl.arange(0, GPB), n, m, G, row, k0, k1,
+                   out_s + row64 * WS, blk * GPB, n, m, G, row, k0, k1,
                    BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF, HADAMARD, FLAT)
 
 
@@ -126,8 +131,8 @@ def _quantize_segments_kernel(
         k0 = (h & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
         k1 = (h >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
     SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    grp = (pid - tl.load(t)) * GPB + tl.arange(0, GPB)
-    _encode_groups(x_ptr + xoff, r_ptr + xoff, out_b + woff, out_s + woff // SBYTES, grp, n, m,
+    g0 = (pid - tl.load(t)) * GPB
+    _encode_groups(x_ptr + xoff, r_ptr + xoff, out_b + woff, out_s + woff // SBYTES, g0, n, m,
                    G, 0, k0, k1, BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF,
                    HADAMARD, FLAT)
 

@@ -62,7 +62,7 @@ def _reduce_requantize_kernel(
         scale, mins = C.group_scales(lo, hi, QMAX, SYM, SKIND)
         C.store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM, SKIND)
         C.encode_codes(v, valid, i, e8, e8_ok, row, n, row_b, G, scale, mins, bad, k0, k1,
-                       BITS, QMAX, SYM, SKIND, STOCH)
+                       BITS, QMAX, SYM, SKIND, STOCH, GS)
     else:
         NSUB: tl.constexpr = (GS + SUB - 1) // SUB
         bad = tl.zeros([GPB], tl.int32)
@@ -83,7 +83,7 @@ def _reduce_requantize_kernel(
             v = _sum_values(rin_b, rin_s, k, chunk_b, chunk_s, e8, e8_ok, G_in,
                             I_BITS, I_QMAX, I_SYM, I_SKIND, I_GS)
             C.encode_codes(v, valid, i, e8, e8_ok, row, n, row_b, G, scale, mins, bad, k0, k1,
-                           BITS, QMAX, SYM, SKIND, STOCH)
+                           BITS, QMAX, SYM, SKIND, STOCH, GS)
 
 
 def reduce_requantize(
