@@ -194,9 +194,10 @@ def flat_group_tile(x_row, r_row, g0, G, n, m, GPB: tl.constexpr, GS: tl.constex
     thread 8 values too. Packed 2- and 4-bit codes are stored a block's ``BITS`` bytes at a
     time (``store_codes_flat``), which alone would leave fp32 loads at 4 values a thread, two
     groups in each thread and the rotation's stages across more lanes; so each 8-block is
-    loaded as two halves of 4, joined in the thread. With the packed store that took the 4-bit
-    g128 +H32 encoder on sm_90 from 67.0 / 66.0 to 57.4 / 57.9 instructions per element on
-    triton 3.6 / 3.9, with one barrier instead of 3 (``benchmarks/kernel_sass.py``)."""
+    loaded as two halves of 4, joined in the thread, and its masks are joined from the halves'.
+    With the packed store that took the 4-bit g128 +H32 encoder on sm_90 from 67.0 / 66.0 to
+    53.6 / 53.9 instructions per element on triton 3.6 / 3.9, one barrier instead of 3
+    (``benchmarks/kernel_sass.py``; ``docs/gpu_path.md`` section 7)."""
     if BITS == 8:
         e = tl.arange(0, SUB)
         grp = g0 + tl.arange(0, GPB)
@@ -205,6 +206,7 @@ def flat_group_tile(x_row, r_row, g0, G, n, m, GPB: tl.constexpr, GS: tl.constex
         v = load_f32(x_row + i, inside & (i < n))
         if HAS_REF:
             v = v - load_f32(r_row + i, inside & (i < n))
+        valid = inside & (i < m)
     else:
         B: tl.constexpr = SUB // 8
         h = tl.arange(0, GPB * B)[:, None]  # an 8-block of the tile
@@ -220,7 +222,10 @@ def flat_group_tile(x_row, r_row, g0, G, n, m, GPB: tl.constexpr, GS: tl.constex
         v = _by8(v_lo, v_hi, GPB)
         i = _by8(lo, lo + 4, GPB)
         inside = _by8(in_lo, in_lo, GPB)
-    return v, i, inside & (i < m), inside
+        # joined from the halves, in which Triton sees 4 aligned consecutive indices and
+        # compares once per half (the joined indices, once per element)
+        valid = _by8(in_lo & (lo < m), in_lo & (lo + 4 < m), GPB)
+    return v, i, valid, inside
 
 
 @triton.jit
@@ -237,9 +242,11 @@ def write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE: tl.constexpr)
 
 # ---- device side: RNG -------------------------------------------------------------------------
 @triton.jit
-def _mix32(x):
-    """lowbias32 on uint32 (wrapping multiplies), as ``codec.rng._mix32``."""
-    x = x ^ (x >> 16)
+def _mix32_xor(x, w):
+    """lowbias32 of ``x ^ w`` on uint32 (wrapping multiplies), as ``codec.rng._mix32``. The key
+    word enters through its first xorshift, (x ^ w) ^ ((x ^ w) >> 16) = x ^ (x >> 16) ^ (w ^
+    (w >> 16)), so the key's part is one value per program and the xors one 3-input op."""
+    x = x ^ (x >> 16) ^ (w ^ (w >> 16))
     x = x * tl.full([], 0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)
     x = x * tl.full([], 0x846CA68B, tl.uint32)
@@ -267,7 +274,7 @@ def uniform(row, numel, i, k0, k1):
     c = tl.cast(row, tl.uint32) * tl.cast(numel, tl.uint32) + even.to(tl.uint32)
     w0 = tl.cast(k0, tl.uint32, bitcast=True)
     w1 = tl.cast(k1, tl.uint32, bitcast=True)
-    x = _mix32(_mix32(c ^ w0) ^ w1)
+    x = _mix32_xor(_mix32_xor(c, w0), w1)
     tl.static_assert(x.dtype == tl.uint32)
     return tl.reshape(tl.join(_pair_uniform(x << 7), _pair_uniform(x >> 9)), i.shape)
 
@@ -551,15 +558,15 @@ def store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM: tl.constexpr,
 
 
 @triton.jit
-def floor_int(t):
-    """floor(t) as int32 for |t| < 2^22 (callers clamp t first), in adds and integer ops:
+def floor_int(t, BIAS: tl.constexpr):
+    """floor(t) + BIAS as int32 for |t| < 2^22 (callers clamp t first), in adds and integer ops:
     t + 1.5 * 2^23 rounds t to an integer held in the sum's low mantissa bits, and one
     comparison turns that rounding into floor. FRND and F2I, which it replaces, issue at an
     eighth of the rate of fp32 adds on compute capability 8.x-9.0. Outside that range (and for
     NaN) the result is unspecified."""
     y = t + _ROUNDER
     r = y - _ROUNDER  # t rounded to an integer, exact
-    k = y.to(tl.int32, bitcast=True) - _ROUNDER_BITS
+    k = y.to(tl.int32, bitcast=True) - (_ROUNDER_BITS - BIAS)  # BIAS: free in the constant
     return k - (r > t).to(tl.int32)
 
 
@@ -594,9 +601,9 @@ def encode_codes(
         t = t + 0.5
     # clamp(floor(t), lo, QMAX) as floor(clamp(t, lo, QMAX)): the same codes (floor is monotone
     # and the bounds are integers), and floor_int's argument stays in its exact range
-    q = floor_int(tl.minimum(tl.maximum(t, lo), QMAX))
-    q = tl.where(_per_group(bad, v) != 0, 0, q)  # a non-finite group sends the zero code
-    codes = tl.where(valid, q + bias, 0)  # padding past the row encodes as 0
+    q = floor_int(tl.minimum(tl.maximum(t, lo), QMAX), bias)  # the code: q + bias
+    q = tl.where(_per_group(bad, v) != 0, bias, q)  # a non-finite group sends the zero code
+    codes = tl.where(valid, q, 0)  # padding past the row encodes as 0
     if len(codes.shape) == 2:
         store_codes_flat(codes, i, e8_ok, e8, numel, row_b, G, BITS, SYM, SKIND, GS)
     else:
@@ -661,16 +668,19 @@ def store_codes_flat(codes, i, inside, e80, numel, row_b, G, BITS: tl.constexpr,
 
 def flat_tile(bits: int, hadamard: bool) -> bool:
     """Whether an encoder loads whole groups as ``flat_group_tile``'s rows rather than as
-    ``group_tile``'s [GPB, B, 8] 8-blocks: with the Hadamard rotation, for 2-, 4- and 8-bit
-    codes. The 8-block tile ties Triton's coalescing order between groups and blocks; triton
-    3.6 breaks the tie by spreading a group's blocks over warps, so the rotation's statistics
-    cross warps through shared memory with barriers. Instructions per element on sm_90
-    (``benchmarks/kernel_sass.py``), 8-block -> flat tile, triton 3.6 / 3.9: 8-bit g128 +H32
-    85.0 / 69.6 -> 69.4 / 69.5 (barriers 14 -> 1 on 3.6), 4-bit 96.9 / 83.2 -> 84.2 / 83.9
-    (13 -> 3); 3.7 and 3.8 count as 3.6 with the flat tile (``docs/gpu_path.md`` section 7).
-    Without the rotation the 8-block tile counts fewer on 3.6 and 3.9 (4-bit g128: 68.4
-    against 73.2, 71.9 against 72.8)."""
-    return hadamard and 8 % bits == 0
+    ``group_tile``'s [GPB, B, 8] 8-blocks: for packed 2- and 4-bit codes, and for 8-bit codes
+    with the Hadamard rotation. The 8-block tile ties Triton's coalescing order between groups
+    and blocks; triton 3.6 breaks the tie by spreading a group's blocks over warps, so the
+    statistics (and the rotation) cross warps through shared memory with barriers.
+    Instructions per element on sm_90 (``benchmarks/kernel_sass.py``), 8-block -> flat tile,
+    triton 3.6 / 3.9: 8-bit g128 +H32 85.0 / 69.6 -> 69.4 / 69.5 (barriers 14 -> 1 on 3.6),
+    4-bit 96.9 / 83.2 -> 84.2 / 83.9 (13 -> 3); 3.7 and 3.8 count as 3.6 with the flat tile
+    (``docs/gpu_path.md`` section 7). Without the rotation the flat tile counted more until
+    packed codes got whole 8-blocks per thread (``flat_group_tile``); since, it counts fewer
+    for them (4-bit g128 51.4 / 55.4 -> 44.6 / 44.4; qWD's g2048 against the reference
+    52.5 / 50.2 -> 46.0 / 45.5), and about the same for 8-bit codes, which stay on 8-blocks
+    (their asymmetric bf16 encoder took 9 barriers instead of 5 on 3.6 as a flat tile)."""
+    return 8 % bits == 0 and (hadamard or bits < 8)
 
 
 # ---- host side: received chunks ---------------------------------------------------------------
