@@ -13,9 +13,10 @@ rounding, shows what the stochastic rows spend on the counter-hash random number
 What it is for: the kernels run at 0.12-0.77x of ``torch.clone``'s bandwidth on the H200
 (``results/gpu_check/h200_2026-12-04``) because they spend too many instructions per element,
 and a change to them can be weighed on any machine. What it is not: a speed. The count is
-static: a loop (the reduce kernels' loop over received chunks, a large group's sub-tiles) is
-counted once, and the IEEE division's rarely taken slow path is counted in full. Compare
-versions of the same kernel with it; take speeds with ``gpu_kernels_bench.py`` on a GPU.
+static: a loop (a large group's sub-tiles; before 2026-12-05 also the reduce kernels' loop over
+received chunks, now unrolled for the k in the row's name) is counted once, and the IEEE
+division's rarely taken slow path is counted in full. Compare versions of the same kernel with
+it; take speeds with ``gpu_kernels_bench.py`` on a GPU.
 
     python benchmarks/kernel_sass.py [--arch 90] [--src CHECKOUT] [--only SUBSTRING]
         [--tile T] [--out results/kernel_sass] [--label NAME]
@@ -120,11 +121,12 @@ def _cases(C) -> list[Case]:
         Case("reduce_requantize k=8 8b->4b g128", "reduce_requantize",
              "_reduce_requantize_kernel",
              {"in_b": "*u8", "in_s": "*i32", "out_b": "*u8", "out_s": "*i32"},
-             dict(**q(8, True, F32, 128, "I_"), **q(4, True, F32, 128), **t128, STOCH=True),
+             dict(**q(8, True, F32, 128, "I_"), **q(4, True, F32, 128), **t128, STOCH=True,
+                  K=8),
              tile128),
         Case("reduce_dequantize k=4 4b g128 +H32^-1", "reduce_dequantize",
              "_reduce_dequantize_kernel", {"data_b": "*u8", "data_s": "*i32", "out_ptr": "*fp32"},
-             dict(**q(4, True, F32, 128), BLK8=C.TILE // 8, HADAMARD=True), C.TILE),
+             dict(**q(4, True, F32, 128), BLK8=C.TILE // 8, HADAMARD=True, K=4), C.TILE),
     ]
 
 

@@ -20,9 +20,9 @@ from . import _common as C
 
 @triton.jit
 def _reduce_dequantize_kernel(
-    data_b, data_s, out_ptr, k, chunk_b, chunk_s, n, m, W, WS, G, out_stride, nblk,
-    BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
-    GS: tl.constexpr, BLK8: tl.constexpr, HADAMARD: tl.constexpr,
+    data_b, data_s, out_ptr, chunk_b, chunk_s, n, m, W, WS, G, out_stride, nblk,
+    K: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr,
+    SKIND: tl.constexpr, GS: tl.constexpr, BLK8: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     row, blk, row64 = C.row_block(nblk)
     e8 = blk * BLK8 + tl.arange(0, BLK8)
@@ -30,7 +30,7 @@ def _reduce_dequantize_kernel(
     row_b = data_b + row64 * W
     row_s = data_s + row64 * WS
     v = C.decode8(row_b, row_s, e8, ok, G, BITS, QMAX, SYM, SKIND, GS)
-    for c in range(1, k):
+    for c in tl.static_range(1, K):  # unrolled: every chunk's loads in flight at once
         c64 = tl.cast(c, tl.int64)
         v = v + C.decode8(row_b + c64 * chunk_b, row_s + c64 * chunk_s, e8, ok, G,
                           BITS, QMAX, SYM, SKIND, GS)
@@ -70,9 +70,9 @@ def reduce_dequantize(
     nblk = triton.cdiv(triton.cdiv(n, 8), blk8)
     with C.on_device(first):
         _reduce_dequantize_kernel[(R * nblk,)](
-            first, C.scale_view(first, spec), o, len(chunks), step, step // isz, n, m, lay.width,
-            lay.scale_words, lay.groups, o.stride(0), nblk, **lay.constexprs(), BLK8=blk8,
-            HADAMARD=hadamard, **C.launch_opts(C.TILE),
+            first, C.scale_view(first, spec), o, step, step // isz, n, m, lay.width,
+            lay.scale_words, lay.groups, o.stride(0), nblk, K=len(chunks), **lay.constexprs(),
+            BLK8=blk8, HADAMARD=hadamard, **C.launch_opts(C.TILE),
         )
     if o is not dst:
         dst.copy_(o)

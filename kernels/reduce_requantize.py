@@ -20,7 +20,7 @@ from . import _common as C
 
 
 @triton.jit
-def _sum_values(row_b, row_s, k, chunk_b, chunk_s, e8, e8_ok, G,
+def _sum_values(row_b, row_s, chunk_b, chunk_s, e8, e8_ok, G, K: tl.constexpr,
                 BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr,
                 SKIND: tl.constexpr, GS: tl.constexpr):
     """Sum over chunks of the decoded 8-blocks e8 [A, B] -> [A, B, 8]."""
@@ -29,7 +29,7 @@ def _sum_values(row_b, row_s, k, chunk_b, chunk_s, e8, e8_ok, G,
     e = tl.reshape(e8, [A * B])
     ok = tl.reshape(e8_ok, [A * B])
     v = C.decode8(row_b, row_s, e, ok, G, BITS, QMAX, SYM, SKIND, GS)
-    for c in range(1, k):
+    for c in tl.static_range(1, K):  # unrolled: every chunk's loads in flight at once
         c64 = tl.cast(c, tl.int64)
         v = v + C.decode8(row_b + c64 * chunk_b, row_s + c64 * chunk_s, e, ok, G,
                           BITS, QMAX, SYM, SKIND, GS)
@@ -38,8 +38,8 @@ def _sum_values(row_b, row_s, k, chunk_b, chunk_s, e8, e8_ok, G,
 
 @triton.jit
 def _reduce_requantize_kernel(
-    in_b, in_s, out_b, out_s, k, chunk_b, chunk_s, n, W_in, WS_in, G_in, W, WS, G, nblk,
-    k0, k1,
+    in_b, in_s, out_b, out_s, chunk_b, chunk_s, n, W_in, WS_in, G_in, W, WS, G, nblk,
+    k0, k1, K: tl.constexpr,
     I_BITS: tl.constexpr, I_QMAX: tl.constexpr, I_SYM: tl.constexpr, I_SKIND: tl.constexpr,
     I_GS: tl.constexpr,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
@@ -56,7 +56,7 @@ def _reduce_requantize_kernel(
     NB8: tl.constexpr = SUB // 8
     if SUB == GS_P2:
         e8, e8_ok, i, valid = C.group_tile(grp, gmask, 0, n, GS, NB8)
-        v = _sum_values(rin_b, rin_s, k, chunk_b, chunk_s, e8, e8_ok, G_in,
+        v = _sum_values(rin_b, rin_s, chunk_b, chunk_s, e8, e8_ok, G_in, K,
                         I_BITS, I_QMAX, I_SYM, I_SKIND, I_GS)
         bad, lo, hi = C.group_stats(v, valid, SYM)
         scale, mins = C.group_scales(lo, hi, QMAX, SYM, SKIND)
@@ -70,7 +70,7 @@ def _reduce_requantize_kernel(
         hi = tl.full([GPB], -float("inf"), tl.float32)
         for s in range(NSUB):
             e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, n, GS, NB8)
-            v = _sum_values(rin_b, rin_s, k, chunk_b, chunk_s, e8, e8_ok, G_in,
+            v = _sum_values(rin_b, rin_s, chunk_b, chunk_s, e8, e8_ok, G_in, K,
                             I_BITS, I_QMAX, I_SYM, I_SKIND, I_GS)
             b_, l_, h_ = C.group_stats(v, valid, SYM)
             bad = tl.maximum(bad, b_)
@@ -80,7 +80,7 @@ def _reduce_requantize_kernel(
         C.store_scales(row_s, grp, gmask, G, scale, mins, bad, SYM, SKIND)
         for s in range(NSUB):
             e8, e8_ok, i, valid = C.group_tile(grp, gmask, s, n, GS, NB8)
-            v = _sum_values(rin_b, rin_s, k, chunk_b, chunk_s, e8, e8_ok, G_in,
+            v = _sum_values(rin_b, rin_s, chunk_b, chunk_s, e8, e8_ok, G_in, K,
                             I_BITS, I_QMAX, I_SYM, I_SKIND, I_GS)
             C.encode_codes(v, valid, i, e8, e8_ok, row, n, row_b, G, scale, mins, bad, k0, k1,
                            BITS, QMAX, SYM, SKIND, STOCH, GS)
@@ -118,9 +118,9 @@ def reduce_requantize(
     k0, k1 = C.key_words(key, spec_out.stochastic)
     with C.on_device(first):
         _reduce_requantize_kernel[(R * nblk,)](
-            first, C.scale_view(first, spec_in), out, C.scale_view(out, spec_out), len(chunks),
+            first, C.scale_view(first, spec_in), out, C.scale_view(out, spec_out),
             step, step // spec_in.torch_scale_dtype.itemsize, n, lin.width, lin.scale_words,
-            lin.groups, lay.width, lay.scale_words, lay.groups, nblk, k0, k1,
+            lin.groups, lay.width, lay.scale_words, lay.groups, nblk, k0, k1, K=len(chunks),
             **lin.constexprs("I_"), **lay.constexprs(), GS_P2=gs_p2, GPB=gpb, SUB=sub,
             STOCH=spec_out.stochastic, **C.launch_opts(gpb * sub),
         )
