@@ -127,11 +127,20 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
             moved=lambda d, out: nbytes(d["data"]) + nbytes(out) * (2 if accumulate else 1),
         )
 
-    def dequant_segments(name, spec, parts):
+    def shard(n, parts, align):
+        """``parts`` parameter sizes that add up to n: multiples of ``align`` (8: what a
+        model's shards hold, and what the kernels' aligned variant needs, the rest in the last
+        part) or, with align 1, sizes that differ by one (odd ones among them)."""
+        if align == 1:
+            return [n // parts + (j < n % parts) for j in range(parts)]
+        base = n // parts // align * align
+        return [base] * (parts - 1) + [n - base * (parts - 1)]
+
+    def dequant_segments(name, spec, parts, align=8):
         # A weight shard of ``parts`` parameters, each encoded on its own (qWD's rows), decoded
         # and added into fp32 in one launch; the torch codec decodes segment by segment.
         def make(rows, n, dev, check):
-            segs = [n // parts + (j < n % parts) for j in range(parts)]
+            segs = shard(n, parts, align)
             data = torch.cat([encode(values(rows, m, dev, check and j == 1, j), spec,
                                      key.fold(j), False, check) for j, m in enumerate(segs)], 1)
             return {"data": data, "segs": tuple(segs),
@@ -151,7 +160,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         # reference, in one launch; the torch codec encodes segment by segment.
         def make(rows, n, dev, check):
             x = values(1, rows * n, dev, check, 0)[0]
-            segs = [x.numel() // parts + (j < x.numel() % parts) for j in range(parts)]
+            segs = shard(x.numel(), parts, 8)
             return {"x": x, "ref": x + 0.01 * values(1, x.numel(), dev, False, 1)[0],
                     "segs": tuple(segs)}
 
@@ -262,6 +271,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         quant_segments("quantize_segments 4b g2048 x-ref (9 segments)", w4, 9),
         dequant("dequantize 4b g2048 += fp32 (qWD)", w4, torch.float32, accumulate=True),
         dequant_segments("dequantize_segments 4b g2048 += fp32 (9 segments)", w4, 9),
+        dequant_segments("dequantize_segments 4b g2048 += fp32 (9 odd segments)", w4, 9, 1),
         dequant("dequantize 8b g1024 asym -> bf16", q8, torch.bfloat16),
         dequant("dequantize 8b g128 +H32^-1 -> fp32", s8, hadamard=True),
         reduce("reduce_requantize k=8 8b->4b g128", 8, s8, spec_out=s4),

@@ -107,6 +107,20 @@ def _cases(C) -> list[Case]:
                     {"data_b": "*u8", "data_s": words(spec), "out_ptr": out},
                     dict(**spec, BLK8=C.TILE // 8, HADAMARD=had, ACCUMULATE=acc), C.TILE)
 
+    def segments(name, kernel, spec, aligned):
+        ptrs = {"seg_tab": "*i64", "blk_seg": "*i32"}
+        if kernel == "quantize":
+            t, tile = tiling(spec["GS"])
+            return Case(name, "quantize", "_quantize_segments_kernel",
+                        {"x_ptr": "*fp32", "r_ptr": "*fp32", "out_b": "*u8", "out_s": words(spec),
+                         "h3": "i64", "bucket": "i64", "salt": "i64", **ptrs},
+                        dict(**spec, **t, STOCH=True, HAS_REF=True, HADAMARD=False,
+                             FLAT=flat_tile(spec["BITS"], False), ALIGNED=aligned), tile)
+        return Case(name, "dequantize", "_dequantize_segments_kernel",
+                    {"data_b": "*u8", "data_s": words(spec), "out_ptr": "*fp32", **ptrs},
+                    dict(**spec, BLK8=C.TILE // 8, HADAMARD=False, ACCUMULATE=True,
+                         ALIGNED=aligned), C.TILE)
+
     t128, tile128 = tiling(128)
     return [
         quant("quantize 4b g128 sym stoch", q(4, True, F32, 128)),
@@ -115,7 +129,13 @@ def _cases(C) -> list[Case]:
         quant("quantize 4b g128 sym stoch +H32", q(4, True, F32, 128), had=True),
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", q(4, True, F32, 2048), ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q(8, False, BF16, 1024), x="*bf16"),
+        segments("quantize_segments 4b g2048 x-ref (9 segments)", "quantize",
+                 q(4, True, F32, 2048), True),
         dequant("dequantize 4b g2048 += fp32 (qWD)", q(4, True, F32, 2048), acc=True),
+        segments("dequantize_segments 4b g2048 += fp32 (9 segments)", "dequantize",
+                 q(4, True, F32, 2048), True),
+        segments("dequantize_segments 4b g2048 += fp32 (9 odd segments)", "dequantize",
+                 q(4, True, F32, 2048), False),
         dequant("dequantize 8b g1024 asym -> bf16", q(8, False, BF16, 1024), out="*bf16"),
         dequant("dequantize 8b g128 +H32^-1 -> fp32", q(8, True, F32, 128), had=True),
         Case("reduce_requantize k=8 8b->4b g128", "reduce_requantize",
@@ -171,7 +191,7 @@ def measure(case: Case, arch: int) -> dict:
     fn = getattr(importlib.import_module(f"fsdp_qcomm.kernels.{case.module}"), case.kernel)
     const = {k: v for k, v in case.const.items() if k in fn.arg_names}  # as --src's kernels
     sig = {a: case.ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
-    div16 = [a for a in fn.arg_names if a in case.ptrs or a in _DIV16]
+    div16 = [a for a in fn.arg_names if case.ptrs.get(a, "").startswith("*") or a in _DIV16]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
     opts = C.launch_opts(case.tile)
     compiled = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs),

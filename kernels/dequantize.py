@@ -44,13 +44,16 @@ def _dequantize_segments_kernel(
     data_b, data_s, out_ptr, seg_tab, blk_seg, W, WS, out_stride, nblk,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, BLK8: tl.constexpr, HADAMARD: tl.constexpr, ACCUMULATE: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """``_dequantize_kernel`` on segment ``blk_seg[blk]`` of the row: its first block, values,
-    encoded length, wire offset, output offset and groups are ``seg_tab[segment, 0:6]``."""
+    encoded length, wire offset, output offset and groups are ``seg_tab[segment, 0:6]``
+    (``ALIGNED``: as in ``quantize._quantize_segments_kernel``)."""
     row, blk, row64 = C.row_block(nblk)
     t = seg_tab + tl.load(blk_seg + blk).to(tl.int64) * 6
     n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
     woff, off = tl.load(t + 3), tl.load(t + 4)
+    n, m, off, woff = C.segment_hints(n, m, off, woff, ALIGNED)
     SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
     e8 = (blk - tl.load(t)) * BLK8 + tl.arange(0, BLK8)
     v = C.decode8(data_b + row64 * W + woff, data_s + row64 * WS + woff // SBYTES, e8,
@@ -63,9 +66,9 @@ def _dequantize_segments_kernel(
 
 @functools.lru_cache(maxsize=1024)
 def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, blk8: int, device: str):
-    """(table int64 [S, 6], block -> segment int32, blocks per row, row bytes, the tables' copy
-    event: ``C.table_to``) of a layout."""
-    rows, blk_seg, woff, off = [], [], 0, 0
+    """(table int64 [S, 6], block -> segment int32, blocks per row, row bytes, whether every
+    segment is ``C.aligned_segment``, the tables' copy event: ``C.table_to``) of a layout."""
+    rows, blk_seg, woff, off, aligned = [], [], 0, 0, True
     for n in segments:
         m = wire.hadamard_len(n) if hadamard else n
         if n:
@@ -73,12 +76,13 @@ def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, blk8: int, 
             lay = C.RowLayout.of(m, spec)
             nblk = triton.cdiv(triton.cdiv(n, 8), blk8)
             rows.append([len(blk_seg), n, m, woff, off, lay.groups])
+            aligned &= C.aligned_segment(n, off, woff)
             blk_seg += [len(rows) - 1] * nblk
             woff += lay.width
         off += n
     tab, idx, done = C.table_to(device, torch.tensor(rows or [[0] * 6], dtype=torch.int64),
                                 torch.tensor(blk_seg, dtype=torch.int32))
-    return tab, idx, len(blk_seg), woff, done
+    return tab, idx, len(blk_seg), woff, aligned, done
 
 
 def dequantize_segments(
@@ -93,8 +97,8 @@ def dequantize_segments(
     ``out`` [R, sum(segments)]: ``dequantize`` of each segment into its columns, one launch."""
     R = data.shape[0]
     blk8 = C.TILE // 8
-    tab, blk_seg, nblk, width, done = _segment_table(tuple(segments), spec, hadamard, blk8,
-                                                     str(data.device))
+    tab, blk_seg, nblk, width, aligned, done = _segment_table(tuple(segments), spec, hadamard,
+                                                              blk8, str(data.device))
     if data.shape[1] != width:
         raise ValueError(f"data rows have {data.shape[1]} bytes but segments {segments} under "
                          f"{spec} take {width}")
@@ -111,7 +115,8 @@ def dequantize_segments(
         _dequantize_segments_kernel[(R * nblk,)](
             data, C.scale_view(data, spec), out, tab, blk_seg, width,
             width // spec.torch_scale_dtype.itemsize, out.stride(0), nblk, **lay.constexprs(),
-            BLK8=blk8, HADAMARD=hadamard, ACCUMULATE=accumulate, **C.launch_opts(C.TILE),
+            BLK8=blk8, HADAMARD=hadamard, ACCUMULATE=accumulate, ALIGNED=aligned,
+            **C.launch_opts(C.TILE),
         )
     return out
 

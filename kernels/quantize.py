@@ -112,16 +112,19 @@ def _quantize_segments_kernel(
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
     STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr, FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """``_quantize_kernel`` on one row of back-to-back segments, each its own wire row: this
     program's segment is ``blk_seg[program]``, whose first block, values, encoded length,
     value offset, wire offset, groups and index are ``seg_tab[segment, 0:7]``. Its RNG key is
     ``RngKey.fold(salt + index)``, derived here from the key's ``prefix()`` (``h3``) and its
-    ``bucket``."""
+    ``bucket``. ``ALIGNED``: the host found every segment's length and value offset multiples
+    of 8 (``C.aligned_segments``)."""
     pid = tl.program_id(0)
     t = seg_tab + tl.load(blk_seg + pid).to(tl.int64) * 7
     n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
     xoff, woff = tl.load(t + 3), tl.load(t + 4)
+    n, m, xoff, woff = C.segment_hints(n, m, xoff, woff, ALIGNED)
     k0 = 0
     k1 = 0
     if STOCH:
@@ -172,10 +175,10 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=1024)
 def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, device: str):
     """(table int64 [S, 7], program -> segment int32, programs, wire bytes, whether any row has
-    padding after its codes, the tables' copy event: ``C.table_to``) of one layout of
-    back-to-back segment rows."""
+    padding after its codes, whether every segment is ``C.aligned_segment``, the tables' copy
+    event: ``C.table_to``) of one layout of back-to-back segment rows."""
     gs_p2, gpb, sub = C.group_tiling(spec.group_size)
-    rows, blk_seg, xoff, woff, pad = [], [], 0, 0, False
+    rows, blk_seg, xoff, woff, pad, aligned = [], [], 0, 0, False, True
     for k, n in enumerate(segments):
         m = wire.hadamard_len(n) if hadamard else n
         if n:
@@ -183,13 +186,14 @@ def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, device: str
             check_counter_range(1, m)
             lay = C.RowLayout.of(m, spec)
             rows.append([len(blk_seg), n, m, xoff, woff, lay.groups, k])
+            aligned &= C.aligned_segment(n, xoff, woff)
             blk_seg += [len(rows) - 1] * triton.cdiv(lay.groups, gpb)
             woff += lay.width
             pad |= lay.width > lay.code_end
         xoff += n
     tab, idx, done = C.table_to(device, torch.tensor(rows or [[0] * 7], dtype=torch.int64),
                                 torch.tensor(blk_seg, dtype=torch.int32))
-    return tab, idx, len(blk_seg), woff, pad, done
+    return tab, idx, len(blk_seg), woff, pad, aligned, done
 
 
 def _signed64(v: int) -> int:
@@ -223,8 +227,8 @@ def quantize_segments(
                               device=x.device)
         return _each_quantize(sys.modules[__name__], x, segments, spec, key, key_salt, ref,
                               True, out)
-    tab, blk_seg, nblk, width, pad, done = _segment_table(segments, spec, hadamard,
-                                                          str(x.device))
+    tab, blk_seg, nblk, width, pad, aligned, done = _segment_table(segments, spec, hadamard,
+                                                                   str(x.device))
     if out is None:
         out = torch.empty(width, dtype=torch.uint8, device=x.device)
     if nblk == 0:
@@ -241,7 +245,7 @@ def quantize_segments(
             x, r, out, C.scale_view(out, spec), tab, blk_seg, _signed64(h3), _signed64(bucket),
             _signed64(key_salt), **C.RowLayout.of(1, spec).constexprs(), GS_P2=gs_p2, GPB=gpb,
             SUB=sub, STOCH=spec.stochastic, HAS_REF=ref is not None, HADAMARD=hadamard,
-            FLAT=C.flat_tile(spec.bits, hadamard), **C.launch_opts(gpb * sub),
+            FLAT=C.flat_tile(spec.bits, hadamard), ALIGNED=aligned, **C.launch_opts(gpb * sub),
         )
     return out
 

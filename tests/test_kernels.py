@@ -128,19 +128,20 @@ def _compile_cases():
         (m["quantize"]._quantize_segments_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32",
          "out_b": "*u8", "out_s": "*i32", "seg_tab": "*i64", "blk_seg": "*i32", "h3": "i64",
          "bucket": "i64", "salt": "i64"},
-         dict(**q4, **grp(2048), STOCH=True, HAS_REF=True, HADAMARD=False, FLAT=True), True),
+         dict(**q4, **grp(2048), STOCH=True, HAS_REF=True, HADAMARD=False, FLAT=True,
+              ALIGNED=True), True),
         (m["quantize"]._quantize_segments_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32",
          "out_b": "*u8", "out_s": "*i32", "seg_tab": "*i64", "blk_seg": "*i32", "h3": "i64",
          "bucket": "i64", "salt": "i64"},
          dict(BITS=8, QMAX=127, SYM=True, SKIND=0, **grp(128), STOCH=True, HAS_REF=False,
-              HADAMARD=True, FLAT=True), True),
+              HADAMARD=True, FLAT=True, ALIGNED=False), True),
         (m["quantize"]._hadamard_rows_kernel, {"x_ptr": "*fp16", "r_ptr": "*fp16",
          "y_ptr": "*fp32"}, dict(NB32=64, HAS_REF=True), False),
         (m["dequantize"]._dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
          "out_ptr": "*bf16"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, ACCUMULATE=True), False),
         (m["dequantize"]._dequantize_segments_kernel, {"data_b": "*u8", "data_s": "*i32",
          "out_ptr": "*bf16", "seg_tab": "*i64", "blk_seg": "*i32"},
-         dict(**q4, GS=2048, BLK8=blk8, HADAMARD=False, ACCUMULATE=True), False),
+         dict(**q4, GS=2048, BLK8=blk8, HADAMARD=False, ACCUMULATE=True, ALIGNED=True), False),
         (m["reduce_dequantize"]._reduce_dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
          "out_ptr": "*fp32"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, K=3), False),
         (m["reduce_requantize"]._reduce_requantize_kernel, {"in_b": "*u8", "in_s": "*i16",
@@ -399,12 +400,17 @@ def test_quantize_into_out(K, hadamard):
     _spec(3, True, "stochastic", "float16", 4104),  # groups larger than a tile
     _spec(8, False, "nearest", "float32", 64),
 ], ids=["4b-g2048", "5b-g96-asym", "3b-g4104", "8b-nearest"])
-def test_quantize_segments_same_bytes(K, spec):
+@pytest.mark.parametrize("segs", [(1000, 0, 4096, 7, 2049, 300), (1024, 0, 4096, 8, 2048, 296)],
+                         ids=["odd", "aligned"])
+def test_quantize_segments_same_bytes(K, spec, segs):
     """One launch over a flat shard of segments: each segment's bytes as the torch codec's
     ``quantize`` of it alone with ``key.fold(salt + k)``, the per-segment keys derived in the
     kernel (keys with negative, large and 64-bit-wrapping fields), NaN groups, empty and odd
-    segments, with and without a reference and the Hadamard rotation."""
-    segs = (1000, 0, 4096, 7, 2049, 300)
+    segments, with and without a reference and the Hadamard rotation; segments whose lengths
+    and offsets are multiples of 8 take the kernel's aligned variant (``_common.segment_hints``)."""
+    aligned = all(n % 8 == 0 for n in segs)
+    table = importlib.import_module("fsdp_qcomm.kernels.quantize")._segment_table
+    assert table(segs, spec, False, "cpu")[5] is aligned
     N = sum(segs)
     x = _data(1, N, torch.float32, seed=3)[0]
     r = _data(1, N, torch.float32, seed=4, specials=False)[0]
@@ -466,12 +472,17 @@ def test_dequantize_same_values(K, bits, sym, sdt, gs, hadamard):
 
 @_exact
 @pytest.mark.parametrize("hadamard", [False, True])
-def test_dequantize_segments_same_values(K, hadamard):
+@pytest.mark.parametrize("segs", [(1000, 0, 4096, 7, 2049, 300), (1024, 0, 4096, 8, 2048, 296)],
+                         ids=["odd", "aligned"])
+def test_dequantize_segments_same_values(K, hadamard, segs):
     """One launch over back-to-back segment rows (a weight shard's parameters): the torch
     codec's values per segment, with NaN/Inf groups, empty and odd segments, groups that cut
-    32-blocks, bf16 and fp32 outputs, written, added, and into strided rows."""
+    32-blocks, bf16 and fp32 outputs, written, added, and into strided rows; segments whose
+    lengths and offsets are multiples of 8 take the kernel's aligned variant."""
     spec = _spec(5, False, "stochastic", "bfloat16", 96)
-    segs = (1000, 0, 4096, 7, 2049, 300)
+    aligned = all(n % 8 == 0 for n in segs)
+    table = importlib.import_module("fsdp_qcomm.kernels.dequantize")._segment_table
+    assert table(segs, spec, hadamard, 256, "cpu")[4] is aligned
     parts = [torch_codec.quantize(_data(3, n, torch.float32, seed=k), spec, KEY.fold(k), None,
                                   hadamard) if n else torch.empty(3, 0, dtype=torch.uint8)
              for k, n in enumerate(segs)]
