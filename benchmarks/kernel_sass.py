@@ -107,17 +107,17 @@ def _cases(C) -> list[Case]:
                     {"data_b": "*u8", "data_s": words(spec), "out_ptr": out},
                     dict(**spec, BLK8=C.TILE // 8, HADAMARD=had, ACCUMULATE=acc), C.TILE)
 
-    def segments(name, kernel, spec, aligned):
+    def segments(name, kernel, spec, aligned, x="*fp32"):
         ptrs = {"seg_tab": "*i64", "blk_seg": "*i32"}
         if kernel == "quantize":
             t, tile = tiling(spec["GS"])
             return Case(name, "quantize", "_quantize_segments_kernel",
-                        {"x_ptr": "*fp32", "r_ptr": "*fp32", "out_b": "*u8", "out_s": words(spec),
+                        {"x_ptr": x, "r_ptr": x, "out_b": "*u8", "out_s": words(spec),
                          "h3": "i64", "bucket": "i64", "salt": "i64", **ptrs},
                         dict(**spec, **t, STOCH=True, HAS_REF=True, HADAMARD=False,
                              FLAT=flat_tile(spec["BITS"], False), ALIGNED=aligned), tile)
         return Case(name, "dequantize", "_dequantize_segments_kernel",
-                    {"data_b": "*u8", "data_s": words(spec), "out_ptr": "*fp32", **ptrs},
+                    {"data_b": "*u8", "data_s": words(spec), "out_ptr": x, **ptrs},
                     dict(**spec, BLK8=C.TILE // 8, HADAMARD=False, ACCUMULATE=True,
                          ALIGNED=aligned), C.TILE)
 
@@ -136,6 +136,15 @@ def _cases(C) -> list[Case]:
                  q(4, True, F32, 2048), True),
         segments("dequantize_segments 4b g2048 += fp32 (9 odd segments)", "dequantize",
                  q(4, True, F32, 2048), False),
+        # qWD as training runs it: bf16 weights, shards of whole 8-blocks or not
+        segments("quantize_segments 4b g2048 x-ref bf16 (no GPU row)", "quantize",
+                 q(4, True, F32, 2048), True, "*bf16"),
+        segments("quantize_segments 4b g2048 x-ref bf16, odd (no GPU row)", "quantize",
+                 q(4, True, F32, 2048), False, "*bf16"),
+        segments("dequantize_segments 4b g2048 += bf16 (no GPU row)", "dequantize",
+                 q(4, True, F32, 2048), True, "*bf16"),
+        segments("dequantize_segments 4b g2048 += bf16, odd (no GPU row)", "dequantize",
+                 q(4, True, F32, 2048), False, "*bf16"),
         dequant("dequantize 8b g1024 asym -> bf16", q(8, False, BF16, 1024), out="*bf16"),
         dequant("dequantize 8b g128 +H32^-1 -> fp32", q(8, True, F32, 128), had=True),
         Case("reduce_requantize k=8 8b->4b g128", "reduce_requantize",
