@@ -257,10 +257,24 @@ def flat_group_tile(x_row, r_row, g0, G, n, m, GPB: tl.constexpr, GS: tl.constex
 @triton.jit
 def write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE: tl.constexpr):
     """Write (``ACCUMULATE``: add) the values v [B, 8] of the 8-blocks e8 [B] into output row
-    ``row64`` (any float dtype), the first ``n`` elements only."""
-    i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
-    mask = i < n
-    o = out_ptr + row64 * out_stride + i
+    ``row64`` (any float dtype), the first ``n`` elements only. A thread holds whole 8-blocks
+    (``load_codes8``); an fp32 block is 32 bytes, twice what one store moves, so it goes out
+    as two halves of 4 from the thread, where one [B, 8] store would have Triton convert the
+    tile through shared memory, with a barrier, to give each thread 16 bytes."""
+    o = out_ptr + row64 * out_stride
+    if out_ptr.dtype.element_ty == tl.float32:
+        B: tl.constexpr = v.shape[0]
+        lo, hi = tl.split(tl.permute(tl.reshape(v, [B, 2, 4]), [0, 2, 1]))
+        i = e8[:, None] * 8 + tl.arange(0, 4)[None, :]
+        _write_half(o + i, lo, i < n, ACCUMULATE)
+        _write_half(o + i + 4, hi, i + 4 < n, ACCUMULATE)
+    else:
+        i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
+        _write_half(o + i, v, i < n, ACCUMULATE)
+
+
+@triton.jit
+def _write_half(o, v, mask, ACCUMULATE: tl.constexpr):
     if ACCUMULATE:
         v = load_f32(o, mask) + v
     store_f32(o, v, mask)
