@@ -119,7 +119,7 @@ def _quantize_segments_kernel(
     value offset, wire offset, groups and index are ``seg_tab[segment, 0:7]``. Its RNG key is
     ``RngKey.fold(salt + index)``, derived here from the key's ``prefix()`` (``h3``) and its
     ``bucket``. ``ALIGNED``: the host found every segment's length and value offset multiples
-    of 8 (``C.aligned_segments``)."""
+    of 8 (``C.aligned_segment``)."""
     pid = tl.program_id(0)
     t = seg_tab + tl.load(blk_seg + pid).to(tl.int64) * 7
     n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
