@@ -1,6 +1,6 @@
 """Run torchtitan on CPU-only hosts (gloo), without editing torchtitan (0.2.2 and 0.3 alike).
 
-Three things stop stock torchtitan on a machine without an accelerator:
+Three things stop stock torchtitan on a machine without an accelerator, and a fourth fails its exit:
 
 1. ``torchtitan.tools.utils`` picks ``device_type = _get_available_device_type() or "cuda"``
    at import time, and several modules copy that value (and ``device_module = torch.cuda``)
@@ -30,6 +30,15 @@ Three things stop stock torchtitan on a machine without an accelerator:
    the per-peer split sizes and copies the received pieces into the output list (the same
    values; elsewhere it calls the original).
 
+4. torch's gloo backend aborts a process at interpreter exit ("terminate called without an
+   active exception") when a gloo group outlives ``destroy_process_group``
+   (``docs/known_issues.md``). Stock torchtitan's ``main`` destroys the group while its trainer
+   is alive; once ``main`` returns, reference cycles in the FSDP2 model keep the model, its
+   device mesh and the group until teardown, where the abort kills the rank, and torchrun then
+   kills rank 0 during its closing sleep, before it writes the run's summary.
+   :func:`patch_torchtitan_for_cpu` registers one ``gc.collect`` at exit, which frees them
+   while Python still runs.
+
 Memory figures on CPU: ``memory_stats`` reports the process's peak resident set size
 (``ru_maxrss``, which cannot be reset) as both "active" and "reserved" peak, and the host's
 physical memory as capacity. MFU is meaningless on CPU (torchtitan assumes A100 peak flops).
@@ -37,6 +46,8 @@ physical memory as capacity. MFU is meaningless on CPU (torchtitan assumes A100 
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import platform
 import resource
@@ -188,6 +199,15 @@ def _patch_uneven_all_to_all() -> None:
         dist.all_to_all = uneven_all_to_all
 
 
+_EXIT_GC = []  # whether the exit-time collection is registered (item 4 above)
+
+
+def _collect_at_exit() -> None:
+    if not _EXIT_GC:
+        atexit.register(gc.collect)
+        _EXIT_GC.append(True)
+
+
 def patch_torchtitan_for_cpu() -> bool:
     """Rebind torchtitan's device globals to the CPU; returns True if it patched anything.
 
@@ -195,6 +215,7 @@ def patch_torchtitan_for_cpu() -> bool:
     """
     if not cpu_fallback_needed():
         return False
+    _collect_at_exit()
     _patch_uneven_all_to_all()
     from torchtitan.tools import utils
 
