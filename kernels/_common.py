@@ -174,10 +174,9 @@ def segment_hints(n, m, off, woff, ALIGNED: tl.constexpr):
     table, with the alignment the host checked (``aligned_segment``) made visible to Triton
     (``tl.multiple_of`` drops its hint on scalars). A kernel argument that is a multiple of 16
     is specialized as one at launch; a loaded value is not, and without the hint every mask
-    and address of the segment is taken per element: on sm_90
-    (triton 3.6) the grouped decode-and-add of qWD into bf16 counted 46.0 instructions per
-    element with 20 scalar loads and 8 scalar stores a thread, against 23.0 for the same
-    kernel on one row."""
+    and address of the segment is taken per element: on sm_90 (triton 3.6) the grouped
+    decode-and-add of qWD into bf16 counts 46.0 instructions per element with 20 loads and 8
+    stores a thread, and 28.5 with 10 and 1 aligned (``benchmarks/kernel_sass.py``)."""
     if ALIGNED:  # x // 8 * 8 is x here, and Triton then knows it divides by 8
         n = n // 8 * 8
         m = m // 8 * 8
@@ -266,15 +265,16 @@ def write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE: tl.constexpr)
         B: tl.constexpr = v.shape[0]
         lo, hi = tl.split(tl.permute(tl.reshape(v, [B, 2, 4]), [0, 2, 1]))
         i = e8[:, None] * 8 + tl.arange(0, 4)[None, :]
-        _write_half(o + i, lo, i < n, ACCUMULATE)
-        _write_half(o + i + 4, hi, i + 4 < n, ACCUMULATE)
+        _write_block(o + i, lo, i < n, ACCUMULATE)
+        _write_block(o + i + 4, hi, i + 4 < n, ACCUMULATE)
     else:
         i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
-        _write_half(o + i, v, i < n, ACCUMULATE)
+        _write_block(o + i, v, i < n, ACCUMULATE)
 
 
 @triton.jit
-def _write_half(o, v, mask, ACCUMULATE: tl.constexpr):
+def _write_block(o, v, mask, ACCUMULATE: tl.constexpr):
+    """Store (or add into) one tile of output values."""
     if ACCUMULATE:
         v = load_f32(o, mask) + v
     store_f32(o, v, mask)
