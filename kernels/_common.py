@@ -518,6 +518,21 @@ def decode8(
 
 
 @triton.jit
+def decode8_sum(row_b, row_s, chunk_b, chunk_s, e8, ok, G, K: tl.constexpr,
+                BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
+                GS: tl.constexpr):
+    """``decode8`` of the same 8-blocks in K received chunks ``chunk_b`` bytes (``chunk_s``
+    scale words) apart, summed in fp32 in order 0..K-1 from chunk 0, like the torch code. The
+    loop is unrolled (K a constexpr), so every chunk's loads can be in flight at once."""
+    v = decode8(row_b, row_s, e8, ok, G, BITS, QMAX, SYM, SKIND, GS)
+    for c in tl.static_range(1, K):
+        c64 = tl.cast(c, tl.int64)
+        v = v + decode8(row_b + c64 * chunk_b, row_s + c64 * chunk_s, e8, ok, G,
+                        BITS, QMAX, SYM, SKIND, GS)
+    return v
+
+
+@triton.jit
 def _per_group(x, like):
     """Per-group values x [GPB] broadcastable against a tile ``like`` ([GPB, B, 8] or flat)."""
     if len(like.shape) == 3:

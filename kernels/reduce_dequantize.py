@@ -29,11 +29,8 @@ def _reduce_dequantize_kernel(
     ok = e8 * 8 < m
     row_b = data_b + row64 * W
     row_s = data_s + row64 * WS
-    v = C.decode8(row_b, row_s, e8, ok, G, BITS, QMAX, SYM, SKIND, GS)
-    for c in tl.static_range(1, K):  # unrolled: every chunk's loads in flight at once
-        c64 = tl.cast(c, tl.int64)
-        v = v + C.decode8(row_b + c64 * chunk_b, row_s + c64 * chunk_s, e8, ok, G,
-                          BITS, QMAX, SYM, SKIND, GS)
+    v = C.decode8_sum(row_b, row_s, chunk_b, chunk_s, e8, ok, G, K, BITS, QMAX, SYM, SKIND,
+                      GS)
     if HADAMARD:
         v = C.hadamard_blocks(v, BLK8 // 4)
         v = v * (1.0 / 32)

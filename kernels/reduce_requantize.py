@@ -28,11 +28,7 @@ def _sum_values(row_b, row_s, chunk_b, chunk_s, e8, e8_ok, G, K: tl.constexpr,
     B: tl.constexpr = e8.shape[1]
     e = tl.reshape(e8, [A * B])
     ok = tl.reshape(e8_ok, [A * B])
-    v = C.decode8(row_b, row_s, e, ok, G, BITS, QMAX, SYM, SKIND, GS)
-    for c in tl.static_range(1, K):  # unrolled: every chunk's loads in flight at once
-        c64 = tl.cast(c, tl.int64)
-        v = v + C.decode8(row_b + c64 * chunk_b, row_s + c64 * chunk_s, e, ok, G,
-                          BITS, QMAX, SYM, SKIND, GS)
+    v = C.decode8_sum(row_b, row_s, chunk_b, chunk_s, e, ok, G, K, BITS, QMAX, SYM, SKIND, GS)
     return tl.reshape(v, [A, B, 8])
 
 
