@@ -11,10 +11,16 @@ pytest run without CUDA collects a test that runs this file's exactness tests in
 started with the variable set (``test_kernels_under_the_interpreter``), and the ahead-of-time
 compile tests. Running this file with ``TRITON_INTERPRET=1`` already set runs the interpreted
 tests directly.
+
+Under the interpreter every launch is also audited (``_interp_audit``): a byte written twice with
+different values, a byte one program writes and another reads, or an address outside the
+launch's tensors fails the test. The interpreter runs programs one after another, so those races
+give the right bytes there and would show only on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -33,6 +39,12 @@ from fsdp_qcomm.codec import RngKey, torch_codec, wire
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed; the kernel tests need it", allow_module_level=True)
+if INTERPRET:
+    # Every launch below is also audited for races and stray addresses, which the interpreter
+    # alone would not show (``_interp_audit``).
+    import _interp_audit
+
+    _interp_audit.install()
 CUDA = not INTERPRET and torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 
@@ -89,6 +101,11 @@ def K():
     return kernels
 
 
+def _through_table(tensors):
+    """A launch reads these through a table of their addresses (the audit's ``reachable``)."""
+    return _interp_audit.reachable(tensors) if INTERPRET else contextlib.nullcontext()
+
+
 def _d(t):
     """A test input on the kernels' device (a list element-wise; None stays None)."""
     if isinstance(t, (list, tuple)):
@@ -99,6 +116,68 @@ def _d(t):
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.device.type == DEV
     assert_same_bits(got.cpu(), want)
+
+
+# ---- the interpreter's audit of every launch ----------------------------------------------------
+def _audit_cases():
+    """(kernel launch, what the audit must say, or None) for hazards a GPU would show and the
+    interpreter alone would not."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def programs_race(out):  # every program writes its own value, in every byte, to one word
+        tl.store(out, (tl.program_id(0) + 1) * 0x01010101)
+
+    @triton.jit
+    def lanes_race(out):  # lanes 0, 1 write byte 0 and lanes 2, 3 byte 1, each a different value
+        tl.store(out + tl.arange(0, 4) // 2, tl.arange(0, 4).to(tl.uint8))
+
+    @triton.jit
+    def reads_neighbour(x):  # program 1 reads the word program 0 writes
+        if tl.program_id(0) == 0:
+            tl.store(x, 5.0)
+        else:
+            tl.store(x + 1, tl.load(x))
+
+    @triton.jit
+    def reads_past(x, y, n):  # reads n values of a 4-value tensor
+        i = tl.arange(0, 8)
+        tl.store(y + i, tl.load(x + i, mask=i < n), mask=i < 4)
+
+    @triton.jit
+    def fine(x, y):  # in place in its own block; one value written twice; a shared read
+        i = tl.program_id(0) * 4 + tl.arange(0, 4)
+        tl.store(x + i, tl.load(x + i) + tl.load(y))
+        tl.store(x + i, tl.load(x + i))
+        tl.store(y + 1 + tl.arange(0, 4) * 0, 7.0)
+
+    z = lambda n, dt=torch.float32: torch.zeros(n, dtype=dt)  # noqa: E731
+    return [
+        (lambda: programs_race[(2,)](z(1, torch.int32)), "4 bytes written with different values"),
+        (lambda: lanes_race[(1,)](z(2, torch.uint8)), "2 bytes written with different values"),
+        (lambda: reads_neighbour[(2,)](z(2)), "4 bytes read by a program that did not write"),
+        (lambda: reads_past[(1,)](z(4), z(4), 8), "load outside every tensor argument: 16 bytes"),
+        (lambda: reads_past[(1,)](z(4), z(4), 4), None),
+        (lambda: fine[(3,)](z(12), z(2)), None),
+    ]
+
+
+def _interpreted(fn):
+    fn.__test__ = INTERPRET
+    return fn
+
+
+@_interpreted
+def test_the_audit_finds_what_only_a_gpu_would_show():
+    """Each hazard kind raises with its count of bytes; masked lanes, a program's own in-place
+    update and equal values written twice do not."""
+    for launch, says in _audit_cases():
+        if says is None:
+            launch()
+        else:
+            with pytest.raises(_interp_audit.KernelHazard, match=re.escape(says)):
+                launch()
 
 
 # ---- ahead-of-time compilation ------------------------------------------------------------------
@@ -653,11 +732,13 @@ def test_digest_equals_the_torch_formula(dtype):
         shards = [torch.randint(-2 ** 15, 2 ** 15, (n,), generator=g).to(dtype) for n in sizes]
     if dtype == torch.int64:
         shards[0][:16] = 2 ** 62
+    dev = _d(shards)
     lead = (1 << 33) + 65_000  # an offset past 2^32, 521 values before the prime wraps
     for start in (0, lead):
         for _ in range(2):  # the second call reuses the layout's table
             out = torch.zeros((), dtype=torch.int64, device=DEV)
-            kd.digest_many(_d(shards), out, start)
+            with _through_table(dev):
+                kd.digest_many(dev, out, start)
             # the torch formula from ``start``: ``start`` leading zeros weigh nothing
             want = _torch_digest([torch.zeros(start % 65521, dtype=dtype), *shards])
             assert out.device.type == DEV and int(out) == int(want), (dtype, start)
@@ -665,7 +746,9 @@ def test_digest_equals_the_torch_formula(dtype):
     assert flipped[100] != flipped[101]
     flipped[100], flipped[101] = shards[0][101], shards[0][100]
     out = torch.zeros((), dtype=torch.int64, device=DEV)
-    kd.digest_many([_d(flipped)], out)
+    flipped = _d(flipped)
+    with _through_table([flipped]):
+        kd.digest_many([flipped], out)
     assert int(out) != int(_torch_digest(shards[:1]))
     with pytest.raises(ValueError, match="contiguous"):
         kd.digest_many([_d(torch.zeros(8, 2, dtype=dtype))[:, 0]], out)

@@ -1,0 +1,211 @@
+"""Audits Triton launches under the interpreter for what only a GPU would get wrong.
+
+The interpreter runs a launch's programs one after another, and each operation over all of a
+program's lanes at once, so a kernel whose programs or threads race still yields the right bytes
+there: the last write wins, a read sees a neighbour's finished output, and a stray address is
+host memory. ``install()`` records every load and store of each launch and, at its end, raises
+``KernelHazard`` if
+
+* one byte was written with two different values: by two programs (they run in no fixed
+  order), or by two lanes or two stores of one program (on a GPU the lanes are threads, and
+  threads order their global writes only across a barrier, which Triton does not put between
+  two stores);
+* a byte one program wrote was read by another program;
+* a load or store reached outside every tensor argument's storage.
+
+Bytes written twice with one value are not hazards (a replicated layout does that). Atomics
+are not recorded (their order does not change a sum). A program reading its own writes is not
+checked: which thread wrote them is the compiler's choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import numpy as np
+
+_HERE = str(Path(__file__).resolve())
+
+
+class KernelHazard(AssertionError):
+    """A launch whose result on a GPU would depend on the order of its programs or threads,
+    or that touched memory outside its tensors."""
+
+
+class _Launch:
+    def __init__(self, name: str):
+        self.name = name
+        self.ranges: list[tuple[int, int]] = []
+        # (program, byte addresses, byte values or None for a load, source line)
+        self.stores: list[tuple[int, np.ndarray, np.ndarray, str]] = []
+        self.loads: list[tuple[int, np.ndarray, str]] = []
+
+
+_current: list[_Launch] = []
+_reachable: list[tuple[int, int]] = []
+
+
+@contextlib.contextmanager
+def reachable(tensors):
+    """Tensors the launches inside reach through a table of their addresses rather than as
+    arguments (the digest's shards): their storages count as every launch's own."""
+    added = [(t.untyped_storage().data_ptr(),
+              t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()) for t in tensors]
+    _reachable.extend(added)
+    try:
+        yield
+    finally:
+        del _reachable[-len(added):]
+
+
+def _program(builder) -> int:
+    x, y, z = builder.grid_idx
+    gx, gy, _ = builder.grid_dim
+    return x + gx * (y + gy * z)
+
+
+def _site() -> str:
+    """The kernel source line of the load or store being recorded (first frame outside
+    triton and this file)."""
+    import triton
+
+    tri = str(Path(triton.__file__).resolve().parent)
+    f = sys._getframe(2)
+    while f is not None and (f.f_code.co_filename.startswith(tri)
+                             or f.f_code.co_filename == _HERE):
+        f = f.f_back
+    return f"{Path(f.f_code.co_filename).name}:{f.f_lineno}" if f is not None else "?"
+
+
+def _bytes(ptrs: np.ndarray, mask: np.ndarray, size: int) -> np.ndarray:
+    """Byte addresses [k * size] of the masked-in lanes."""
+    p, m = np.broadcast_arrays(ptrs, mask)
+    addr = p.ravel()[m.ravel().astype(bool)].astype(np.uint64)
+    return (addr[:, None] + np.arange(size, dtype=np.uint64)[None, :]).ravel()
+
+
+def install() -> None:
+    """Patch the interpreter of this process (once) to audit every launch."""
+    from triton.runtime import interpreter as I
+
+    if getattr(I.GridExecutor, "_fsdp_qcomm_audit", False):
+        return
+    builder = I.interpreter_builder
+    call, init_args = I.GridExecutor.__call__, I.GridExecutor._init_args_hst
+    store, load = I.InterpreterBuilder.create_masked_store, I.InterpreterBuilder.create_masked_load
+
+    def audited_call(self, *args, **kwargs):
+        _current.append(_Launch(getattr(self.fn, "__name__", "kernel")))
+        _current[-1].ranges += _reachable
+        try:
+            out = call(self, *args, **kwargs)
+            check(_current[-1])
+            return out
+        finally:
+            _current.pop()
+
+    def recorded_args(self, *args, **kwargs):
+        hst = init_args(self, *args, **kwargs)
+        if _current:
+            def ranges(a):
+                if isinstance(a, (tuple, list)):
+                    for b in a:
+                        yield from ranges(b)
+                elif hasattr(a, "untyped_storage"):
+                    s = a.untyped_storage()
+                    yield s.data_ptr(), s.data_ptr() + s.nbytes()
+
+            _current[-1].ranges += list(ranges(hst[0])) + list(ranges(list(hst[1].values())))
+        return hst
+
+    def recorded_store(self, ptrs, value, mask, *rest):
+        if _current:
+            v = np.ascontiguousarray(np.broadcast_to(value.data, ptrs.data.shape))
+            _, m = np.broadcast_arrays(ptrs.data, mask.data)
+            vals = v.ravel()[m.ravel().astype(bool)].view(np.uint8)
+            _current[-1].stores.append((_program(builder),
+                                        _bytes(ptrs.data, mask.data, v.dtype.itemsize), vals,
+                                        _site()))
+        return store(self, ptrs, value, mask, *rest)
+
+    def recorded_load(self, ptrs, mask, other, *rest):
+        if _current:
+            size = I._get_np_dtype(ptrs.get_element_ty()).itemsize
+            _current[-1].loads.append((_program(builder), _bytes(ptrs.data, mask.data, size),
+                                       _site()))
+        return load(self, ptrs, mask, other, *rest)
+
+    I.GridExecutor.__call__ = audited_call
+    I.GridExecutor._init_args_hst = recorded_args
+    I.InterpreterBuilder.create_masked_store = recorded_store
+    I.InterpreterBuilder.create_masked_load = recorded_load
+    I.GridExecutor._fsdp_qcomm_audit = True
+
+
+def _flat(recs: list, cols: int) -> list[np.ndarray]:
+    """Concatenate records' per-byte columns: addresses, program, record index (+ values)."""
+    if not recs:
+        return [np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64)] + (
+            [np.zeros(0, np.uint8)] if cols == 4 else [])
+    addr = np.concatenate([r[1] for r in recs])
+    prog = np.concatenate([np.full(len(r[1]), r[0], np.int64) for r in recs])
+    rec = np.concatenate([np.full(len(r[1]), k, np.int64) for k, r in enumerate(recs)])
+    out = [addr, prog, rec]
+    if cols == 4:
+        out.append(np.concatenate([r[2] for r in recs]))
+    return out
+
+
+def check(launch: _Launch) -> None:
+    """Raise ``KernelHazard`` naming the first hazard of each kind in one launch."""
+    problems = []
+    s_addr, s_prog, s_rec, s_val = _flat(launch.stores, 4)
+    l_addr, l_prog, l_rec = _flat(launch.loads, 3)
+
+    # outside every tensor argument
+    if launch.ranges:
+        lo, hi = (np.array(v, dtype=np.uint64) for v in zip(*sorted(launch.ranges)))
+        for kind, addr, rec, recs in (("store", s_addr, s_rec, launch.stores),
+                                      ("load", l_addr, l_rec, launch.loads)):
+            k = np.searchsorted(lo, addr, side="right") - 1
+            # ranges may overlap (two views of one storage): an address inside any is fine
+            reach = np.maximum.accumulate(hi)
+            bad = (k < 0) | (addr >= reach[np.maximum(k, 0)])
+            if bad.any():
+                j = int(np.argmax(bad))
+                problems.append(f"{kind} outside every tensor argument: {int(bad.sum())} bytes, "
+                                f"first by program {recs[rec[j]][0]} at {recs[rec[j]][-1]}")
+
+    # one byte, two values
+    if len(s_addr):
+        order = np.lexsort((s_val, s_addr))
+        a, v = s_addr[order], s_val[order]
+        two = (a[1:] == a[:-1]) & (v[1:] != v[:-1])
+        if two.any():
+            j = int(np.argmax(two))
+            x, y = order[j], order[j + 1]
+            sites = {(int(s_prog[i]), launch.stores[s_rec[i]][-1]) for i in (x, y)}
+            problems.append(
+                f"{int(two.sum())} bytes written with different values (first byte by "
+                f"program, store: {sorted(sites)}): a race between programs or threads")
+
+        # read by a program other than the one that wrote it
+        if len(l_addr):
+            ua, first = np.unique(a, return_index=True)
+            p = s_prog[order]
+            pmin = np.minimum.reduceat(p, first)
+            pmax = np.maximum.reduceat(p, first)
+            k = np.searchsorted(ua, l_addr)
+            k = np.minimum(k, len(ua) - 1)
+            hit = ua[k] == l_addr
+            other = hit & ((pmin[k] != l_prog) | (pmax[k] != l_prog))
+            if other.any():
+                j = int(np.argmax(other))
+                problems.append(
+                    f"{int(other.sum())} bytes read by a program that did not write them "
+                    f"(first: program {int(l_prog[j])} at {launch.loads[l_rec[j]][-1]}, "
+                    f"written by program {int(pmin[k[j]])}): programs run in no fixed order")
+    if problems:
+        raise KernelHazard(f"{launch.name}: " + "; ".join(problems))
