@@ -11,7 +11,10 @@ host memory. ``install()`` records every load and store of each launch and, at i
   threads order their global writes only across a barrier, which Triton does not put between
   two stores);
 * a byte one program wrote was read by another program;
-* a load or store reached outside every tensor argument's storage.
+* a store reached outside the elements of every tensor argument (a kernel given a slice of a
+  buffer writes that slice only), or a load outside their storages (a read elsewhere in a
+  buffer's allocation is harmless, which the reduce kernels rely on: they read the chunks that
+  follow their first chunk's view).
 
 Bytes written twice with one value are not hazards (a replicated layout does that). Atomics
 are not recorded (their order does not change a sum). A program reading its own writes is not
@@ -37,27 +40,48 @@ class KernelHazard(AssertionError):
 class _Launch:
     def __init__(self, name: str):
         self.name = name
-        self.ranges: list[tuple[int, int]] = []
+        # [start, end) byte ranges a store may reach (views) and a load (their storages)
+        self.views: list[tuple[int, int]] = []
+        self.storages: list[tuple[int, int]] = []
         # (program, byte addresses, byte values or None for a load, source line)
         self.stores: list[tuple[int, np.ndarray, np.ndarray, str]] = []
         self.loads: list[tuple[int, np.ndarray, str]] = []
 
+    def add(self, args) -> None:
+        """Record the tensors among ``args`` (nested in tuples and lists)."""
+        for a in args:
+            if isinstance(a, (tuple, list)):
+                self.add(a)
+            elif hasattr(a, "untyped_storage"):
+                self.views.append(_extent(a))
+                s = a.untyped_storage()
+                self.storages.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+
 
 _current: list[_Launch] = []
-_reachable: list[tuple[int, int]] = []
+_reachable: list = []
 
 
 @contextlib.contextmanager
 def reachable(tensors):
     """Tensors the launches inside reach through a table of their addresses rather than as
-    arguments (the digest's shards): their storages count as every launch's own."""
-    added = [(t.untyped_storage().data_ptr(),
-              t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()) for t in tensors]
+    arguments (the digest's shards): their elements count as every launch's own."""
+    added = list(tensors)
     _reachable.extend(added)
     try:
         yield
     finally:
         del _reachable[-len(added):]
+
+
+def _extent(t) -> tuple[int, int]:
+    """The bytes [start, end) a tensor's elements span: its view, not its whole storage, so a
+    kernel given a slice of a buffer may not touch the rest."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    first = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st < 0)
+    return t.data_ptr() + first * t.element_size(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _program(builder) -> int:
@@ -98,7 +122,7 @@ def install() -> None:
 
     def audited_call(self, *args, **kwargs):
         _current.append(_Launch(getattr(self.fn, "__name__", "kernel")))
-        _current[-1].ranges += _reachable
+        _current[-1].add(_reachable)
         try:
             out = call(self, *args, **kwargs)
             check(_current[-1])
@@ -109,15 +133,7 @@ def install() -> None:
     def recorded_args(self, *args, **kwargs):
         hst = init_args(self, *args, **kwargs)
         if _current:
-            def ranges(a):
-                if isinstance(a, (tuple, list)):
-                    for b in a:
-                        yield from ranges(b)
-                elif hasattr(a, "untyped_storage"):
-                    s = a.untyped_storage()
-                    yield s.data_ptr(), s.data_ptr() + s.nbytes()
-
-            _current[-1].ranges += list(ranges(hst[0])) + list(ranges(list(hst[1].values())))
+            _current[-1].add([*hst[0], *hst[1].values()])
         return hst
 
     def recorded_store(self, ptrs, value, mask, *rest):
@@ -158,6 +174,16 @@ def _flat(recs: list, cols: int) -> list[np.ndarray]:
     return out
 
 
+def _outside(addr: np.ndarray, ranges: list) -> np.ndarray:
+    """Which byte addresses lie in none of the [start, end) ranges (which may overlap)."""
+    if not ranges:
+        return np.ones(len(addr), bool)
+    lo, hi = (np.array(v, dtype=np.uint64) for v in zip(*sorted(ranges)))
+    k = np.searchsorted(lo, addr, side="right") - 1
+    reach = np.maximum.accumulate(hi)  # the furthest end among the ranges starting at or before
+    return (k < 0) | (addr >= reach[np.maximum(k, 0)])
+
+
 def check(launch: _Launch) -> None:
     """Raise ``KernelHazard`` naming the first hazard of each kind in one launch."""
     problems = []
@@ -165,18 +191,14 @@ def check(launch: _Launch) -> None:
     l_addr, l_prog, l_rec = _flat(launch.loads, 3)
 
     # outside every tensor argument
-    if launch.ranges:
-        lo, hi = (np.array(v, dtype=np.uint64) for v in zip(*sorted(launch.ranges)))
-        for kind, addr, rec, recs in (("store", s_addr, s_rec, launch.stores),
-                                      ("load", l_addr, l_rec, launch.loads)):
-            k = np.searchsorted(lo, addr, side="right") - 1
-            # ranges may overlap (two views of one storage): an address inside any is fine
-            reach = np.maximum.accumulate(hi)
-            bad = (k < 0) | (addr >= reach[np.maximum(k, 0)])
-            if bad.any():
-                j = int(np.argmax(bad))
-                problems.append(f"{kind} outside every tensor argument: {int(bad.sum())} bytes, "
-                                f"first by program {recs[rec[j]][0]} at {recs[rec[j]][-1]}")
+    for kind, addr, rec, recs, ranges in (
+            ("store", s_addr, s_rec, launch.stores, launch.views),
+            ("load", l_addr, l_rec, launch.loads, launch.storages)):
+        bad = _outside(addr, ranges)
+        if bad.any():
+            j = int(np.argmax(bad))
+            problems.append(f"{kind} outside every tensor argument: {int(bad.sum())} bytes, "
+                            f"first by program {recs[rec[j]][0]} at {recs[rec[j]][-1]}")
 
     # one byte, two values
     if len(s_addr):

@@ -141,9 +141,9 @@ def _audit_cases():
             tl.store(x + 1, tl.load(x))
 
     @triton.jit
-    def reads_past(x, y, n):  # reads n values of a 4-value tensor
+    def past(x, y, n, m):  # reads n and writes m values of 4-value tensors
         i = tl.arange(0, 8)
-        tl.store(y + i, tl.load(x + i, mask=i < n), mask=i < 4)
+        tl.store(y + i, tl.load(x + i, mask=i < n), mask=i < m)
 
     @triton.jit
     def fine(x, y):  # in place in its own block; one value written twice; a shared read
@@ -157,8 +157,10 @@ def _audit_cases():
         (lambda: programs_race[(2,)](z(1, torch.int32)), "4 bytes written with different values"),
         (lambda: lanes_race[(1,)](z(2, torch.uint8)), "2 bytes written with different values"),
         (lambda: reads_neighbour[(2,)](z(2)), "4 bytes read by a program that did not write"),
-        (lambda: reads_past[(1,)](z(4), z(4), 8), "load outside every tensor argument: 16 bytes"),
-        (lambda: reads_past[(1,)](z(4), z(4), 4), None),
+        (lambda: past[(1,)](z(4), z(4), 8, 4), "load outside every tensor argument: 16 bytes"),
+        (lambda: past[(1,)](z(8)[:4], z(8)[:4], 4, 6), "store outside every tensor argument: 8"),
+        (lambda: past[(1,)](z(8)[:4], z(4), 8, 4), None),  # a read past a view, in its buffer
+        (lambda: past[(1,)](z(4), z(4), 4, 4), None),
         (lambda: fine[(3,)](z(12), z(2)), None),
     ]
 
@@ -170,8 +172,8 @@ def _interpreted(fn):
 
 @_interpreted
 def test_the_audit_finds_what_only_a_gpu_would_show():
-    """Each hazard kind raises with its count of bytes; masked lanes, a program's own in-place
-    update and equal values written twice do not."""
+    """Each hazard kind raises with its count of bytes; masked lanes, a read past a view inside
+    its buffer, a program's own in-place update and equal values written twice do not."""
     for launch, says in _audit_cases():
         if says is None:
             launch()
