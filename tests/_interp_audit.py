@@ -16,9 +16,12 @@ host memory. ``install()`` records every load and store of each launch and, at i
   buffer's allocation is harmless, which the reduce kernels rely on: they read the chunks that
   follow their first chunk's view).
 
+* a program read a byte after writing it: the compiler chooses which thread holds which
+  lane, so the writer may be another thread, and Triton orders global memory between threads
+  only across a barrier.
+
 Bytes written twice with one value are not hazards (a replicated layout does that). Atomics
-are not recorded (their order does not change a sum). A program reading its own writes is not
-checked: which thread wrote them is the compiler's choice.
+are not recorded (their order does not change a sum).
 """
 
 from __future__ import annotations
@@ -37,15 +40,25 @@ class KernelHazard(AssertionError):
     or that touched memory outside its tensors."""
 
 
+class _Access:
+    """One load or store of one program: its byte addresses (and, for a store, the bytes it
+    wrote), its place in the launch's order of accesses, and its source line."""
+
+    __slots__ = ("program", "seq", "addr", "vals", "site")
+
+    def __init__(self, program: int, seq: int, addr: np.ndarray, vals, site: str):
+        self.program, self.seq, self.addr, self.vals, self.site = program, seq, addr, vals, site
+
+
 class _Launch:
     def __init__(self, name: str):
         self.name = name
         # [start, end) byte ranges a store may reach (views) and a load (their storages)
         self.views: list[tuple[int, int]] = []
         self.storages: list[tuple[int, int]] = []
-        # (program, byte addresses, byte values or None for a load, source line)
-        self.stores: list[tuple[int, np.ndarray, np.ndarray, str]] = []
-        self.loads: list[tuple[int, np.ndarray, str]] = []
+        self.stores: list[_Access] = []
+        self.loads: list[_Access] = []
+        self.seq = 0
 
     def add(self, args) -> None:
         """Record the tensors among ``args`` (nested in tuples and lists)."""
@@ -56,6 +69,11 @@ class _Launch:
                 self.views.append(_extent(a))
                 s = a.untyped_storage()
                 self.storages.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+
+    def access(self, program: int, addr: np.ndarray, vals=None) -> None:
+        self.seq += 1
+        (self.loads if vals is None else self.stores).append(
+            _Access(program, self.seq, addr, vals, _site()))
 
 
 _current: list[_Launch] = []
@@ -141,16 +159,14 @@ def install() -> None:
             v = np.ascontiguousarray(np.broadcast_to(value.data, ptrs.data.shape))
             _, m = np.broadcast_arrays(ptrs.data, mask.data)
             vals = v.ravel()[m.ravel().astype(bool)].view(np.uint8)
-            _current[-1].stores.append((_program(builder),
-                                        _bytes(ptrs.data, mask.data, v.dtype.itemsize), vals,
-                                        _site()))
+            _current[-1].access(_program(builder), _bytes(ptrs.data, mask.data,
+                                                          v.dtype.itemsize), vals)
         return store(self, ptrs, value, mask, *rest)
 
     def recorded_load(self, ptrs, mask, other, *rest):
         if _current:
             size = I._get_np_dtype(ptrs.get_element_ty()).itemsize
-            _current[-1].loads.append((_program(builder), _bytes(ptrs.data, mask.data, size),
-                                       _site()))
+            _current[-1].access(_program(builder), _bytes(ptrs.data, mask.data, size))
         return load(self, ptrs, mask, other, *rest)
 
     I.GridExecutor.__call__ = audited_call
@@ -160,18 +176,20 @@ def install() -> None:
     I.GridExecutor._fsdp_qcomm_audit = True
 
 
-def _flat(recs: list, cols: int) -> list[np.ndarray]:
-    """Concatenate records' per-byte columns: addresses, program, record index (+ values)."""
-    if not recs:
-        return [np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64)] + (
-            [np.zeros(0, np.uint8)] if cols == 4 else [])
-    addr = np.concatenate([r[1] for r in recs])
-    prog = np.concatenate([np.full(len(r[1]), r[0], np.int64) for r in recs])
-    rec = np.concatenate([np.full(len(r[1]), k, np.int64) for k, r in enumerate(recs)])
-    out = [addr, prog, rec]
-    if cols == 4:
-        out.append(np.concatenate([r[2] for r in recs]))
-    return out
+def _flat(recs: list[_Access]) -> dict[str, np.ndarray]:
+    """The accesses' per-byte columns: address, program, access index, order (and value)."""
+    col = {"addr": np.zeros(0, np.uint64), "prog": np.zeros(0, np.int64),
+           "rec": np.zeros(0, np.int64), "seq": np.zeros(0, np.int64),
+           "val": np.zeros(0, np.uint8)}
+    if recs:
+        n = [len(r.addr) for r in recs]
+        col["addr"] = np.concatenate([r.addr for r in recs])
+        col["prog"] = np.repeat([r.program for r in recs], n)
+        col["rec"] = np.repeat(np.arange(len(recs)), n)
+        col["seq"] = np.repeat([r.seq for r in recs], n)
+        if recs[0].vals is not None:
+            col["val"] = np.concatenate([r.vals for r in recs])
+    return col
 
 
 def _outside(addr: np.ndarray, ranges: list) -> np.ndarray:
@@ -187,47 +205,47 @@ def _outside(addr: np.ndarray, ranges: list) -> np.ndarray:
 def check(launch: _Launch) -> None:
     """Raise ``KernelHazard`` naming the first hazard of each kind in one launch."""
     problems = []
-    s_addr, s_prog, s_rec, s_val = _flat(launch.stores, 4)
-    l_addr, l_prog, l_rec = _flat(launch.loads, 3)
+    st, ld = _flat(launch.stores), _flat(launch.loads)
 
-    # outside every tensor argument
-    for kind, addr, rec, recs, ranges in (
-            ("store", s_addr, s_rec, launch.stores, launch.views),
-            ("load", l_addr, l_rec, launch.loads, launch.storages)):
-        bad = _outside(addr, ranges)
+    for kind, col, recs, ranges in (("store", st, launch.stores, launch.views),
+                                    ("load", ld, launch.loads, launch.storages)):
+        bad = _outside(col["addr"], ranges)
         if bad.any():
-            j = int(np.argmax(bad))
+            r = recs[col["rec"][int(np.argmax(bad))]]
             problems.append(f"{kind} outside every tensor argument: {int(bad.sum())} bytes, "
-                            f"first by program {recs[rec[j]][0]} at {recs[rec[j]][-1]}")
-
-    # one byte, two values
-    if len(s_addr):
-        order = np.lexsort((s_val, s_addr))
-        a, v = s_addr[order], s_val[order]
+                            f"first by program {r.program} at {r.site}")
+    if len(st["addr"]):
+        order = np.lexsort((st["val"], st["addr"]))
+        a, v = st["addr"][order], st["val"][order]
         two = (a[1:] == a[:-1]) & (v[1:] != v[:-1])
         if two.any():
             j = int(np.argmax(two))
-            x, y = order[j], order[j + 1]
-            sites = {(int(s_prog[i]), launch.stores[s_rec[i]][-1]) for i in (x, y)}
+            sites = sorted({(int(st["prog"][i]), launch.stores[st["rec"][i]].site)
+                            for i in order[j:j + 2]})
             problems.append(
                 f"{int(two.sum())} bytes written with different values (first byte by "
-                f"program, store: {sorted(sites)}): a race between programs or threads")
-
-        # read by a program other than the one that wrote it
-        if len(l_addr):
-            ua, first = np.unique(a, return_index=True)
-            p = s_prog[order]
-            pmin = np.minimum.reduceat(p, first)
-            pmax = np.maximum.reduceat(p, first)
-            k = np.searchsorted(ua, l_addr)
-            k = np.minimum(k, len(ua) - 1)
-            hit = ua[k] == l_addr
-            other = hit & ((pmin[k] != l_prog) | (pmax[k] != l_prog))
-            if other.any():
-                j = int(np.argmax(other))
+                f"program, store: {sites}): a race between programs or threads")
+    if len(st["addr"]) and len(ld["addr"]):
+        # per written byte: its writers' lowest and highest program and its first store
+        order = np.argsort(st["addr"], kind="stable")
+        a = st["addr"][order]
+        ua, first = np.unique(a, return_index=True)
+        pmin = np.minimum.reduceat(st["prog"][order], first)
+        pmax = np.maximum.reduceat(st["prog"][order], first)
+        smin = np.minimum.reduceat(st["seq"][order], first)
+        k = np.minimum(np.searchsorted(ua, ld["addr"]), len(ua) - 1)
+        hit = ua[k] == ld["addr"]
+        other = hit & ((pmin[k] != ld["prog"]) | (pmax[k] != ld["prog"]))
+        own = hit & ~other & (smin[k] < ld["seq"])
+        for mask, what in (
+                (other, "read by a program that did not write them: programs run in no fixed "
+                        "order"),
+                (own, "read after the same program wrote them: the writer may be another of "
+                      "its threads, and no barrier orders global memory")):
+            if mask.any():
+                j = int(np.argmax(mask))
                 problems.append(
-                    f"{int(other.sum())} bytes read by a program that did not write them "
-                    f"(first: program {int(l_prog[j])} at {launch.loads[l_rec[j]][-1]}, "
-                    f"written by program {int(pmin[k[j]])}): programs run in no fixed order")
+                    f"{int(mask.sum())} bytes {what} (first: program {int(ld['prog'][j])} at "
+                    f"{launch.loads[ld['rec'][j]].site}, written by program {int(pmin[k[j]])})")
     if problems:
         raise KernelHazard(f"{launch.name}: " + "; ".join(problems))

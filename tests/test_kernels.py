@@ -146,10 +146,17 @@ def _audit_cases():
         tl.store(y + i, tl.load(x + i, mask=i < n), mask=i < m)
 
     @triton.jit
+    def reads_own_write(x):  # reads back the block it wrote
+        i = tl.arange(0, 4)
+        tl.store(x + i, 1.0)
+        tl.store(x + 4 + i, tl.load(x + 3 - i))
+
+    @triton.jit
     def fine(x, y):  # in place in its own block; one value written twice; a shared read
         i = tl.program_id(0) * 4 + tl.arange(0, 4)
-        tl.store(x + i, tl.load(x + i) + tl.load(y))
-        tl.store(x + i, tl.load(x + i))
+        v = tl.load(x + i) + tl.load(y)
+        tl.store(x + i, v)
+        tl.store(x + i, v)
         tl.store(y + 1 + tl.arange(0, 4) * 0, 7.0)
 
     z = lambda n, dt=torch.float32: torch.zeros(n, dtype=dt)  # noqa: E731
@@ -157,6 +164,7 @@ def _audit_cases():
         (lambda: programs_race[(2,)](z(1, torch.int32)), "4 bytes written with different values"),
         (lambda: lanes_race[(1,)](z(2, torch.uint8)), "2 bytes written with different values"),
         (lambda: reads_neighbour[(2,)](z(2)), "4 bytes read by a program that did not write"),
+        (lambda: reads_own_write[(1,)](z(8)), "16 bytes read after the same program wrote them"),
         (lambda: past[(1,)](z(4), z(4), 8, 4), "load outside every tensor argument: 16 bytes"),
         (lambda: past[(1,)](z(8)[:4], z(8)[:4], 4, 6), "store outside every tensor argument: 8"),
         (lambda: past[(1,)](z(8)[:4], z(4), 8, 4), None),  # a read past a view, in its buffer
@@ -173,7 +181,8 @@ def _interpreted(fn):
 @_interpreted
 def test_the_audit_finds_what_only_a_gpu_would_show():
     """Each hazard kind raises with its count of bytes; masked lanes, a read past a view inside
-    its buffer, a program's own in-place update and equal values written twice do not."""
+    its buffer, a program's own in-place update (read, then write) and equal values written
+    twice do not."""
     for launch, says in _audit_cases():
         if says is None:
             launch()
