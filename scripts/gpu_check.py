@@ -623,8 +623,17 @@ def _run_child(args: argparse.Namespace) -> int:
     """One step, in this process; its record goes to ``--result``."""
     import tempfile
 
-    ctx = {"dry_run": args.dry_run, "tmp": tempfile.mkdtemp(prefix="gpu_check_"),
-           "limit": args.limit, "partial": args.result + ".partial", "t0": time.perf_counter()}
+    # Beside the result, in the parent's work folder, which the parent removes even when it
+    # has to kill this process; removed here too when the step ends.
+    with tempfile.TemporaryDirectory(prefix=f"{args.step}_",
+                                     dir=Path(args.result).resolve().parent) as tmp:
+        return _run_step(args, {"dry_run": args.dry_run, "tmp": tmp, "limit": args.limit,
+                                "partial": args.result + ".partial",
+                                "t0": time.perf_counter()})
+
+
+def _run_step(args: argparse.Namespace, ctx: dict) -> int:
+    """Run the step and write its record (status, result or error, seconds)."""
     env_file = Path(args.result).with_name("environment.ctx.json")
     if env_file.is_file():
         ctx.update(json.loads(env_file.read_text()))
@@ -656,7 +665,6 @@ def main() -> int:
     if args.step:
         return _run_child(args)
     import shutil
-    import signal
     import tempfile
 
     wanted = [s for s in args.only.split(",") if s] or list(STEPS)
@@ -672,6 +680,22 @@ def main() -> int:
 
     _provenance.record(out_dir)  # provenance.json, COMMANDS.md: the command, commit, load
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    try:
+        _run_steps(args, wanted, out_dir, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary = (out_dir / "summary.md").read_text()
+    print("\n" + summary)
+    results = json.loads((out_dir / "gpu_check.json").read_text())
+    print(f"total {results['seconds']:.0f} s (budget {args.budget:.0f} s); results: {out_dir}")
+    return 0 if all(r["status"] == "ok" for r in results["steps"].values()) else 1
+
+
+def _run_steps(args: argparse.Namespace, wanted: list, out_dir: Path, work: Path) -> None:
+    """Each step in its own process, within what is left of the budget; the results are saved
+    to ``out_dir`` as each ends."""
+    import signal
+
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
                      "budget": args.budget, "steps": {}}
     log = open(out_dir / "log.txt", "w")
@@ -722,12 +746,7 @@ def main() -> int:
         results["steps"][name] = rec
         save()
     log.close()
-    shutil.rmtree(work, ignore_errors=True)
     save()
-    summary = (out_dir / "summary.md").read_text()
-    print("\n" + summary)
-    print(f"total {results['seconds']:.0f} s (budget {args.budget:.0f} s); results: {out_dir}")
-    return 0 if all(r["status"] == "ok" for r in results["steps"].values()) else 1
 
 
 if __name__ == "__main__":

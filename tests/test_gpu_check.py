@@ -14,9 +14,11 @@ STEPS = ["environment", "step_cost", "step_profile", "exactness_sweep", "bandwid
          "fsdp_one_rank", "kernel_tests", "tiles"]
 
 
-def _dry_run(out: Path, *extra: str, env_out: str = ""):
+def _dry_run(out: Path, *extra: str, env_out: str = "", tmp: Path = None):
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     env.pop("OUT", None)
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
     if env_out:
         env["OUT"] = env_out
     args = ["--out", str(out)] if out else []
@@ -25,13 +27,17 @@ def _dry_run(out: Path, *extra: str, env_out: str = ""):
 
 
 def test_gpu_check_dry_run(tmp_path):
-    proc = _dry_run(tmp_path)
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _dry_run(out, tmp=tmp)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in out.iterdir()) == [
         "COMMANDS.md", "gpu_check.json", "log.txt", "provenance.json", "summary.md"]
-    prov = json.loads((tmp_path / "provenance.json").read_text())["invocations"]
+    # the steps' scratch folders are gone (they used to stay, one per step and run)
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("gpu_check_")]
+    prov = json.loads((out / "provenance.json").read_text())["invocations"]
     assert len(prov) == 1 and "gpu_check" in prov[0]["command"]
-    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    res = json.loads((out / "gpu_check.json").read_text())
     steps = res["steps"]
     assert list(steps) == STEPS  # in order of value
     assert all(s["status"] == "ok" for s in steps.values()), steps
@@ -66,10 +72,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert hooks["qsdp"]["kinds"]["grad_inter"]["calls"] > 0
     assert "levels_sync" in hooks["W4G4-learned"]["kinds"]
     assert hooks["baseline"]["kinds"]["weight_allgather"]["bits_per_element"] == 32.0
-    summary = (tmp_path / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
     assert "| kernel | TILE 1024 | TILE 2048 (own) | TILE 4096 |" in summary
-    assert "== step_cost" in (tmp_path / "log.txt").read_text()
+    assert "== step_cost" in (out / "log.txt").read_text()
 
 
 def test_gpu_check_keeps_to_its_budget_and_writes_to_out(tmp_path):
