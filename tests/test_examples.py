@@ -12,12 +12,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(*args: str) -> str:
+def _torchrun(tmp: Path, *args: str) -> str:
+    """The example under torchrun, its log folder in ``tmp`` (torchrun's default is a new
+    folder in /tmp that it never removes)."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                           if p))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "4", str(ROOT / "examples" / "train_fsdp.py"),
+                           "--nproc-per-node", "4", "--log-dir", str(tmp / "torchrun_logs"),
+                           str(ROOT / "examples" / "train_fsdp.py"),
                            *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
@@ -28,7 +31,7 @@ def _losses(out: str) -> dict[int, str]:
 
 
 def test_trains_saves_and_resumes_exactly(tmp_path):
-    full = _torchrun("--steps", "12")
+    full = _torchrun(tmp_path, "--steps", "12")
     losses = _losses(full)
     assert sorted(losses) == list(range(12))
     assert float(losses[11]) < 0.75 * float(losses[0])  # it learns
@@ -38,14 +41,14 @@ def test_trains_saves_and_resumes_exactly(tmp_path):
     assert sent and int(sent[1].replace(",", "")) < 0.5 * int(sent[2].replace(",", ""))
 
     ckpt = tmp_path / "ckpt"
-    first = _losses(_torchrun("--steps", "6", "--save", str(ckpt)))
-    second = _losses(_torchrun("--steps", "12", "--resume", str(ckpt)))
+    first = _losses(_torchrun(tmp_path, "--steps", "6", "--save", str(ckpt)))
+    second = _losses(_torchrun(tmp_path, "--steps", "12", "--resume", str(ckpt)))
     assert sorted(first) == list(range(6)) and sorted(second) == list(range(6, 12))
     assert {**first, **second} == losses  # the resumed run is the uninterrupted one
 
 
-def test_hsdp_quantizes_the_replica_all_reduce():
-    out = _torchrun("--steps", "3", "--hsdp")
+def test_hsdp_quantizes_the_replica_all_reduce(tmp_path):
+    out = _torchrun(tmp_path, "--steps", "3", "--hsdp")
     assert sorted(_losses(out)) == [0, 1, 2]
     assert re.search(r"grad_replica: \d+ calls, 4\.25 bits/element", out), out
     assert "HSDP all-reduce across replicas: quantized 4-bit" in out

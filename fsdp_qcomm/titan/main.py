@@ -31,7 +31,7 @@ def torchrun_command(
     recipe: Path, nproc: int, steps: int | None, dump: Path, extra: list[str],
     all_ranks: bool = False,
 ) -> list[str]:
-    cmd = torchrun_prefix(nproc, all_ranks) + [
+    cmd = torchrun_prefix(nproc, dump, all_ranks) + [
         "-m", "torchtitan.train", "--job.config_file", str(recipe),
         "--job.dump_folder", str(dump)]
     if steps is not None:

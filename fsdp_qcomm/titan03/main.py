@@ -30,7 +30,7 @@ def torchrun_command(
     config: str, nproc: int, dump: Path, extra: list[str], *, steps: int | None = None,
     replicas: int = 1, all_ranks: bool = False,
 ) -> list[str]:
-    cmd = torchrun_prefix(nproc, all_ranks) + [
+    cmd = torchrun_prefix(nproc, dump, all_ranks) + [
         "-m", "torchtitan.train", "--module", MODULE, "--config", config,
         "--dump_folder", str(dump)]
     if steps is not None:

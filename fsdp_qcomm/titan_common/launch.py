@@ -24,10 +24,13 @@ from .shapes import DEBUG_SCHEMES
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def torchrun_prefix(nproc: int, all_ranks: bool = False) -> list[str]:
-    """``torchrun --standalone --nproc_per_node N`` (printing rank 0's log only by default)."""
+def torchrun_prefix(nproc: int, dump: Path, all_ranks: bool = False) -> list[str]:
+    """``torchrun --standalone --nproc_per_node N`` (printing rank 0's log only by default),
+    with torchrun's own log folder in the job's ``dump`` folder: without ``--log-dir`` torchrun
+    makes a ``torchelastic_*`` folder in the system's temporary directory on every launch (with
+    each rank's full log when it tees) and never removes it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}"]
+           f"--nproc_per_node={nproc}", "--log-dir", str(Path(dump) / "torchrun_logs")]
     if not all_ranks:
         cmd += ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]
     return cmd
