@@ -190,7 +190,12 @@ def _train_audited(rank: int, world: int, cases: dict) -> dict:
     import fsdp_qcomm.kernels as kernels
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    # Every codec call takes the CUDA route: the Triton kernels' host code, interpreted.
+    # Every codec call takes the CUDA route: the Triton kernels' host code, interpreted, each
+    # launch audited for races and stray writes as the hooks use them (into wire-buffer
+    # slices, grouped segments, received chunks in place).
+    import _interp_audit
+
+    _interp_audit.install()
     codec._impl = levels._impl = lambda t, *others: kernels
     return {name: _train_case(rank, world, *args) for name, args in cases.items()}
 
