@@ -14,8 +14,7 @@ host memory. ``install()`` records every load and store of each launch and, at i
 * a store reached outside the elements of every tensor argument (a kernel given a slice of a
   buffer writes that slice only), or a load outside their storages (a read elsewhere in a
   buffer's allocation is harmless, which the reduce kernels rely on: they read the chunks that
-  follow their first chunk's view).
-
+  follow their first chunk's view);
 * a program read a byte after writing it: the compiler chooses which thread holds which
   lane, so the writer may be another thread, and Triton orders global memory between threads
   only across a barrier.
