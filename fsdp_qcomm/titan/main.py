@@ -19,8 +19,8 @@ from pathlib import Path
 
 from fsdp_qcomm.titan.recipes import RECIPES_DIR
 from fsdp_qcomm.titan_common.launch import (
-    REPO_ROOT,
     debug_job_args,
+    default_dump,
     run_debug_job,
     torchrun_prefix,
 )
@@ -46,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
 
     args, extra = debug_job_args(argv, __doc__, add)
     recipe = args.recipe or RECIPES_DIR / f"debug_{args.scheme}.toml"
-    dump = (args.out or REPO_ROOT / "outputs" / f"debug_{args.scheme}").resolve()
+    if not recipe.is_file():
+        print(f"fsdp_qcomm.titan.main: no recipe at {recipe}. The debug recipes are TOML files "
+              "in a checkout of fsdp-qcomm (recipes/), which an installed package does not "
+              "carry: run from a clone of the repository, or pass --recipe PATH.",
+              file=sys.stderr)
+        return 2
+    dump = args.out.resolve() if args.out else default_dump(f"debug_{args.scheme}")
     cmd = torchrun_command(recipe, args.nproc, args.steps, dump, extra, args.all_ranks)
     return run_debug_job(cmd, dump, DEBUG_VOCAB_SIZE)
 

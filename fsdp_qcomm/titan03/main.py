@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from fsdp_qcomm.titan_common.launch import (
-    REPO_ROOT,
     debug_job_args,
+    default_dump,
     run_debug_job,
     torchrun_prefix,
 )
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = debug_job_args(argv, __doc__, add)
     config = args.config or f"debug_{args.scheme}"
     suffix = f"_{args.replicas}x{args.nproc // args.replicas}" if args.replicas > 1 else ""
-    dump = (args.out or REPO_ROOT / "outputs" / f"titan03_{config}{suffix}").resolve()
+    dump = args.out.resolve() if args.out else default_dump(f"titan03_{config}{suffix}")
     cmd = torchrun_command(config, args.nproc, dump, extra, steps=args.steps,
                            replicas=args.replicas, all_ranks=args.all_ranks)
     return run_debug_job(cmd, dump, DEBUG_VOCAB_SIZE)

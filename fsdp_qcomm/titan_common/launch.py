@@ -20,8 +20,22 @@ from typing import Callable, Optional, TextIO
 from .comm_stats import COLLECTIVES, SUMMARY_FILE, collective_named
 from .shapes import DEBUG_SCHEMES
 
-#: the checkout (or site-packages) directory holding the fsdp_qcomm package
+#: the directory holding the fsdp_qcomm package: a checkout, or site-packages when installed
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def checkout() -> Optional[Path]:
+    """The repository checkout this fsdp_qcomm runs from, or None for an installed package, whose
+    parent directory (site-packages) is no place for a job's outputs or working directory."""
+    if (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "recipes").is_dir():
+        return REPO_ROOT
+    return None
+
+
+def default_dump(name: str) -> Path:
+    """A debug job's dump folder: ``outputs/<name>`` in the checkout, else in the working
+    directory."""
+    return ((checkout() or Path.cwd()) / "outputs" / name).resolve()
 
 
 def torchrun_prefix(nproc: int, dump: Path, all_ranks: bool = False) -> list[str]:
@@ -167,7 +181,8 @@ def debug_job_args(
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=None, help="default: the recipe's (300)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="dump folder (default: under outputs/ in the repo)")
+                    help="dump folder (default: outputs/<job> in the checkout, else in the "
+                         "working directory)")
     ap.add_argument("--all-ranks", action="store_true", help="print every rank's log")
     return ap.parse_args(argv), extra
 
@@ -185,7 +200,7 @@ def run_debug_job(cmd: list[str], dump: Path, vocab_size: int) -> int:
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
     print("+ " + " ".join(cmd), flush=True)
     t1 = time.perf_counter()
-    rc = subprocess.call(cmd, env=child_env(), cwd=str(REPO_ROOT))
+    rc = subprocess.call(cmd, env=child_env(), cwd=str(checkout() or Path.cwd()))
     print(f"torchrun exited with {rc} after {time.perf_counter() - t1:.0f} s", flush=True)
     if rc != 0:
         return rc
@@ -196,5 +211,5 @@ def run_debug_job(cmd: list[str], dump: Path, vocab_size: int) -> int:
     return 0
 
 
-__all__ = ["REPO_ROOT", "child_env", "debug_job_args", "print_summary", "run_debug_job",
-           "torchrun_prefix"]
+__all__ = ["REPO_ROOT", "checkout", "child_env", "debug_job_args", "default_dump",
+           "print_summary", "run_debug_job", "torchrun_prefix"]

@@ -155,6 +155,18 @@ def test_wrong_adapter_fails_at_import_naming_the_right_one():
         "but torchtitan 0.2.2 is installed: use fsdp_qcomm.titan instead" in err
 
 
+def test_debug_job_without_recipes_says_where_they_are(tmp_path, monkeypatch, capsys):
+    """An installed package carries no recipes/: the debug job stops before torchrun, saying
+    what to do."""
+    import fsdp_qcomm.titan.main as job
+
+    monkeypatch.setattr(job, "RECIPES_DIR", tmp_path / "absent")
+    assert job.main(["--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"no recipe at {tmp_path / 'absent' / 'debug_sdp4bit.toml'}" in err
+    assert "pass --recipe PATH" in err
+
+
 # --------------------------------------------------------------------------- recipes
 RECIPE_FILES = sorted((REPO_ROOT / "recipes").glob("*.toml"))
 

@@ -415,6 +415,29 @@ def test_paper_flavor_sizes():
     assert 1e6 <= shapes.GPT_SHAPES["debug"].param_count() <= 10e6
 
 
+def test_debug_jobs_keep_out_of_site_packages(tmp_path, monkeypatch):
+    """From a checkout a debug job's dump folder is the checkout's outputs/ and torchrun starts
+    there; from an installed package (site-packages holds no pyproject.toml or recipes/) both
+    are the working directory's, never site-packages."""
+    from fsdp_qcomm.titan_common import launch
+
+    assert launch.checkout() == launch.REPO_ROOT
+    assert launch.default_dump("x") == launch.REPO_ROOT / "outputs" / "x"
+    site = tmp_path / "site-packages"
+    (site / "fsdp_qcomm").mkdir(parents=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(launch, "REPO_ROOT", site)
+    monkeypatch.chdir(work)
+    assert launch.checkout() is None
+    assert launch.default_dump("x") == work / "outputs" / "x"
+    seen = {}
+    monkeypatch.setattr(data, "ensure_tokenizer", lambda vocab: "tok")
+    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env, cwd: seen.update(cwd=cwd) or 3)
+    assert launch.run_debug_job(["torchrun"], work / "outputs" / "x", 8) == 3
+    assert seen["cwd"] == str(work)
+
+
 def test_version_check_names_the_adapter_to_use(monkeypatch):
     assert version.parse_version("0.3.0.dev20260101+cu128") == (0, 3, 0)
     assert version.parse_version("v0.2.2") == (0, 2, 2)
