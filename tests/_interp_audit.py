@@ -83,12 +83,12 @@ _reachable: list = []
 def reachable(tensors):
     """Tensors the launches inside reach through a table of their addresses rather than as
     arguments (the digest's shards): their elements count as every launch's own."""
-    added = list(tensors)
-    _reachable.extend(added)
+    start = len(_reachable)
+    _reachable.extend(tensors)
     try:
         yield
     finally:
-        del _reachable[-len(added):]
+        del _reachable[start:]
 
 
 def _extent(t) -> tuple[int, int]:

@@ -12,10 +12,10 @@ started with the variable set (``test_kernels_under_the_interpreter``), and the 
 compile tests. Running this file with ``TRITON_INTERPRET=1`` already set runs the interpreted
 tests directly.
 
-Under the interpreter every launch is also audited (``_interp_audit``): a byte written twice with
-different values, a byte one program writes and another reads, or an address outside the
-launch's tensors fails the test. The interpreter runs programs one after another, so those races
-give the right bytes there and would show only on a GPU.
+Under the interpreter every launch is also audited (``_interp_audit``): a race between its
+programs or threads, or an access outside its tensors, fails the test. The interpreter runs
+programs one after another, so those races give the right bytes there and would show only on a
+GPU.
 """
 
 from __future__ import annotations
