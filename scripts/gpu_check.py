@@ -681,19 +681,17 @@ def main() -> int:
     _provenance.record(out_dir)  # provenance.json, COMMANDS.md: the command, commit, load
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     try:
-        _run_steps(args, wanted, out_dir, work)
+        results = _run_steps(args, wanted, out_dir, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    summary = (out_dir / "summary.md").read_text()
-    print("\n" + summary)
-    results = json.loads((out_dir / "gpu_check.json").read_text())
+    print("\n" + _summary(results))
     print(f"total {results['seconds']:.0f} s (budget {args.budget:.0f} s); results: {out_dir}")
     return 0 if all(r["status"] == "ok" for r in results["steps"].values()) else 1
 
 
-def _run_steps(args: argparse.Namespace, wanted: list, out_dir: Path, work: Path) -> None:
+def _run_steps(args: argparse.Namespace, wanted: list, out_dir: Path, work: Path) -> dict:
     """Each step in its own process, within what is left of the budget; the results are saved
-    to ``out_dir`` as each ends."""
+    to ``out_dir`` as each ends, and returned."""
     import signal
 
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
@@ -747,6 +745,7 @@ def _run_steps(args: argparse.Namespace, wanted: list, out_dir: Path, work: Path
         save()
     log.close()
     save()
+    return results
 
 
 if __name__ == "__main__":

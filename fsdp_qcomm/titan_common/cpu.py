@@ -47,6 +47,7 @@ physical memory as capacity. MFU is meaningless on CPU (torchtitan assumes A100 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import os
 import platform
@@ -199,13 +200,10 @@ def _patch_uneven_all_to_all() -> None:
         dist.all_to_all = uneven_all_to_all
 
 
-_EXIT_GC = []  # whether the exit-time collection is registered (item 4 above)
-
-
+@functools.cache
 def _collect_at_exit() -> None:
-    if not _EXIT_GC:
-        atexit.register(gc.collect)
-        _EXIT_GC.append(True)
+    """Register the exit-time collection (item 4 above), once per process."""
+    atexit.register(gc.collect)
 
 
 def patch_torchtitan_for_cpu() -> bool:
