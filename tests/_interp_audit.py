@@ -26,6 +26,7 @@ are not recorded (their order does not change a sum).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -107,12 +108,17 @@ def _program(builder) -> int:
     return x + gx * (y + gy * z)
 
 
+@functools.cache
+def _triton_dir() -> str:
+    import triton
+
+    return str(Path(triton.__file__).resolve().parent)
+
+
 def _site() -> str:
     """The kernel source line of the load or store being recorded (first frame outside
     triton and this file)."""
-    import triton
-
-    tri = str(Path(triton.__file__).resolve().parent)
+    tri = _triton_dir()
     f = sys._getframe(2)
     while f is not None and (f.f_code.co_filename.startswith(tri)
                              or f.f_code.co_filename == _HERE):
