@@ -21,9 +21,11 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
 6. ``fsdp_hooks``: every preset's hooks inside FSDP2 on CUDA: two ranks of the ``fake``
    backend, kernels on FSDP's streams, stats against the wire format, no host sync after the
    first step (``torch.cuda.set_sync_debug_mode("error")``), an asynchronous unshard waited on
-   another stream;
+   another stream, and sdp4bit with FSDP's ``CPUOffloadPolicy`` (the change agreement must
+   exchange on the GPU though the shards are on the host);
 7. ``fsdp_one_rank``: FSDP2 on one NCCL rank, ``enable()`` with each preset against a run
    without it: bit-identical weights (one rank calls no collective), bf16 mixed precision;
+   sdp4bit also with CPU-offloaded shards, against FSDP2 offloading alone;
 8. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors;
 9. ``tiles``: the bandwidth of step 5 again with 1024 and 4096 elements per program (the
    kernels' own is 2048), for tuning: x clone per kernel and tile.
@@ -363,10 +365,12 @@ def _model(torch, d: int, layers: int):
                          nn.Linear(d, 97))
 
 
-def _shard(torch, model, mixed: bool):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _shard(torch, model, mixed: bool, offload: bool = False):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kw = {}
+    if offload:  # pinned host memory needs a GPU: the dry run offloads to pageable memory
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if mixed:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
@@ -435,10 +439,17 @@ def step_fsdp_one_rank(ctx: dict) -> dict:
         want = {n: _digest(p.to_local()) for n, p in ref.named_parameters()}
         out = {"backend": dist.get_backend(), "steps": steps, "presets": {}}
         bad = []
-        for name in PRESETS:
+        # every preset; then sdp4bit with CPU-offloaded shards against FSDP2 offloading alone
+        cases = [(name, name, False) for name in PRESETS] + [("sdp4bit offload", "sdp4bit", True)]
+        for name, preset, offload in cases:
+            if offload:
+                ref = _model(torch, d, layers).to(dev)
+                _shard(torch, ref, mixed=dev == "cuda", offload=True)
+                ref_losses = [float(v) for v in _train(torch, ref, batches)[0]]
+                want = {n: _digest(p.to_local()) for n, p in ref.named_parameters()}
             model = _model(torch, d, layers).to(dev)
-            _shard(torch, model, mixed=dev == "cuda")
-            handle = fsdp_qcomm.enable(model, fsdp_qcomm.QCommConfig.preset(name))
+            _shard(torch, model, mixed=dev == "cuda", offload=offload)
+            handle = fsdp_qcomm.enable(model, fsdp_qcomm.QCommConfig.preset(preset))
             losses = [float(v) for v in _train(torch, model, batches)[0]]
             got = {n: _digest(p.to_local()) for n, p in model.named_parameters()}
             calls = {k: v["calls"] for k, v in handle.stats().items()
@@ -473,25 +484,42 @@ def step_fsdp_hooks(ctx: dict) -> dict:
 
     out = {"backend": "fake", "world": world, "steps": steps, "presets": {}}
     problems = []
-    # every preset, and sdp4bit without the change agreement: no host read at all
-    cases = [(p, p, {}) for p in PRESETS] + [("sdp4bit unverified", "sdp4bit",
-                                              {"verify_weight_writes": False})]
+    # every preset, sdp4bit without the change agreement (no host read at all), and sdp4bit
+    # with FSDP's CPU offload (shards on the host: the agreement must still exchange on the
+    # GPU; FSDP's own offload copies may sync, so its syncs are recorded, not judged)
+    cases = [(p, p, {}, False) for p in PRESETS] + [
+        ("sdp4bit unverified", "sdp4bit", {"verify_weight_writes": False}, False),
+        ("sdp4bit offload", "sdp4bit", {}, True)]
+    from fsdp_qcomm.fsdp import change_tracker
+
+    exchanged: set = set()
+    gather = change_tracker._c10d.all_gather_single
+
+    def spy(out, mine, *a, **kw):
+        exchanged.add(mine.device.type)
+        return gather(out, mine, *a, **kw)
+
+    change_tracker._c10d.all_gather_single = spy
     try:
-        for name, preset, overrides in cases:
+        for name, preset, overrides, offload in cases:
             model = _model(torch, d, layers).to(dev)
-            _shard(torch, model, mixed=dev == "cuda")
+            _shard(torch, model, mixed=dev == "cuda", offload=offload)
             cfg = fsdp_qcomm.QCommConfig.preset(preset, ranks_per_node=1, **overrides)
             handle = fsdp_qcomm.enable(model, cfg)
             batches = _batches(torch, model, dev, steps)
+            exchanged.clear()
             _, opt = _train(torch, model, batches[:1])  # the first step may sync (lazy init)
             syncs = "not checked (CPU)"
             if dev == "cuda":
                 syncs = host_syncs(lambda: _train(torch, model, batches[1:], opt))
-                if not syncs["ok"] or (overrides and syncs["agreement"]):
+                if not offload and (not syncs["ok"] or (overrides and syncs["agreement"])):
                     problems.append(f"{name}: host sync after the first step: "
                                     f"{describe_syncs(syncs)}")
             else:
                 _train(torch, model, batches[1:], opt)
+            if exchanged - {dev}:
+                problems.append(f"{name}: the change agreement exchanged {sorted(exchanged)} "
+                                f"tensors, not {dev} ones")
             # An asynchronous unshard waited on another stream (explicit prefetch).
             block = model[0]
             if dev == "cuda":
@@ -506,7 +534,7 @@ def step_fsdp_hooks(ctx: dict) -> dict:
             modes = handle.gather_modes()
             handle.disable()
             kinds = {k: v for k, v in stats.items() if isinstance(v, dict) and "calls" in v}
-            row = {"modes": modes, "host_syncs": syncs,
+            row = {"modes": modes, "host_syncs": syncs, "agreement_on": sorted(exchanged),
                    "kinds": {k: {"calls": v["calls"],
                                  "bits_per_element": round(v["bits_per_element"], 3)}
                              for k, v in kinds.items()}}
@@ -530,6 +558,7 @@ def step_fsdp_hooks(ctx: dict) -> dict:
             raise StepFailed("; ".join(problems), out)
         return out
     finally:
+        change_tracker._c10d.all_gather_single = gather
         dist.destroy_process_group()
 
 

@@ -66,9 +66,12 @@ def test_gpu_check_dry_run(tmp_path):
     want = ["quantize 4b g128 sym stoch", "quantize 4b g128 sym stoch +H32"]
     assert all(list(t) == want for t in tiles.values()), tiles
     one = steps["fsdp_one_rank"]["result"]["presets"]
-    assert len(one) == 9 and all(p["weights_equal_unhooked"] for p in one.values())
+    assert len(one) == 10 and all(p["weights_equal_unhooked"] for p in one.values())
     hooks = steps["fsdp_hooks"]["result"]["presets"]
     assert hooks["sdp4bit"]["modes"]["qwd_diff"] > 0
+    # CPU-offloaded shards: the agreement ran, on FSDP's device (the GPU's, on a GPU)
+    assert hooks["sdp4bit offload"]["modes"]["qwd_diff"] > 0
+    assert hooks["sdp4bit offload"]["agreement_on"] == ["cpu"]
     assert hooks["qsdp"]["kinds"]["grad_inter"]["calls"] > 0
     assert "levels_sync" in hooks["W4G4-learned"]["kinds"]
     assert hooks["baseline"]["kinds"]["weight_allgather"]["bits_per_element"] == 32.0

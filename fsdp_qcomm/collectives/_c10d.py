@@ -29,6 +29,18 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = R
     return fn(output, input, op=op, group=group, async_op=async_op)
 
 
+def carries(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group`` has a backend for tensors on ``device``'s type: an NCCL group carries
+    no CPU tensor (torch raises "No backend type associated with device type cpu" at the first
+    collective), a ``"cuda:nccl,cpu:gloo"`` group carries both. True where the group does not
+    say (a torch without ``_device_types``, a wrapper that registers no backend)."""
+    try:
+        types = list(group._device_types)
+    except (AttributeError, RuntimeError, TypeError):
+        return True
+    return not types or any(t.type == device.type for t in types)
+
+
 def all_gather_name() -> str:
     """The name this torch gives the single-tensor all-gather (what a byte counter wraps)."""
     return "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -39,5 +51,5 @@ def reduce_scatter_name() -> str:
             else "reduce_scatter_tensor")
 
 
-__all__ = ["all_gather_name", "all_gather_single", "reduce_scatter_name",
+__all__ = ["all_gather_name", "all_gather_single", "carries", "reduce_scatter_name",
            "reduce_scatter_single"]

@@ -121,6 +121,7 @@ class DiLoCo:
         self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
                                                   ranks_per_node=ranks_per_node)
         _check_isolated_replicas(self._fsdp_modules, self.replicas)
+        _check_carries(self.replicas, self.device, config.diagnostics)
         self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
         self._stats = CommStats()
         self._overlap = Overlap(config.overlaps, self.device)
@@ -543,6 +544,29 @@ def _check_isolated_replicas(modules: list[nn.Module], replicas: ReplicaGroup) -
             f"isolated HSDP modules (ranks {[list(r) for r in sorted(isolated)]}); pass the 2-D "
             "mesh or its replicate dimension's process group as replicas"
         )
+
+
+def _check_carries(replicas: ReplicaGroup, device: torch.device, diagnostics: bool) -> None:
+    """The outer all-reduce runs on the local shards' device: with FSDP's ``CPUOffloadPolicy``
+    that is the CPU, which an NCCL-only group cannot carry. Refused here, not after the first
+    round of inner steps."""
+    from ..collectives._c10d import carries
+
+    if not isinstance(replicas, StaticReplicas):  # torchft: its own process groups
+        return
+    groups = [("replica", replicas.group)]
+    if diagnostics:
+        groups.append(("default", dist.group.WORLD))
+    for what, group in groups:
+        if isinstance(group, dist.ProcessGroup) and group.size() > 1 \
+                and not carries(group, device):
+            raise ValueError(
+                f"DiLoCo: the parameters' local shards are on {device} (FSDP's CPUOffloadPolicy "
+                f"keeps them on the CPU) and the {what} process group has no backend for "
+                f"{device.type} tensors, so the outer all-reduce cannot run on them. Initialize "
+                "the process group with a backend for both, e.g. "
+                "init_process_group(backend='cuda:nccl,cpu:gloo'), or train without CPU offload"
+            )
 
 
 def _shard_position(refs: Sequence[ParamRef],

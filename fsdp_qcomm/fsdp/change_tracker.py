@@ -249,6 +249,11 @@ class ChangeTracker:
             return torch.zeros((), dtype=torch.bool, device=self._digest_now.device)
         return self._digest_now != self._digest
 
+    @property
+    def device(self) -> torch.device:
+        """FSDP's compute device for this group (the shards' device unless offloaded)."""
+        return fsdp.group_device(self._pg)
+
     def _signature(self) -> list[tuple]:
         return [fsdp.param_signature(fp) for fp in fsdp.fsdp_params(self._pg)]
 
@@ -303,10 +308,21 @@ class Agreement:
     def agree(self, trackers: Sequence[ChangeTracker], where: str) -> list[int]:
         if not trackers:
             return []
-        content = torch.stack([t.content_changed() for t in trackers])
-        device = content.device
-        local = self._to_device([t.local_flags(backward=False) for t in trackers], device)
-        mine = local | (content.to(torch.int64) * int(Change.CONTENT))
+        # FSDP's compute device, where its own collectives over these ranks run. CPU-offloaded
+        # shards (``CPUOffloadPolicy``) digest on the host, and an NCCL group carries no CPU
+        # tensor ("No backend type associated with device type cpu"): their answers join the
+        # host flags, which travel to the device anyway.
+        device = trackers[0].device
+        flags = [t.local_flags(backward=False) for t in trackers]
+        contents = [t.content_changed() for t in trackers]
+        if device.type != "cpu" and any(c.device.type == "cpu" for c in contents):
+            zero = torch.zeros((), dtype=torch.bool, device=device)
+            for k, c in enumerate(contents):
+                if c.device.type == "cpu":
+                    flags[k] |= int(Change.CONTENT) if c else 0
+                    contents[k] = zero
+        local = self._to_device(flags, device)
+        mine = local | (torch.stack(contents).to(torch.int64) * int(Change.CONTENT))
         world = dist.get_world_size(self.group)
         if world == 1:
             return mine.cpu().tolist()
