@@ -218,6 +218,29 @@ def test_shard_digest_in_c_equals_the_torch_formula(dtype):
         assert int(shard_digest(flipped)) != int(got)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_shard_digest_split_over_threads_is_the_same_value(dtype, monkeypatch):
+    """Large host shards (FSDP's CPU offload) are digested in pieces on several threads: the
+    same value as one pass and as the torch formula, for pieces that cut the prime's weight
+    runs anywhere, an offset shard, and a piece count that does not divide the length."""
+    from fsdp_qcomm.fsdp.change_tracker import _torch_digest
+
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(200_003, generator=g) * 1e3).to(dtype)
+    one = [cpu_native.digest(x, off) for off in (0, 65_520, 10 ** 9)]
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_native, "DIGEST_PIECE", 1_000)
+    try:
+        for t in (2, 3, 7):
+            torch.set_num_threads(t)
+            assert [cpu_native.digest(x, off) for off in (0, 65_520, 10 ** 9)] == one, t
+    finally:
+        torch.set_num_threads(threads)
+    want = int(_torch_digest([x])) & ((1 << 64) - 1)
+    assert one[0] == want
+
+
 # ---- learned levels (codec.levels) ------------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("bits", range(2, 9))
