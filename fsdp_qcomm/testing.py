@@ -269,6 +269,12 @@ def run_ranks(
             )
             p.start()
             procs.append(p)
+    except BaseException:  # an argument that does not pickle, a script without a main guard
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
+        shutil.rmtree(crash_dir, ignore_errors=True)
+        raise
     finally:
         for k, v in saved.items():
             if v is None:

@@ -118,6 +118,22 @@ def _stall_on_rank_1(rank: int, world: int) -> int:
     return rank
 
 
+def _never_runs(rank: int, world: int, arg) -> int:
+    return rank
+
+
+def test_a_rank_that_cannot_start_leaves_no_crash_folder(tmp_path, monkeypatch):
+    """An argument that does not pickle fails in ``Process.start``, after the first rank may
+    have started: the started ranks are stopped and the crash folder removed (it used to stay
+    in the temporary folder)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(Exception, match="pickle|Pickl"):
+        run_ranks(_never_runs, 2, lambda: None, timeout=60)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_deadlock_fails_with_a_timeout_naming_the_ranks_that_never_finished():
     """Rank 1 never arrives, so rank 0 waits in the barrier too: both are named."""
     with pytest.raises(AssertionError) as e:
