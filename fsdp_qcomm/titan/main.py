@@ -21,6 +21,7 @@ from fsdp_qcomm.titan.recipes import RECIPES_DIR
 from fsdp_qcomm.titan_common.launch import (
     debug_job_args,
     default_dump,
+    loss_rank,
     run_debug_job,
     torchrun_prefix,
 )
@@ -31,7 +32,7 @@ def torchrun_command(
     recipe: Path, nproc: int, steps: int | None, dump: Path, extra: list[str],
     all_ranks: bool = False,
 ) -> list[str]:
-    cmd = torchrun_prefix(nproc, dump, all_ranks) + [
+    cmd = torchrun_prefix(nproc, dump, all_ranks, loss_rank(nproc, extra)) + [
         "-m", "torchtitan.train", "--job.config_file", str(recipe),
         "--job.dump_folder", str(dump)]
     if steps is not None:

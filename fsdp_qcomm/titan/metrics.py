@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torchtitan.components.metrics import MetricsProcessor
 
+from fsdp_qcomm.titan_common.comm_stats import metrics_rank
 from fsdp_qcomm.titan_common.metrics import QCommMetricsMixin
 
 
@@ -25,7 +26,8 @@ class QCommMetricsProcessor(QCommMetricsMixin, MetricsProcessor):
 
     def __init__(self, job_config, parallel_dims, tag: str | None = None) -> None:
         super().__init__(job_config, parallel_dims, tag)
-        self.init_qcomm(accumulation_steps(job_config, parallel_dims))
+        self.init_qcomm(accumulation_steps(job_config, parallel_dims), metrics_rank(
+            parallel_dims, job_config.parallelism.pipeline_parallel_schedule))
 
     def qcomm_run_info(self) -> tuple[str, str, str]:
         m = self.job_config.model

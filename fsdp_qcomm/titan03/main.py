@@ -18,6 +18,7 @@ from pathlib import Path
 from fsdp_qcomm.titan_common.launch import (
     debug_job_args,
     default_dump,
+    loss_rank,
     run_debug_job,
     torchrun_prefix,
 )
@@ -30,7 +31,7 @@ def torchrun_command(
     config: str, nproc: int, dump: Path, extra: list[str], *, steps: int | None = None,
     replicas: int = 1, all_ranks: bool = False,
 ) -> list[str]:
-    cmd = torchrun_prefix(nproc, dump, all_ranks) + [
+    cmd = torchrun_prefix(nproc, dump, all_ranks, loss_rank(nproc, extra)) + [
         "-m", "torchtitan.train", "--module", MODULE, "--config", config,
         "--dump_folder", str(dump)]
     if steps is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor
 
+from fsdp_qcomm.titan_common.comm_stats import metrics_rank
 from fsdp_qcomm.titan_common.metrics import QCommMetricsMixin
 
 
@@ -31,7 +32,8 @@ class QCommMetricsProcessor(QCommMetricsMixin, MetricsProcessor):
         super().__init__(config, **kwargs)
         self.dump_folder = kwargs.get("dump_folder", "./outputs")
         self.run_name = ("", "")
-        self.init_qcomm()
+        self.init_qcomm(summary_rank=metrics_rank(kwargs.get("parallel_dims"),
+                                                  kwargs.get("pp_schedule", "1F1B")))
 
     def qcomm_run_info(self) -> tuple[str, str, str]:
         return (self.dump_folder, *self.run_name)

@@ -650,16 +650,29 @@ class QCommRun:
             "wall_time_s": time.perf_counter() - self.t_start,
         }
 
-    def close(self, dump_folder: str, model_parts, model: str, flavor: str) -> Optional[str]:
-        """Rank 0 writes the summary file (if anything was logged); returns its path."""
+    def close(self, dump_folder: str, model_parts, model: str, flavor: str,
+              writer: int = 0) -> Optional[str]:
+        """Rank ``writer`` writes the summary file (if anything was logged); returns its path.
+        Under pipeline parallelism that is the rank torchtitan logs metrics on, the first of
+        the last stage, which alone holds the loss (``metrics_rank``)."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if rank != 0 or not self.history:
+        if rank != writer or not self.history:
             return None
         path = os.path.join(dump_folder, SUMMARY_FILE)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(self.summary(model_parts, model, flavor), f, indent=2)
         return path
+
+
+def metrics_rank(parallel_dims: Any, schedule: str) -> int:
+    """The rank torchtitan logs metrics on (its ``_get_metrics_rank``, the same in 0.2.2 and
+    0.3): 0, or under pipeline parallelism the first rank of the last stage, where the loss is
+    computed; 0 again for the V-shaped schedule, whose last stage is on rank 0."""
+    pp = int(getattr(parallel_dims, "pp", 1) or 1)
+    if pp <= 1 or schedule == "ZBVZeroBubble":
+        return 0
+    return int(parallel_dims.world_size) // pp * (pp - 1)
 
 
 def _live_handles(model_parts) -> list[Any]:
@@ -678,5 +691,5 @@ __all__ = [
     "ATTACHMENT_ATTR", "COLLECTIVES", "Collective", "CommTracker", "QCommAttachment", "QCommRun",
     "NOT_KINDS", "Reference", "SUMMARY_FILE", "attachment_of", "collective_named",
     "collective_of", "counted_steps", "flatten_counters", "format_figures", "fsdp_reference",
-    "split_stats",
+    "metrics_rank", "split_stats",
 ]

@@ -38,16 +38,42 @@ def default_dump(name: str) -> Path:
     return ((checkout() or Path.cwd()) / "outputs" / name).resolve()
 
 
-def torchrun_prefix(nproc: int, dump: Path, all_ranks: bool = False) -> list[str]:
-    """``torchrun --standalone --nproc_per_node N`` (printing rank 0's log only by default),
-    with torchrun's own log folder in the job's ``dump`` folder: without ``--log-dir`` torchrun
-    makes a ``torchelastic_*`` folder in the system's temporary directory on every launch (with
-    each rank's full log when it tees) and never removes it."""
+def torchrun_prefix(nproc: int, dump: Path, all_ranks: bool = False,
+                    log_rank: int = 0) -> list[str]:
+    """``torchrun --standalone --nproc_per_node N`` (printing rank ``log_rank``'s log only by
+    default), with torchrun's own log folder in the job's ``dump`` folder: without
+    ``--log-dir`` torchrun makes a ``torchelastic_*`` folder in the system's temporary
+    directory on every launch (with each rank's full log when it tees) and never removes it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "--log-dir", str(Path(dump) / "torchrun_logs")]
     if not all_ranks:
-        cmd += ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]
+        cmd += ["--local-ranks-filter", str(log_rank), "--role", "rank", "--tee", "3"]
     return cmd
+
+
+def loss_rank(nproc: int, extra: list[str]) -> int:
+    """The rank whose log shows the loss, from torchtitan flags among ``extra``: 0, or under
+    pipeline parallelism (``--parallelism.pipeline_parallel_degree P``) the first rank of the
+    last stage (``comm_stats.metrics_rank``), where torchtitan computes and logs it."""
+    from types import SimpleNamespace
+
+    from .comm_stats import metrics_rank
+
+    def flag(name: str, default: str) -> str:
+        for i, a in enumerate(extra):
+            if a == name and i + 1 < len(extra):
+                return extra[i + 1]
+            if a.startswith(name + "="):
+                return a.split("=", 1)[1]
+        return default
+
+    prefix = "--parallelism.pipeline_parallel_"
+    try:
+        pp = int(flag(prefix + "degree", "1"))
+    except ValueError:
+        return 0
+    dims = SimpleNamespace(pp=pp, world_size=nproc)
+    return metrics_rank(dims, flag(prefix + "schedule", "1F1B")) if 0 < pp <= nproc else 0
 
 
 def child_env() -> dict[str, str]:
@@ -200,7 +226,10 @@ def run_debug_job(cmd: list[str], dump: Path, vocab_size: int) -> int:
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
     print("+ " + " ".join(cmd), flush=True)
     t1 = time.perf_counter()
-    rc = subprocess.call(cmd, env=child_env(), cwd=str(checkout() or Path.cwd()))
+    env = child_env()
+    if "--local-ranks-filter" in cmd:  # torchtitan warns unless LOG_RANK names the loss's rank
+        env["LOG_RANK"] = cmd[cmd.index("--local-ranks-filter") + 1]
+    rc = subprocess.call(cmd, env=env, cwd=str(checkout() or Path.cwd()))
     print(f"torchrun exited with {rc} after {time.perf_counter() - t1:.0f} s", flush=True)
     if rc != 0:
         return rc
@@ -211,5 +240,5 @@ def run_debug_job(cmd: list[str], dump: Path, vocab_size: int) -> int:
     return 0
 
 
-__all__ = ["REPO_ROOT", "checkout", "child_env", "debug_job_args", "default_dump",
+__all__ = ["REPO_ROOT", "checkout", "child_env", "debug_job_args", "default_dump", "loss_rank",
            "print_summary", "run_debug_job", "torchrun_prefix"]

@@ -26,9 +26,11 @@ class QCommMetricsMixin:
     qcomm: QCommRun
     model_parts: Optional[list[torch.nn.Module]]  # set by torchtitan's Trainer
 
-    def init_qcomm(self, microbatches: int = 1) -> None:
-        """Call at the end of the processor's ``__init__``."""
+    def init_qcomm(self, microbatches: int = 1, summary_rank: int = 0) -> None:
+        """Call at the end of the processor's ``__init__``; ``summary_rank``: the rank that
+        writes the summary file (``comm_stats.metrics_rank``)."""
         self.qcomm = QCommRun(microbatches)
+        self.qcomm_summary_rank = summary_rank
 
     def set_microbatches(self, microbatches: int) -> None:
         """Forwards of the first model part per training step (gradient accumulation steps
@@ -66,7 +68,7 @@ class QCommMetricsMixin:
 
     def _summary_args(self) -> tuple:
         folder, model, flavor = self.qcomm_run_info()
-        return folder, self.model_parts, model, flavor
+        return folder, self.model_parts, model, flavor, getattr(self, "qcomm_summary_rank", 0)
 
 
 __all__ = ["QCommMetricsMixin"]

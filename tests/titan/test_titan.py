@@ -463,6 +463,22 @@ def test_tensor_parallel_two_by_two(tmp_path):
     assert s["loss"] and all(math.isfinite(v) for v in s["loss"]), s["loss"]
 
 
+@pytest.mark.long
+def test_pipeline_two_stages_of_two_shards(tmp_path):
+    """torchtitan's pipeline parallelism (2 stages, 1F1B, FSDP over 2 ranks per stage, each
+    rank its own node): the stages' gathers and reductions are quantized, and the summary
+    holds the loss, which only the last stage computes (rank 0's is a placeholder)."""
+    dump = tmp_path / "out"
+    torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(4, validate=True),
+             "--parallelism.pipeline_parallel_degree", "2", *TWO_NODES, nproc=4, timeout=600)
+    s = read_summary(dump)
+    assert len(s["loss"]) == 4 and all(8 < v < 10 for v in s["loss"]), s["loss"]
+    assert s["validation"] and all(8 < v["loss"] < 10 for v in s["validation"]), s["validation"]
+    stats = s["handle_stats"][0]
+    assert stats["grad_inter"]["calls"] > 0 and stats["weight_allgather"]["calls"] > 0
+    assert s["gather_modes"].get("qwd_diff", 0) > 0, s["gather_modes"]
+
+
 # --------------------------------------------------------------------------- [diloco] section
 def test_diloco_section_parses_from_toml_and_cli(tmp_path):
     """[diloco] mirrors DiLoCoConfig: TOML values, CLI flags win, bits = 32 is fp32, off by

@@ -530,7 +530,6 @@ def test_diloco_checkpoint_loads_without_its_entry_with_exclude(diloco_run, tmp_
 
 
 @pytest.mark.long
-@pytest.mark.long
 def test_tensor_parallel_two_by_two(tmp_path):
     """The 0.3 debug recipe with tensor parallelism 2 inside each of 2 "nodes" (4 CPU ranks,
     the recipe's ranks_per_node=2): FSDP over the 2 data-parallel ranks, torchtitan's TP plan;
@@ -545,6 +544,23 @@ def test_tensor_parallel_two_by_two(tmp_path):
     assert all(math.isfinite(v) for v in s["loss"]), s["loss"]
     assert any("tensor-parallel peers" in n for n in s["notes"]), s["notes"]
     assert s["handle_stats"][0]["tp_peer_sync"]["calls"] > 0
+
+
+@pytest.mark.long
+def test_pipeline_two_stages_of_two_shards(tmp_path):
+    """torchtitan 0.3's pipeline parallelism (2 stages, FSDP over 2 ranks per stage, each rank
+    its own node): quantized gathers and reductions, and a summary holding the last stage's
+    loss and held-out loss (rank 0's are placeholders)."""
+    dump = tmp_path / "out"
+    torchrun("debug_sdp4bit", dump, *short_run(4, "--validator.freq", "2", "--validator.steps",
+                                                "2"),
+             "--parallelism.pipeline_parallel_degree", "2", "--qcomm.ranks_per_node", "1",
+             nproc=4, timeout=900)
+    s = read_summary(dump)
+    assert len(s["loss"]) == 4 and all(8 < v < 10 for v in s["loss"]), s["loss"]
+    assert s["validation"] and all(8 < v["loss"] < 10 for v in s["validation"]), s["validation"]
+    stats = s["handle_stats"][0]
+    assert stats["grad_inter"]["calls"] > 0 and stats["weight_allgather"]["calls"] > 0
 
 
 def test_moe_with_expert_parallelism_trains_through_sdp4bit(tmp_path):

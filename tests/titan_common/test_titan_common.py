@@ -438,6 +438,28 @@ def test_debug_jobs_keep_out_of_site_packages(tmp_path, monkeypatch):
     assert seen["cwd"] == str(work)
 
 
+def test_pipeline_runs_log_and_summarize_the_last_stages_rank():
+    """Under pipeline parallelism only the last stage computes the loss: the debug job prints
+    that stage's first rank's log and that rank writes the summary (torchtitan's metrics
+    rank), else the summary held rank 0's placeholder loss."""
+    from types import SimpleNamespace
+
+    from fsdp_qcomm.titan_common.comm_stats import metrics_rank
+    from fsdp_qcomm.titan_common.launch import loss_rank, torchrun_prefix
+
+    flag = "--parallelism.pipeline_parallel_degree"
+    assert loss_rank(4, []) == 0 and loss_rank(4, ["--training.steps", "3"]) == 0
+    assert loss_rank(4, [flag, "2"]) == 2 and loss_rank(8, [f"{flag}=4"]) == 6
+    assert loss_rank(4, [flag, "2", "--parallelism.pipeline_parallel_schedule",
+                         "ZBVZeroBubble"]) == 0  # V schedules end on rank 0
+    assert loss_rank(4, [flag, "x"]) == 0 and loss_rank(2, [flag, "4"]) == 0
+    assert metrics_rank(SimpleNamespace(pp=1, world_size=8), "1F1B") == 0
+    assert metrics_rank(SimpleNamespace(pp=2, world_size=8), "Interleaved1F1B") == 4
+    assert metrics_rank(None, "1F1B") == 0
+    cmd = torchrun_prefix(4, "/d", log_rank=2)
+    assert cmd[cmd.index("--local-ranks-filter") + 1] == "2"
+
+
 def test_version_check_names_the_adapter_to_use(monkeypatch):
     assert version.parse_version("0.3.0.dev20260101+cu128") == (0, 3, 0)
     assert version.parse_version("v0.2.2") == (0, 2, 2)
