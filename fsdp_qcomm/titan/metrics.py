@@ -27,7 +27,8 @@ class QCommMetricsProcessor(QCommMetricsMixin, MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None) -> None:
         super().__init__(job_config, parallel_dims, tag)
         self.init_qcomm(accumulation_steps(job_config, parallel_dims), metrics_rank(
-            parallel_dims, job_config.parallelism.pipeline_parallel_schedule))
+            parallel_dims.pp, parallel_dims.world_size,
+            job_config.parallelism.pipeline_parallel_schedule))
 
     def qcomm_run_info(self) -> tuple[str, str, str]:
         m = self.job_config.model

@@ -32,7 +32,8 @@ class QCommMetricsProcessor(QCommMetricsMixin, MetricsProcessor):
         super().__init__(config, **kwargs)
         self.dump_folder = kwargs.get("dump_folder", "./outputs")
         self.run_name = ("", "")
-        self.init_qcomm(summary_rank=metrics_rank(kwargs.get("parallel_dims"),
+        dims = self.parallel_dims
+        self.init_qcomm(summary_rank=metrics_rank(dims.pp, dims.world_size,
                                                   kwargs.get("pp_schedule", "1F1B")))
 
     def qcomm_run_info(self) -> tuple[str, str, str]:

@@ -575,11 +575,14 @@ def counted_steps(handles: Iterable[Any]) -> int:
 @dataclass
 class QCommRun:
     """What a metrics processor of either torchtitan version keeps about the hooks: figures at
-    every logging step, held-out losses, and the summary file rank 0 writes at the end.
-    ``microbatches``: forwards of a model part per training step (gradient accumulation steps
-    times pipeline microbatches), for the FSDP reference."""
+    every logging step, held-out losses, and the summary file rank ``summary_rank`` writes at
+    the end. ``microbatches``: forwards of a model part per training step (gradient
+    accumulation steps times pipeline microbatches), for the FSDP reference. ``summary_rank``:
+    the rank torchtitan logs metrics on (``metrics_rank``): under pipeline parallelism the first
+    of the last stage, which alone holds the loss."""
 
     microbatches: int = 1
+    summary_rank: int = 0
     tracker: CommTracker = field(default_factory=CommTracker)
     history: list = field(default_factory=list)
     validation: list = field(default_factory=list)
@@ -650,13 +653,11 @@ class QCommRun:
             "wall_time_s": time.perf_counter() - self.t_start,
         }
 
-    def close(self, dump_folder: str, model_parts, model: str, flavor: str,
-              writer: int = 0) -> Optional[str]:
-        """Rank ``writer`` writes the summary file (if anything was logged); returns its path.
-        Under pipeline parallelism that is the rank torchtitan logs metrics on, the first of
-        the last stage, which alone holds the loss (``metrics_rank``)."""
+    def close(self, dump_folder: str, model_parts, model: str, flavor: str) -> Optional[str]:
+        """Rank ``summary_rank`` writes the summary file (if anything was logged); returns its
+        path."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if rank != writer or not self.history:
+        if rank != self.summary_rank or not self.history:
             return None
         path = os.path.join(dump_folder, SUMMARY_FILE)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -665,14 +666,14 @@ class QCommRun:
         return path
 
 
-def metrics_rank(parallel_dims: Any, schedule: str) -> int:
+def metrics_rank(pp: int, world_size: int, schedule: str) -> int:
     """The rank torchtitan logs metrics on (its ``_get_metrics_rank``, the same in 0.2.2 and
-    0.3): 0, or under pipeline parallelism the first rank of the last stage, where the loss is
-    computed; 0 again for the V-shaped schedule, whose last stage is on rank 0."""
-    pp = int(getattr(parallel_dims, "pp", 1) or 1)
+    0.3) with ``pp`` pipeline stages over ``world_size`` ranks: 0, or under pipeline
+    parallelism the first rank of the last stage, where the loss is computed; 0 again for the
+    V-shaped schedule, whose last stage is on rank 0."""
     if pp <= 1 or schedule == "ZBVZeroBubble":
         return 0
-    return int(parallel_dims.world_size) // pp * (pp - 1)
+    return world_size // pp * (pp - 1)
 
 
 def _live_handles(model_parts) -> list[Any]:

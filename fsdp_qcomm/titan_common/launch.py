@@ -55,8 +55,6 @@ def loss_rank(nproc: int, extra: list[str]) -> int:
     """The rank whose log shows the loss, from torchtitan flags among ``extra``: 0, or under
     pipeline parallelism (``--parallelism.pipeline_parallel_degree P``) the first rank of the
     last stage (``comm_stats.metrics_rank``), where torchtitan computes and logs it."""
-    from types import SimpleNamespace
-
     from .comm_stats import metrics_rank
 
     def flag(name: str, default: str) -> str:
@@ -72,8 +70,7 @@ def loss_rank(nproc: int, extra: list[str]) -> int:
         pp = int(flag(prefix + "degree", "1"))
     except ValueError:
         return 0
-    dims = SimpleNamespace(pp=pp, world_size=nproc)
-    return metrics_rank(dims, flag(prefix + "schedule", "1F1B")) if 0 < pp <= nproc else 0
+    return metrics_rank(pp, nproc, flag(prefix + "schedule", "1F1B")) if 0 < pp <= nproc else 0
 
 
 def child_env() -> dict[str, str]:

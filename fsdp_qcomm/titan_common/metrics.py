@@ -29,8 +29,7 @@ class QCommMetricsMixin:
     def init_qcomm(self, microbatches: int = 1, summary_rank: int = 0) -> None:
         """Call at the end of the processor's ``__init__``; ``summary_rank``: the rank that
         writes the summary file (``comm_stats.metrics_rank``)."""
-        self.qcomm = QCommRun(microbatches)
-        self.qcomm_summary_rank = summary_rank
+        self.qcomm = QCommRun(microbatches, summary_rank=summary_rank)
 
     def set_microbatches(self, microbatches: int) -> None:
         """Forwards of the first model part per training step (gradient accumulation steps
@@ -68,7 +67,7 @@ class QCommMetricsMixin:
 
     def _summary_args(self) -> tuple:
         folder, model, flavor = self.qcomm_run_info()
-        return folder, self.model_parts, model, flavor, getattr(self, "qcomm_summary_rank", 0)
+        return folder, self.model_parts, model, flavor
 
 
 __all__ = ["QCommMetricsMixin"]

@@ -442,8 +442,6 @@ def test_pipeline_runs_log_and_summarize_the_last_stages_rank():
     """Under pipeline parallelism only the last stage computes the loss: the debug job prints
     that stage's first rank's log and that rank writes the summary (torchtitan's metrics
     rank), else the summary held rank 0's placeholder loss."""
-    from types import SimpleNamespace
-
     from fsdp_qcomm.titan_common.comm_stats import metrics_rank
     from fsdp_qcomm.titan_common.launch import loss_rank, torchrun_prefix
 
@@ -453,9 +451,8 @@ def test_pipeline_runs_log_and_summarize_the_last_stages_rank():
     assert loss_rank(4, [flag, "2", "--parallelism.pipeline_parallel_schedule",
                          "ZBVZeroBubble"]) == 0  # V schedules end on rank 0
     assert loss_rank(4, [flag, "x"]) == 0 and loss_rank(2, [flag, "4"]) == 0
-    assert metrics_rank(SimpleNamespace(pp=1, world_size=8), "1F1B") == 0
-    assert metrics_rank(SimpleNamespace(pp=2, world_size=8), "Interleaved1F1B") == 4
-    assert metrics_rank(None, "1F1B") == 0
+    assert metrics_rank(1, 8, "1F1B") == 0
+    assert metrics_rank(2, 8, "Interleaved1F1B") == 4
     cmd = torchrun_prefix(4, "/d", log_rank=2)
     assert cmd[cmd.index("--local-ranks-filter") + 1] == "2"
 
