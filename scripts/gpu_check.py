@@ -495,8 +495,9 @@ def step_fsdp_hooks(ctx: dict) -> dict:
     exchanged: set = set()
     gather = change_tracker._c10d.all_gather_single
 
-    def spy(out, mine, *a, **kw):
-        exchanged.add(mine.device.type)
+    def spy(out, mine, *a, **kw):  # the module is shared: the weight gathers call it too
+        if sys._getframe(1).f_code is change_tracker.Agreement.agree.__code__:
+            exchanged.add(mine.device.type)
         return gather(out, mine, *a, **kw)
 
     change_tracker._c10d.all_gather_single = spy
