@@ -103,3 +103,23 @@ def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
     idx = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
     return idx[:, :-1], idx[:, 1:]
+
+
+def tp_drift(model: nn.Module, tp_group) -> tuple[float, int]:
+    """The largest difference between TP peers' copies of the parameters TP leaves whole (not
+    on the "tp" mesh dimension, or ``Replicate`` there), and how many such parameters there
+    are."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+
+    worst, shared = 0.0, 0
+    for _, p in model.named_parameters():
+        names = p.device_mesh.mesh_dim_names or ()
+        if "tp" in names and not isinstance(p.placements[names.index("tp")], Replicate):
+            continue
+        shared += 1
+        mine = p.to_local().detach().clone()
+        peers = [torch.empty_like(mine) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(peers, mine, group=tp_group)
+        worst = max(worst, max((q - mine).abs().max().item() for q in peers))
+    return worst, shared

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _tp_models import TinyLlama, batch, parallelize_tp
+from _tp_models import TinyLlama, batch, parallelize_tp, tp_drift
 
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
@@ -20,7 +20,6 @@ STEPS = 8
 def _train(preset: str, tp_inner: bool, sp: bool, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
 
     names = ("dp", "tp") if tp_inner else ("tp", "dp")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
@@ -46,16 +45,7 @@ def _train(preset: str, tp_inner: bool, sp: bool, steps: int) -> dict:
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
     # every parameter TP does not shard: its shard must be the same bytes on both TP peers
-    worst, replicated = 0.0, 0
-    for name, p in model.named_parameters():
-        dims = p.device_mesh.mesh_dim_names or ()
-        if "tp" in dims and not isinstance(p.placements[dims.index("tp")], Replicate):
-            continue
-        replicated += 1
-        mine = p.to_local().detach().clone()
-        peers = [torch.empty_like(mine) for _ in range(2)]
-        dist.all_gather(peers, mine, group=tp.get_group())
-        worst = max(worst, (peers[0] - peers[1]).abs().max().item())
+    worst, replicated = tp_drift(model, tp.get_group())
     out = {"losses": losses, "worst": worst, "replicated": replicated}
     if handle is not None:
         stats = handle.stats()

@@ -4,14 +4,16 @@ Call ``step()`` once after every inner optimizer step, on every rank. Each repli
 normal FSDP2 model (``fully_shard`` over the group's own ranks: a 1-D mesh, or the ``shard``
 dimension of a 2-D ``(replicate, shard)`` mesh), or HSDP over the 2-D mesh with its all-reduce
 across replicas isolated (``isolation.isolate_replicas``: FSDP over the shard dimension, the
-parameters 2-D DTensors whose local shards are read and written the same way); nothing crosses
-replica groups except the outer all-reduces ``step()`` runs on the schedule
+parameters 2-D DTensors whose local shards are read and written the same way), either with tensor
+parallelism inside the group (``layout``: what TP peers share stays bit-identical); nothing
+crosses replica groups except the outer all-reduces ``step()`` runs on the schedule
 (``schedule.Schedule``).
 
 Checkpoints (``state_dict`` / ``load_state_dict``; a DCP ``Stateful``). Plain tensors, keyed so
 any per-rank checkpointer keeps every rank's piece:
 
-* ``"group_rank{g}"``: what every replica holds alike at local index ``g`` (start-of-round
+* ``"group_rank{g}"``: what every replica holds alike at position ``g`` inside its replica group
+  (``layout.ReplicaLayout``: the shard rank, with TP the shard and TP coordinates; start-of-round
   weights, outer optimizer state, counters, a merge still pending, and ``meta``: the rank,
   group size, replica count, parameter names and shapes per fragment, and the config fields
   the state depends on). ``load_state_dict`` refuses any difference in ``meta``.
@@ -38,7 +40,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..stats import CommStats
 from .config import DiLoCoConfig
-from .isolation import isolated_positions, isolated_replica_ranks
+from .isolation import isolated_replica_ranks
+from .layout import PeerSpans, replica_layout
 from .outer import (
     KIND,
     KIND_INIT,
@@ -111,12 +114,15 @@ class DiLoCo:
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._reshard()
         refs = fragment_refs(model, fragments, config.fragments)
-        self.group_rank, self.group_size = _shard_position(
-            [r for f in refs for r in f], isolated_positions(self._fsdp_modules))
+        self.layout = replica_layout([(r.name, r.param) for f in refs for r in f],
+                                     self._fsdp_modules)
+        self.group_rank, self.group_size = self.layout.position, self.layout.positions
         factory = outer_optimizer or default_optimizer(config.outer_lr, config.outer_momentum,
                                                        config.outer_nesterov)
         self.fragments = [Fragment(i, f, factory, config.error_feedback and self._spec is not None)
                           for i, f in enumerate(refs)]
+        shared = iter(self.layout.shared)
+        self._peers = [PeerSpans([next(shared) for _ in f.refs], f.sizes) for f in self.fragments]
         self.device = self.fragments[0].device
         self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
                                                   ranks_per_node=ranks_per_node)
@@ -188,7 +194,7 @@ class DiLoCo:
             self.reset_residuals()
         frag = self.fragments[f]
         buf = frag.pseudo_gradient() if weight else torch.zeros_like(frag.global_)
-        diag = self._diagnose_launch(buf) if self.config.diagnostics else None
+        diag = self._diagnose_launch(buf, f) if self.config.diagnostics else None
         residuals = frag.feedback if weight else None
         if residuals is not None:  # allocate here, on the main thread
             frag.residuals(self.replicas.size(), self._spec, self.config.hadamard)
@@ -228,6 +234,7 @@ class DiLoCo:
             return
         before = frag.global_.clone() if p.diag is not None else None
         if total > 0:
+            self._peers[p.fragment].settle(p.buf, lossy=self._spec is not None)
             frag.outer_step(p.buf)
         if p.diag is not None:
             self._diagnose_merge(p, frag.global_ - before)
@@ -237,7 +244,7 @@ class DiLoCo:
             self.handle.mark_changed()
 
     # ---- diagnostics (DiLoCoConfig.diagnostics) ------------------------------------------
-    def _diagnose_launch(self, buf: torch.Tensor) -> dict[str, Any]:
+    def _diagnose_launch(self, buf: torch.Tensor, fragment: int) -> dict[str, Any]:
         """Before the quantized all-reduce changes ``buf``: the exact fp32 mean over the
         replicas (an extra, unquantized all-reduce, on this thread) and this rank's squared
         pseudo-gradient norm."""
@@ -245,16 +252,18 @@ class DiLoCo:
         if self.replicas.size() > 1:
             dist.all_reduce(ref, group=self.replicas.group)
             ref.div_(self.replicas.size())
-        return {"ref": ref, "pg_sq": float(buf.double().pow(2).sum())}
+        once = self._peers[fragment].once
+        return {"ref": ref, "pg_sq": float(once(buf.double().pow(2)))}
 
     def _diagnose_merge(self, p: _Pending, update: torch.Tensor) -> None:
         """Compare the quantized mean with the fp32 one and record the applied update's norm.
         Each rank holds its shard of the fragment: the squared sums add up over every rank
         (one small all-reduce), and each replica contributes the same means once."""
         q, ref = p.buf.double(), p.diag["ref"].double()
-        parts = torch.tensor([float((q * ref).sum()), float(q.pow(2).sum()),
-                              float(ref.pow(2).sum()), float((q - ref).pow(2).sum()),
-                              float(update.double().pow(2).sum()), p.diag["pg_sq"]],
+        once = self._peers[p.fragment].once  # a value TP peers share counts once
+        parts = torch.tensor([float(once(q * ref)), float(once(q.pow(2))),
+                              float(once(ref.pow(2))), float(once((q - ref).pow(2))),
+                              float(once(update.double().pow(2))), p.diag["pg_sq"]],
                              dtype=torch.float64, device=p.buf.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(parts)
@@ -567,48 +576,6 @@ def _check_carries(replicas: ReplicaGroup, device: torch.device, diagnostics: bo
                 "the process group with a backend for both, e.g. "
                 "init_process_group(backend='cuda:nccl,cpu:gloo'), or train without CPU offload"
             )
-
-
-def _shard_position(refs: Sequence[ParamRef],
-                    isolated: Optional[dict[int, tuple[int, int]]] = None) -> tuple[int, int]:
-    """(this rank's index, the group size) in the FSDP mesh the parameters are sharded over;
-    (0, 1) without DTensors. A parameter on a 2-D (HSDP) mesh is accepted only when its group's
-    all-reduce across replicas is isolated (``isolated``: ``isolation.isolated_positions``,
-    its position in the shard group); otherwise refused: HSDP all-reduces across replicas at
-    every step, which is what DiLoCo replaces."""
-    meshes = {}
-    for r in refs:
-        p = r.param
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is None:
-            continue
-        if mesh.ndim != 1:
-            pos = (isolated or {}).get(id(p))
-            if pos is not None and mesh.ndim == 2:
-                meshes[pos] = r.name
-                continue
-            if pos is not None:
-                raise ValueError(
-                    f"DiLoCo: parameter {r.name!r} is sharded over a {mesh.ndim}-D mesh "
-                    f"{mesh.mesh_dim_names}: isolated HSDP with another mesh dimension (tensor "
-                    "parallelism) is not supported; DiLoCo takes FSDP or HSDP over a 2-D "
-                    "(replicate, shard) mesh"
-                )
-            raise ValueError(
-                f"DiLoCo: parameter {r.name!r} is sharded over a {mesh.ndim}-D mesh "
-                f"{mesh.mesh_dim_names}: HSDP all-reduces across replicas at every step, which "
-                "DiLoCo replaces. Shard each replica group by itself: fully_shard(..., "
-                "mesh=mesh['shard']) on the 2-D (replicate, shard) mesh, or keep HSDP and call "
-                "fsdp_qcomm.diloco.isolate_replicas(model) before the first backward"
-            )
-        meshes[(mesh.size(), mesh.get_local_rank())] = r.name
-    if not meshes:
-        return 0, 1
-    if len(meshes) > 1:
-        raise ValueError(f"DiLoCo: the parameters are sharded over meshes of different sizes "
-                         f"or positions {sorted(meshes)}; use one shard mesh for the model")
-    size, rank = next(iter(meshes))
-    return rank, size
 
 
 def fragment_refs(model: nn.Module, fragments: Optional[Sequence[FragmentSpec]],
