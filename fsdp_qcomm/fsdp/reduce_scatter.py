@@ -156,7 +156,7 @@ class QuantizedReduceScatter(ReduceScatter):
         # on every rank, so no rank routes it differently). Through the queue it waited for
         # all of them first: the two threads took turns (results/step_profile).
         self._reduce(output_tensor, input_tensor, group, op, key, levels, topology, feedback)
-        if self.peer_sync is not None and not hsdp:
+        if self.peer_sync is not None:  # set here only when no replica hook runs it after
             self.peer_sync(output_tensor, self.stats)
         return None
 
