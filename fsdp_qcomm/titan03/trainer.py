@@ -110,8 +110,9 @@ class QCommTrainer(Trainer):
                 )
             if self.diloco.enable and self.parallelism.pipeline_parallel_degree > 1:
                 raise ValueError(
-                    "diloco.enable with pipeline parallelism: DiLoCo is wired for data "
-                    "parallelism only (dp_replicate replica groups, dp_shard inside each)"
+                    "diloco.enable with pipeline parallelism: DiLoCo is wired for data and "
+                    "tensor parallelism only (dp_replicate replica groups, dp_shard x tp inside "
+                    "each)"
                 )
 
     def __init__(self, config: Config) -> None:

@@ -37,8 +37,10 @@ With ``enable = true`` the replica groups are torchtitan's ``dp_replicate`` dime
 * the ``qcomm:`` console line gains ``diloco:`` figures: the outer all-reduce's node-crossing
   bytes per inner step, outer steps, staleness (``diloco/*`` metrics).
 
-Not wired here: pipeline, tensor, context or expert parallelism with DiLoCo (refused, naming
-the dimension); torchft (``fsdp_qcomm.diloco.ft`` runs without torchtitan).
+Tensor parallelism composes: each rank syncs with its ``(dp_shard, tp)`` place in every replica
+group (``fsdp_qcomm.diloco.layout``). Not wired here: pipeline, context or expert parallelism with
+DiLoCo (refused, naming the dimension); torchft (``fsdp_qcomm.diloco.ft`` runs without
+torchtitan).
 
 On torchtitan 0.2.2 the loss stays normalized by every replica group's tokens (its stock
 ``Trainer`` computes it inside ``train_step``, out of an adapter's reach): each replica group's
@@ -158,11 +160,11 @@ class _NoReplicate:
 
 def check_layout(parallel_dims: Any) -> None:
     """Refuse what the driver does not wire (see the module docstring)."""
-    bad = [n for n in ("pp", "tp", "cp", "ep") if getattr(parallel_dims, n, 1) > 1]
+    bad = [n for n in ("pp", "cp", "ep") if getattr(parallel_dims, n, 1) > 1]
     if bad:
         raise ValueError(f"[{SECTION}] enable=true with {', '.join(f'{n}>1' for n in bad)}: "
-                         "DiLoCo is wired for data parallelism only (dp_replicate replica "
-                         "groups, dp_shard inside each)")
+                         "DiLoCo is wired for data and tensor parallelism only (dp_replicate "
+                         "replica groups, dp_shard x tp inside each)")
     if getattr(parallel_dims, "dp_replicate", 1) < 2:
         logger.warning(f"[{SECTION}] enable=true with dp_replicate=1: one replica group, the "
                        "outer steps have no one to average with")

@@ -586,6 +586,32 @@ def test_diloco_checkpoint_loads_without_its_entry_with_exclude(diloco_ckpt_run,
             for s in (5, 6, 7, 8)] == [(1, 0), (2, 0), (3, 1), (4, 1)]
 
 
+@pytest.mark.long
+def test_diloco_with_tensor_parallelism_resumes_bit_identically(tmp_path):
+    """2 replica groups x TP 2 (one rank per replica per TP coordinate: no FSDP), an outer
+    4-bit all-reduce every 3 steps, a checkpoint at step 4: the run trains, and a resume from
+    step 4 repeats steps 5-8 exactly (each TP coordinate's outer state under its own
+    ``group_rank`` key, ``diloco.layout``)."""
+    tp = ("--parallelism.data_parallel_replicate_degree", "2",
+          "--parallelism.tensor_parallel_degree", "2", "--qcomm.ranks_per_node", "2",
+          "--diloco.enable", "--diloco.sync_every", "3", "--checkpoint.enable",
+          "--checkpoint.interval", "4", "--checkpoint.folder", "ckpt")
+    recipe = REPO_ROOT / "recipes" / "debug_sdp4bit.toml"
+    run = tmp_path / "run"
+    proc = torchrun(recipe, run, *short_run(8), *tp, nproc=4, timeout=600)
+    a = read_summary(run)
+    check_diloco_summary(a, proc.stdout + proc.stderr, steps=8, outer_steps=2)
+    resumed = tmp_path / "resumed"
+    (resumed / "ckpt").mkdir(parents=True)
+    shutil.copytree(run / "ckpt" / "step-4", resumed / "ckpt" / "step-4")
+    proc = torchrun(recipe, resumed, *short_run(8), *tp, "--checkpoint.load_step", "4",
+                    nproc=4, timeout=600)
+    assert "(built for a checkpoint load)" in proc.stdout + proc.stderr
+    b = read_summary(resumed)
+    assert b["steps_logged"] == [5, 6, 7, 8]
+    assert b["loss"] == a["loss"][4:], (a["loss"], b["loss"])
+
+
 # --------------------------------------------------------------------------- "diloco" entry
 @pytest.fixture
 def one_rank_gloo():

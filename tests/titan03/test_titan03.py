@@ -412,8 +412,13 @@ def test_diloco_enable_parses_and_pipeline_parallelism_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse("debug_sdp4bit", "--diloco.enable", "--parallelism.pipeline_parallel_degree", "2")
     err = " ".join(capsys.readouterr().err.replace("│", " ").split())
-    assert "DiLoCo is wired for data parallelism only" in err, err
+    assert "DiLoCo is wired for data and tensor parallelism only" in err, err
 
+
+#: DiLoCo over 2 replica groups x TP 2 (each replica group one "node")
+TP_DILOCO = ("--parallelism.data_parallel_replicate_degree", "2",
+             "--parallelism.tensor_parallel_degree", "2", "--qcomm.ranks_per_node", "2",
+             "--diloco.enable", "--diloco.sync_every", "2", "--validator.no-enable")
 
 #: DiLoCo over 2 replica groups x 2 shards (the 4 ranks being 2 "nodes" x 2), an outer 4-bit
 #: all-reduce every 2 steps (merges after steps 2, 4, 6), a full checkpoint after every step
@@ -445,6 +450,19 @@ def test_diloco_two_replicas_of_two_shards(diloco_run):
     assert [(h["diloco/inner_steps"], h["diloco/outer_steps"]) for h in s["history"]] == \
         [(1, 0), (2, 1), (3, 1), (4, 2), (5, 2), (6, 3)]
     assert all(not h.get("qcomm/replica_bytes_per_step") for h in s["history"])
+
+
+@pytest.mark.long
+def test_diloco_with_tensor_parallelism(tmp_path):
+    """``--diloco.enable`` on 2 replica groups x TP 2: torchtitan 0.3 builds HSDP over
+    ``dp_replicate`` (one shard rank) with TP inside, the trainer isolates the replicas (3-D
+    parameter meshes), DiLoCo places each rank by its TP coordinate (``diloco.layout``) and
+    merges after steps 2, 4, 6."""
+    dump = tmp_path / "out"
+    proc = torchrun("debug_sdp4bit", dump, *short_run(6), *TP_DILOCO, nproc=4, timeout=600)
+    log = proc.stdout + proc.stderr
+    check_diloco_summary(read_summary(dump), log, steps=6, outer_steps=3)
+    assert "[diloco] HSDP with its all-reduce across 2 replicas isolated" in log
 
 
 def _replica_weights(checkpoint: Path) -> tuple[dict, dict]:
