@@ -95,6 +95,16 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def train_step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> float:
+    """Backward, optimizer step, zero grads; the loss averaged over every rank."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
 class Capture:
     """Weights each leaf module computes with, in forward and in backward."""
 

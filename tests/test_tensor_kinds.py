@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _models import train_step
 
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig, QuantSpec, RngKey
@@ -110,12 +110,7 @@ def _float8_run(rank: int, world: int, preset: str) -> dict:
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(16, 32, generator=g), torch.randn(16, 16, generator=g)
         loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(train_step(loss, opt))
     out = {"losses": losses}
     if handle is not None:
         stats = handle.stats()

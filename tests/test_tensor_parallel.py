@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from _models import train_step
 from _tp_models import TinyLlama, batch, parallelize_tp, tp_drift
 
 import fsdp_qcomm
@@ -38,12 +38,7 @@ def _train(preset: str, tp_inner: bool, sp: bool, steps: int) -> dict:
     for step in range(steps):
         x, y = batch(step, dp.get_local_rank())
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
+        losses.append(train_step(loss, opt))
     # every parameter TP does not shard: its shard must be the same bytes on both TP peers
     worst, replicated = tp_drift(model, tp.get_group())
     out = {"losses": losses, "worst": worst, "replicated": replicated}
