@@ -22,7 +22,7 @@ no collective), which is again FSDP over the shard group.
 
 Call it after ``fully_shard`` and before ``fsdp_qcomm.enable`` (which then sees one replica and
 plans no replica hop) and before the first backward; ``DiLoCo`` then accepts the model
-(``engine._shard_position`` reads each 2-D parameter's position from its isolated group).
+(``layout.replica_layout`` skips the isolated replica dimension of each parameter's mesh).
 """
 
 from __future__ import annotations
@@ -122,25 +122,10 @@ def isolate_replicas(model: nn.Module) -> ReplicaIsolation:
     return ReplicaIsolation(hooks, solo, replica_group, shard_group)
 
 
-def isolated_positions(modules: list[nn.Module]) -> dict[int, tuple[int, int]]:
-    """``id(parameter) -> (shard group size, this rank's index in it)`` for every parameter of
-    an isolated HSDP group among ``modules`` (FSDP modules): where DiLoCo reads its position in
-    the replica group from."""
-    out: dict[int, tuple[int, int]] = {}
-    for m in modules:
-        for g in fsdp.param_groups(m):
-            if hsdp.is_isolated(g):
-                pg = fsdp.shard_group(g)
-                for p in fsdp.sharded_params(g):
-                    out[id(p)] = (pg.size(), pg.rank())
-    return out
-
-
 def isolated_replica_ranks(modules: list[nn.Module]) -> set[tuple[int, ...]]:
     """The real replica groups' ranks of the isolated HSDP groups among ``modules``."""
     return {_ranks(hsdp.isolated_replica_group(g)) for m in modules
             for g in fsdp.param_groups(m) if hsdp.is_isolated(g)}
 
 
-__all__ = ["ReplicaIsolation", "isolate_replicas", "isolated_positions",
-           "isolated_replica_ranks"]
+__all__ = ["ReplicaIsolation", "isolate_replicas", "isolated_replica_ranks"]
