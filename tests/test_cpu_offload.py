@@ -158,6 +158,26 @@ def _diloco_refusal(rank: int, world: int) -> str:
     return ""
 
 
+def _tp_refusal(rank: int, world: int) -> str:
+    """The groups a merge settles TP-shared values over are checked like the replicas'."""
+    from fsdp_qcomm.diloco.engine import _check_carries
+    from fsdp_qcomm.diloco.layout import MeshDim
+
+    gloo = dist.new_group([0, 1])
+    tp = MeshDim((0, 1), dist.new_group([0, 1], backend="cuda:gloo"), rank, "tp")
+    _check_carries(gloo, torch.device("cpu"), False, [])  # a plain group: no replicas to check
+    try:
+        _check_carries(gloo, torch.device("cpu"), False, [tp])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_diloco_refuses_tp_groups_that_cannot_carry_offloaded_shards():
+    for msg in run_ranks(_tp_refusal, 2, timeout=120):
+        assert "tensor-parallel (tp) process group" in msg and "cuda:nccl,cpu:gloo" in msg, msg
+
+
 def test_diloco_refuses_replicas_that_cannot_carry_offloaded_shards():
     """Refused at construction, naming the backend fix, instead of torch's 'No backend type
     associated with device type cpu' after the first round of inner steps."""

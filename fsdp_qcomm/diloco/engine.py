@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..stats import CommStats
 from .config import DiLoCoConfig
 from .isolation import isolated_replica_ranks
-from .layout import PeerSpans, replica_layout
+from .layout import MeshDim, PeerSpans, replica_layout
 from .outer import (
     KIND,
     KIND_INIT,
@@ -127,7 +127,8 @@ class DiLoCo:
         self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
                                                   ranks_per_node=ranks_per_node)
         _check_isolated_replicas(self._fsdp_modules, self.replicas)
-        _check_carries(self.replicas, self.device, config.diagnostics)
+        _check_carries(self.replicas, self.device, config.diagnostics,
+                       [d for d in self.layout.peers if any(self._peers)])
         self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
         self._stats = CommStats()
         self._overlap = Overlap(config.overlaps, self.device)
@@ -555,24 +556,26 @@ def _check_isolated_replicas(modules: list[nn.Module], replicas: ReplicaGroup) -
         )
 
 
-def _check_carries(replicas: ReplicaGroup, device: torch.device, diagnostics: bool) -> None:
+def _check_carries(replicas: ReplicaGroup, device: torch.device, diagnostics: bool,
+                   peers: Sequence[MeshDim] = ()) -> None:
     """The outer all-reduce runs on the local shards' device: with FSDP's ``CPUOffloadPolicy``
     that is the CPU, which an NCCL-only group cannot carry. Refused here, not after the first
-    round of inner steps."""
+    round of inner steps. ``peers``: the model-parallel groups the merge settles shared values
+    over (``layout.PeerSpans``)."""
     from ..collectives._c10d import carries
 
-    if not isinstance(replicas, StaticReplicas):  # torchft: its own process groups
-        return
-    groups = [("replica", replicas.group)]
-    if diagnostics:
-        groups.append(("default", dist.group.WORLD))
+    groups = [(f"tensor-parallel ({d.name})", d.group) for d in peers]
+    if isinstance(replicas, StaticReplicas):  # torchft: its own process groups
+        groups.append(("replica", replicas.group))
+        if diagnostics:
+            groups.append(("default", dist.group.WORLD))
     for what, group in groups:
         if isinstance(group, dist.ProcessGroup) and group.size() > 1 \
                 and not carries(group, device):
             raise ValueError(
                 f"DiLoCo: the parameters' local shards are on {device} (FSDP's CPUOffloadPolicy "
                 f"keeps them on the CPU) and the {what} process group has no backend for "
-                f"{device.type} tensors, so the outer all-reduce cannot run on them. Initialize "
+                f"{device.type} tensors, so DiLoCo's outer step cannot run on them. Initialize "
                 "the process group with a backend for both, e.g. "
                 "init_process_group(backend='cuda:nccl,cpu:gloo'), or train without CPU offload"
             )
