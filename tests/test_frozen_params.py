@@ -6,6 +6,8 @@ done (qWD's reference already holds it)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -60,6 +62,12 @@ def _train(rank: int, world: int, preset, **overrides) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _fsdp2() -> list:
+    """FSDP2 alone on the same model and batches (once per test session)."""
+    return run_ranks(_train, 2, None, timeout=300)
+
+
 @pytest.mark.parametrize("preset,overrides,first,reused", [
     ("sdp4bit", {}, "qwd_full", "qwd_reuse"),
     ("qsdp", {}, "direct", None),
@@ -70,7 +78,7 @@ def test_adapters_train_and_frozen_weights_stay_exact(preset, overrides, first, 
     on both ranks; every frozen weight is bit-unchanged. The frozen root's gathers (one forward,
     one backward per step): under qWD, or with ``weight_reuse_unchanged``, its weights are sent
     once and reused after; plain QSDP re-encodes them at every gather."""
-    base = run_ranks(_train, 2, None, timeout=300)
+    base = _fsdp2()
     res = run_ranks(_train, 2, preset, timeout=300, **overrides)
     for r in res:
         assert r["frozen_unchanged"]
