@@ -66,7 +66,7 @@ def _train(rank: int, world: int, cfg_kw: dict, isolated: bool = False, sp: bool
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     replicas = mesh["replicate"].get_group()
     diloco = DiLoCo(model, DiLoCoConfig(**{"sync_every": SYNC_EVERY, **cfg_kw}),
-                    replicas=replicas, handle=handle)
+                    replicas=mesh, handle=handle)  # the 3-D mesh: its "replicate" dimension
     previous = _full(model)  # the start-of-round weights of the first round
     losses, updates, same_replicas, drift = [], [], True, 0.0
     for step in range(STEPS):

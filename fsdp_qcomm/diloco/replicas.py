@@ -79,23 +79,25 @@ class StaticReplicas:
 
 
 def replica_group_of(mesh) -> ProcessGroup:
-    """The replica dimension's process group of a 2-D device mesh ``(replicate, shard)``: the
-    dimension named "replicate" (or "dp_replicate"), else dimension 0."""
-    if mesh.ndim != 2:
-        raise ValueError(
-            f"DiLoCo takes a 2-D device mesh (replicate, shard), got {mesh.ndim}-D "
-            f"{mesh.mesh_dim_names}; or pass the replica process group itself"
-        )
+    """The replica dimension's process group of a device mesh: its dimension named "replicate"
+    (or "dp_replicate"), whatever else the mesh holds (``(replicate, dp, tp)`` with tensor
+    parallelism); else dimension 0 of a 2-D ``(replicate, shard)`` mesh."""
     names = mesh.mesh_dim_names or ()
     for name in ("replicate", "dp_replicate"):
         if name in names:
             return mesh.get_group(name)
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"DiLoCo takes a 2-D device mesh (replicate, shard) or a mesh with a dimension named "
+            f"'replicate' or 'dp_replicate', got {mesh.ndim}-D {mesh.mesh_dim_names}; or pass "
+            "the replica process group itself"
+        )
     return mesh.get_group(0)
 
 
 def as_replicas(replicas, *, overlap: bool, ranks_per_node: Optional[int]) -> ReplicaGroup:
-    """``replicas`` as a ``ReplicaGroup``: one already, a process group, a 2-D device mesh, or a
-    torchft ``Manager`` (``diloco.ft.FTReplicas``)."""
+    """``replicas`` as a ``ReplicaGroup``: one already, a process group, a device mesh
+    (``replica_group_of``), or a torchft ``Manager`` (``diloco.ft.FTReplicas``)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(replicas, ReplicaGroup):
