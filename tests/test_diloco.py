@@ -427,10 +427,14 @@ def test_load_refuses_another_layout_or_config():
         assert "fragments" in errors["shapes"]
 
 
-def _refuse_hsdp(rank: int, world: int) -> str:
+def _refuse_hsdp(rank: int, world: int, qcomm: bool) -> str:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     model = nn.Linear(D, D)
     fully_shard(model, mesh=mesh)
+    if qcomm:  # its quantized replica all-reduce hides FSDP's replica group behind a 1-rank one
+        from fsdp_qcomm import QCommConfig, enable
+
+        enable(model, QCommConfig.preset("sdp4bit", ranks_per_node=1))
     try:
         DiLoCo(model, DiLoCoConfig(), replicas=mesh)
     except ValueError as e:
@@ -438,11 +442,12 @@ def _refuse_hsdp(rank: int, world: int) -> str:
     return ""
 
 
-def test_refuses_hsdp_meshes():
+@pytest.mark.parametrize("qcomm", [False, True], ids=["fsdp2", "sdp4bit"])
+def test_refuses_hsdp_meshes(qcomm):
     """HSDP whose replicas are not isolated all-reduces across them at every step: refused,
-    naming both ways out."""
-    for msg in run_ranks(_refuse_hsdp, 2, timeout=120):
-        assert "mesh['shard']" in msg and "isolate_replicas" in msg
+    naming both ways out, also when fsdp-qcomm's hooks run that all-reduce."""
+    for msg in run_ranks(_refuse_hsdp, 2, qcomm, timeout=120):
+        assert "mesh['shard']" in msg and "isolate_replicas" in msg, msg
 
 
 # ---- HSDP with isolated replicas (isolate_replicas) ------------------------------------------

@@ -24,9 +24,10 @@ it needs two things:
   values stay equal).
 
 Mesh dimensions are told apart by their ranks: the dimension whose ranks are a parameter's FSDP
-shard group is the shard dimension; one whose ranks are its HSDP replica group is refused
-unless ``isolate_replicas`` isolated it (DiLoCo replaces that all-reduce); any other dimension
-of more than one rank is model-parallel.
+shard group is the shard dimension; one whose ranks are its HSDP replica group (the real one,
+also behind fsdp-qcomm's own HSDP all-reduce) is refused unless ``isolate_replicas`` isolated it
+(DiLoCo replaces that all-reduce); any other dimension of more than one rank is
+model-parallel.
 """
 
 from __future__ import annotations
@@ -128,11 +129,11 @@ def replica_layout(params: Sequence[tuple[str, torch.Tensor]],
     for name, p in params:
         g = groups.get(id(p))
         shard_ranks = _ranks(fsdp.shard_group(g)) if g is not None else ()
-        replica_ranks = _ranks(fsdp.replicate_group(g)) \
-            if g is not None and fsdp.is_hsdp(g) else ()
         isolated = g is not None and hsdp.is_isolated(g)
-        if isolated:
-            replica_ranks = _ranks(hsdp.isolated_replica_group(g))
+        # the real replica group, also where fsdp-qcomm's HSDP all-reduce swapped FSDP's for a
+        # one-rank group (enable) or isolate_replicas did
+        replica_ranks = _ranks(hsdp.isolated_replica_group(g) if isolated
+                               else hsdp.original_replicate_group(g)) if g is not None else ()
         mine: list[tuple[int, ...]] = []
         for dim, whole in _mesh_dims(p):
             if dim.ranks == replica_ranks:

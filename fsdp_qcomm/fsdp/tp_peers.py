@@ -77,12 +77,13 @@ def peer_groups(param_groups: Sequence[Any]) -> list[PeerGroup]:
 
 def _fsdp_ranks(group: Any) -> list[int]:
     """The ranks of a group's data-parallel mesh: shard and replica groups. Under DiLoCo's
-    ``isolate_replicas`` FSDP's replica group is this rank alone, but the mesh's replica
-    dimension is still data-parallel, not a TP peer: the real group counts."""
-    from .hsdp import isolated_replica_group
+    ``isolate_replicas`` (or fsdp-qcomm's own HSDP all-reduce) FSDP's replica group is this rank
+    alone, but the mesh's replica dimension is still data-parallel, not a TP peer: the real
+    group counts."""
+    from .hsdp import isolated_replica_group, original_replicate_group
 
     ranks = set(dist.get_process_group_ranks(fsdp.shard_group(group)))
-    for replicas in (fsdp.replicate_group(group), isolated_replica_group(group)):
+    for replicas in (original_replicate_group(group), isolated_replica_group(group)):
         if replicas is not None:
             ranks |= set(dist.get_process_group_ranks(replicas))
     return sorted(ranks)
