@@ -450,6 +450,26 @@ def test_refuses_hsdp_meshes(qcomm):
         assert "mesh['shard']" in msg and "isolate_replicas" in msg, msg
 
 
+def _refuse_two_shard_groups(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D))
+    fully_shard(model[0], mesh=mesh["b"])  # ranks {0, 1} and {2, 3}
+    fully_shard(model[1], mesh=mesh["a"])  # ranks {0, 2} and {1, 3}
+    try:
+        DiLoCo(model, DiLoCoConfig(), replicas=mesh["a"].get_group())
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_refuses_parameters_sharded_over_different_groups():
+    """Two FSDP modules sharded over different groups of ranks: no single position inside a
+    replica group exists, so refused, naming the sizes and a parameter of each."""
+    for msg in run_ranks(_refuse_two_shard_groups, 4, timeout=120):
+        assert "sharded over different FSDP groups" in msg and "one shard mesh" in msg, msg
+        assert "0.weight" in msg and "1.weight" in msg, msg
+
+
 # ---- HSDP with isolated replicas (isolate_replicas) ------------------------------------------
 def _isolated_against_shard_mesh(rank: int, world: int, factor) -> dict:
     """The same model, init and batches twice: FSDP over ``mesh["shard"]`` and HSDP over the
