@@ -138,7 +138,7 @@ def replica_layout(params: Sequence[tuple[str, torch.Tensor]],
         for dim, whole in _mesh_dims(p):
             if dim.ranks == replica_ranks:
                 if not isolated:
-                    names = getattr(p, "device_mesh").mesh_dim_names
+                    names = p.device_mesh.mesh_dim_names
                     raise ValueError(f"DiLoCo: parameter {name!r} is sharded over a mesh "
                                      f"{names} with a replica dimension: {_HSDP}")
                 continue  # the replicas DiLoCo all-reduces over
