@@ -128,7 +128,7 @@ class DiLoCo:
                                                   ranks_per_node=ranks_per_node)
         _check_isolated_replicas(self._fsdp_modules, self.replicas)
         _check_carries(self.replicas, self.device, config.diagnostics,
-                       [d for d in self.layout.peers if any(self._peers)])
+                       [d for spans in self._peers for d in spans.dims])
         self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
         self._stats = CommStats()
         self._overlap = Overlap(config.overlaps, self.device)

@@ -27,14 +27,14 @@ plans no replica hop) and before the first backward; ``DiLoCo`` then accepts the
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from ..fsdp import hsdp
 from ..fsdp import internals as fsdp
+from .layout import group_ranks
 
 
 class ReplicaIsolation:
@@ -69,10 +69,6 @@ class ReplicaIsolation:
         self.active = False
 
 
-def _ranks(pg: Optional[ProcessGroup]) -> tuple[int, ...]:
-    return () if pg is None else tuple(dist.get_process_group_ranks(pg))
-
-
 def isolate_replicas(model: nn.Module) -> ReplicaIsolation:
     """Isolate the replica groups of every HSDP parameter group under ``model`` (see the
     module docstring). Everything is checked before anything changes: refused are a model
@@ -103,16 +99,17 @@ def isolate_replicas(model: nn.Module) -> ReplicaIsolation:
                              "without sharding (replicate()); DiLoCo takes FSDP or HSDP modules")
     for name, g in groups:
         hsdp.check_isolatable(g, name)
-    layouts = {(_ranks(fsdp.replicate_group(g)), _ranks(fsdp.shard_group(g))) for _, g in groups}
+    layouts = {(group_ranks(fsdp.replicate_group(g)), group_ranks(fsdp.shard_group(g)))
+               for _, g in groups}
     if len(layouts) > 1:
         raise ValueError(f"isolate_replicas: the HSDP modules use {len(layouts)} different "
                          "(replicate, shard) layouts; DiLoCo needs one set of replica groups")
     replica_ranks, shard_ranks = layouts.pop()
     for name, g in labelled:
-        if not fsdp.is_hsdp(g) and _ranks(fsdp.shard_group(g)) != shard_ranks:
+        if not fsdp.is_hsdp(g) and group_ranks(fsdp.shard_group(g)) != shard_ranks:
             raise ValueError(
                 f"isolate_replicas: FSDP module {name or '<root>'!r} is sharded over ranks "
-                f"{list(_ranks(fsdp.shard_group(g)))}, not over one replica group's "
+                f"{list(group_ranks(fsdp.shard_group(g)))}, not over one replica group's "
                 f"{list(shard_ranks)}: its gradients would be reduced across replica groups")
     first = groups[0][1]
     replica_group = fsdp.replicate_group(first)
@@ -124,7 +121,7 @@ def isolate_replicas(model: nn.Module) -> ReplicaIsolation:
 
 def isolated_replica_ranks(modules: list[nn.Module]) -> set[tuple[int, ...]]:
     """The real replica groups' ranks of the isolated HSDP groups among ``modules``."""
-    return {_ranks(hsdp.isolated_replica_group(g)) for m in modules
+    return {group_ranks(hsdp.isolated_replica_group(g)) for m in modules
             for g in fsdp.param_groups(m) if hsdp.is_isolated(g)}
 
 

@@ -78,7 +78,8 @@ class ReplicaLayout:
                 f"model-parallel over {dims}")
 
 
-def _ranks(pg: Optional[ProcessGroup]) -> tuple[int, ...]:
+def group_ranks(pg: Optional[ProcessGroup]) -> tuple[int, ...]:
+    """The global ranks of a process group; () for None."""
     return () if pg is None else tuple(dist.get_process_group_ranks(pg))
 
 
@@ -106,7 +107,7 @@ def _mesh_dims(param: torch.Tensor) -> list[tuple[MeshDim, bool]]:
         if mesh.size(d) == 1:
             continue
         group = mesh.get_group(d)
-        dim = MeshDim(_ranks(group), group, mesh.get_local_rank(d), names[d])
+        dim = MeshDim(group_ranks(group), group, mesh.get_local_rank(d), names[d])
         out.append((dim, isinstance(param.placements[d], Replicate)))
     return out
 
@@ -125,17 +126,20 @@ def replica_layout(params: Sequence[tuple[str, torch.Tensor]],
     groups = _fsdp_groups(fsdp_modules)
     shard: dict[tuple[int, ...], tuple[MeshDim, str]] = {}
     peers: dict[tuple[int, ...], MeshDim] = {}
-    whole_along: list[list[tuple[int, ...]]] = []
+    # per parameter: the dimensions of its mesh, and the model-parallel ones it is whole along
+    seen: list[tuple[set[tuple[int, ...]], set[tuple[int, ...]]]] = []
     for name, p in params:
         g = groups.get(id(p))
-        shard_ranks = _ranks(fsdp.shard_group(g)) if g is not None else ()
+        shard_ranks = group_ranks(fsdp.shard_group(g)) if g is not None else ()
         isolated = g is not None and hsdp.is_isolated(g)
         # the real replica group, also where fsdp-qcomm's HSDP all-reduce swapped FSDP's for a
         # one-rank group (enable) or isolate_replicas did
-        replica_ranks = _ranks(hsdp.isolated_replica_group(g) if isolated
-                               else hsdp.original_replicate_group(g)) if g is not None else ()
-        mine: list[tuple[int, ...]] = []
+        replica_ranks = group_ranks(hsdp.isolated_replica_group(g) if isolated
+                                    else hsdp.original_replicate_group(g)) if g is not None else ()
+        own: set[tuple[int, ...]] = set()
+        whole_along: set[tuple[int, ...]] = set()
         for dim, whole in _mesh_dims(p):
+            own.add(dim.ranks)
             if dim.ranks == replica_ranks:
                 if not isolated:
                     names = p.device_mesh.mesh_dim_names
@@ -147,23 +151,21 @@ def replica_layout(params: Sequence[tuple[str, torch.Tensor]],
                 continue
             peers.setdefault(dim.ranks, dim)
             if whole:
-                mine.append(dim.ranks)
-        whole_along.append(mine)
+                whole_along.add(dim.ranks)
+        seen.append((own, whole_along))
     if len(shard) > 1:
-        seen = sorted((d.size, d.rank, n) for d, n in shard.values())
+        groups_seen = sorted((d.size, d.rank, n) for d, n in shard.values())
         raise ValueError(f"DiLoCo: the parameters are sharded over different FSDP groups "
-                         f"(size, this rank's index, a parameter: {seen}); use one shard "
+                         f"(size, this rank's index, a parameter: {groups_seen}); use one shard "
                          "mesh for the model")
     order = [d for d, _ in shard.values()] + list(peers.values())
     position, positions = 0, 1
     for d in order:
         position, positions = position * d.size + d.rank, positions * d.size
     # a parameter whose mesh lacks a model-parallel dimension is whole along it (TP left it)
-    shared = []
-    for (_, p), mine in zip(params, whole_along):
-        own = {d.ranks for d, _ in _mesh_dims(p)}
-        shared.append(tuple(d for k, d in peers.items() if k in mine or k not in own))
-    return ReplicaLayout(position, positions, tuple(peers.values()), tuple(shared))
+    shared = tuple(tuple(d for k, d in peers.items() if k in whole or k not in own)
+                   for own, whole in seen)
+    return ReplicaLayout(position, positions, tuple(peers.values()), shared)
 
 
 class PeerSpans:
@@ -186,6 +188,11 @@ class PeerSpans:
 
     def __bool__(self) -> bool:
         return bool(self._runs)
+
+    @property
+    def dims(self) -> list[MeshDim]:
+        """The peer dimensions ``settle`` exchanges over."""
+        return [d for d, _ in self._runs]
 
     def settle(self, buf: torch.Tensor, lossy: bool) -> None:
         """Make the shared values of ``buf`` (an all-reduced mean) the same on every peer:
@@ -211,4 +218,4 @@ class PeerSpans:
         return total
 
 
-__all__ = ["MeshDim", "PeerSpans", "ReplicaLayout", "replica_layout"]
+__all__ = ["MeshDim", "PeerSpans", "ReplicaLayout", "group_ranks", "replica_layout"]
