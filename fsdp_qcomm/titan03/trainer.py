@@ -58,6 +58,7 @@ from fsdp_qcomm.titan_common.checkpoint import (
 )
 from fsdp_qcomm.titan_common.comm_stats import attachment_of
 from fsdp_qcomm.titan_common.diloco import (
+    WIRED_FOR,
     DiLoCoSection,
     ReplicaTokens,
     check_layout,
@@ -109,11 +110,7 @@ class QCommTrainer(Trainer):
                     "--training.disable_cuda_graphs"
                 )
             if self.diloco.enable and self.parallelism.pipeline_parallel_degree > 1:
-                raise ValueError(
-                    "diloco.enable with pipeline parallelism: DiLoCo is wired for data and "
-                    "tensor parallelism only (dp_replicate replica groups, dp_shard x tp inside "
-                    "each)"
-                )
+                raise ValueError(f"diloco.enable with pipeline parallelism: {WIRED_FOR}")
 
     def __init__(self, config: Config) -> None:
         if cpu.cpu_fallback_needed():

@@ -158,13 +158,17 @@ class _NoReplicate:
         setattr(self._dims, name, value)
 
 
+#: why ``check_layout`` (and torchtitan 0.3's config check) refuse the other dimensions
+WIRED_FOR = ("DiLoCo is wired for data and tensor parallelism only (dp_replicate replica "
+             "groups, dp_shard x tp inside each)")
+
+
 def check_layout(parallel_dims: Any) -> None:
     """Refuse what the driver does not wire (see the module docstring)."""
     bad = [n for n in ("pp", "cp", "ep") if getattr(parallel_dims, n, 1) > 1]
     if bad:
         raise ValueError(f"[{SECTION}] enable=true with {', '.join(f'{n}>1' for n in bad)}: "
-                         "DiLoCo is wired for data and tensor parallelism only (dp_replicate "
-                         "replica groups, dp_shard x tp inside each)")
+                         f"{WIRED_FOR}")
     if getattr(parallel_dims, "dp_replicate", 1) < 2:
         logger.warning(f"[{SECTION}] enable=true with dp_replicate=1: one replica group, the "
                        "outer steps have no one to average with")
@@ -373,6 +377,6 @@ def format_figures(fig: dict) -> str:
             f"{int(fig['diloco/staleness_steps'])}")
 
 
-__all__ = ["DiLoCoDriver", "DiLoCoSection", "ReplicaTokens", "SECTION", "check_layout",
-           "driver_of", "format_figures", "install_diloco", "isolate_for_diloco",
+__all__ = ["DiLoCoDriver", "DiLoCoSection", "ReplicaTokens", "SECTION", "WIRED_FOR",
+           "check_layout", "driver_of", "format_figures", "install_diloco", "isolate_for_diloco",
            "parallelize_for_diloco", "resolve", "section_of"]
