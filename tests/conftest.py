@@ -14,6 +14,10 @@ import os
 import pytest
 
 ALL_ENV = "FSDP_QCOMM_TEST_ALL"
+#: "i/n": this pytest runs the i-th of n interleaved slices of what it selected (the i-th test,
+#: then every n-th after it). A test that starts a single-threaded child pytest starts n of
+#: them at once, one slice each, so that both cores work (``test_kernels.py``'s interpreter run).
+SHARD_ENV = "FSDP_QCOMM_TEST_SHARD"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,7 +41,50 @@ def _run_all(config: pytest.Config) -> bool:
             or any("::" in str(a) for a in config.args))
 
 
+def _shard(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """(kept, dropped) under ``SHARD_ENV``; everything is kept without it."""
+    spec = os.environ.get(SHARD_ENV)
+    if not spec:
+        return items, []
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"{SHARD_ENV}={spec!r}: expected 'i/n' with 0 <= i < n") from None
+    return items[i::n], [it for k, it in enumerate(items) if k % n != i]
+
+
+#: test folders whose files run longest (torchrun jobs of 4 ranks, minutes per file): collected
+#: first, so that pytest-xdist (``scripts/test.sh``) starts them first and the other workers run
+#: the rest of the suite beside them, rather than one worker finishing them alone at the end
+_LONGEST_FIRST = ("titan03", "titan", "titan_common")
+
+
+def _longest_first(item: pytest.Item) -> int:
+    folder = item.path.parent.name
+    return _LONGEST_FIRST.index(folder) if folder in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _tier(config, items)
+    items[:], dropped = _shard(items)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items.sort(key=_longest_first)  # stable: the order inside a folder stays
+    if hasattr(config, "workeroutput"):  # a pytest-xdist worker: tell the controller
+        config.workeroutput["fsdp_qcomm_long"] = getattr(config, "_fsdp_qcomm_long", 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller collects nothing itself: it takes the long tier's count from
+    its workers, for the summary line."""
+    n = getattr(node, "workeroutput", {}).get("fsdp_qcomm_long", 0)
+    node.config._fsdp_qcomm_long = max(n, getattr(node.config, "_fsdp_qcomm_long", 0))
+
+
+def _tier(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _run_all(config):
         return
     by_module: dict[str, list[pytest.Item]] = {}

@@ -7,7 +7,7 @@ on CUDA tensors (``scripts/gpu_check.sh``). Without CUDA they run on CPU tensors
 interpreter; ``TRITON_INTERPRET=1`` has to be set before triton itself is imported
 (triton.language's own jitted helpers such as ``tl.max`` are decorated at import), and once set
 it would turn every later ``@triton.jit`` of the process into interpreted code. So a normal
-pytest run without CUDA collects a test that runs this file's exactness tests in a child pytest
+pytest run without CUDA collects a test that runs this file's exactness tests in child pytests
 started with the variable set (``test_kernels_under_the_interpreter``), and the ahead-of-time
 compile tests. Running this file with ``TRITON_INTERPRET=1`` already set runs the interpreted
 tests directly.
@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from _codec_cases import assert_same_bits, fitted_levels, level_rows, sample_rows
+from conftest import ALL_ENV, SHARD_ENV
 
 import fsdp_qcomm
 from fsdp_qcomm import QuantSpec
@@ -73,25 +74,54 @@ TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 BITS = [b if b in (2, 4, 8) else pytest.param(b, marks=pytest.mark.long) for b in range(2, 9)]
 
 
-def test_kernels_under_the_interpreter():
-    """Runs the exactness tests below in a child pytest with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+def _in_interpreter_children(tier: str) -> None:
+    """This file's exactness tests of one tier (a ``-m`` expression) in child pytests with
+    TRITON_INTERPRET=1: two at once, each half of them (``conftest.SHARD_ENV``), since the
+    interpreter keeps one core busy."""
+    # ALL_ENV: ``tier`` alone chooses
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", **{ALL_ENV: "1"})
     # The child must import the same fsdp_qcomm as this process.
     src = str(Path(fsdp_qcomm.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, (
-        f"kernel tests failed under the interpreter:\n{proc.stdout[-10000:]}\n"
-        f"{proc.stderr[-2000:]}")
-    assert re.search(r"\d+ passed", summary), summary
-    assert not re.search("failed|error|skipped", summary), summary
+    shards = 2
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", tier, __file__],
+        env={**env, SHARD_ENV: f"{i}/{shards}"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(shards)]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    counts = []
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        summary = out.strip().splitlines()[-1] if out.strip() else ""
+        assert p.returncode == 0, (
+            f"kernel tests ({tier}, slice {i}/{shards}) failed under the interpreter:\n"
+            f"{out[-10000:]}\n{err[-2000:]}")
+        assert not re.search("failed|error|skipped", summary), summary
+        ran = re.search(r"(\d+) passed(?:, (\d+) deselected)?", summary)
+        assert ran, summary
+        counts.append((int(ran[1]), int(ran[2] or 0)))
+    # the slices split one collection: each left out (at least) what the other ran
+    assert counts[0][1] >= counts[1][0] and counts[1][1] >= counts[0][0], counts
+    assert sum(counts[0]) == sum(counts[1]) and 0 <= counts[0][0] - counts[1][0] <= 1, counts
+
+
+def test_kernels_under_the_interpreter():
+    """The quick tier's exactness tests, interpreted."""
+    _in_interpreter_children("not long")
+
+
+@pytest.mark.long
+def test_kernels_under_the_interpreter_every_width():
+    """The long tier's (the code widths whose codes straddle bytes), interpreted: a test of
+    its own, so that a run of the long tier alone (``-m long``, .ci/run) runs them too."""
+    _in_interpreter_children("long")
 
 
 test_kernels_under_the_interpreter.__test__ = not INTERPRET and not CUDA
+test_kernels_under_the_interpreter_every_width.__test__ = not INTERPRET and not CUDA
 
 
 @pytest.fixture(scope="module")
