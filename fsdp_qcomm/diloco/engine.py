@@ -127,8 +127,9 @@ class DiLoCo:
         self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
                                                   ranks_per_node=ranks_per_node)
         _check_isolated_replicas(self._fsdp_modules, self.replicas)
+        # every fragment's spans name the same TP dimensions: each group is checked once
         _check_carries(self.replicas, self.device, config.diagnostics,
-                       [d for spans in self._peers for d in spans.dims])
+                       list({d.ranks: d for spans in self._peers for d in spans.dims}.values()))
         self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
         self._stats = CommStats()
         self._overlap = Overlap(config.overlaps, self.device)
