@@ -10,6 +10,8 @@ test is ``long`` fails the collection, so the quick tier never silently stops ru
 from __future__ import annotations
 
 import os
+import random
+import zlib
 
 import pytest
 
@@ -18,6 +20,20 @@ ALL_ENV = "FSDP_QCOMM_TEST_ALL"
 #: then every n-th after it). A test that starts a single-threaded child pytest starts n of
 #: them at once, one slice each, so that both cores work (``test_kernels.py``'s interpreter run).
 SHARD_ENV = "FSDP_QCOMM_TEST_SHARD"
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request: pytest.FixtureRequest) -> None:
+    """Seed the global RNGs from the test's node id: a test that draws from them sees the same
+    numbers whatever ran before it in its process, so its outcome does not hang on the order
+    or on which xdist worker it lands in."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.manual_seed(seed)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -277,7 +277,8 @@ def test_quantize_segments_is_quantize_per_segment_with_folded_keys():
     nothing; ``dequantize_segments`` decodes it; bad segment lists and buffers are refused."""
     spec = QuantSpec(bits=4, group_size=96)
     segs = (300, 0, 1001, 7)
-    x, r = torch.randn(sum(segs)), torch.randn(sum(segs))
+    g = torch.Generator().manual_seed(11)
+    x, r = torch.randn(sum(segs), generator=g), torch.randn(sum(segs), generator=g)
     for hadamard in (False, True):
         want, off = [], 0
         for k, n in enumerate(segs):
@@ -294,7 +295,8 @@ def test_quantize_segments_is_quantize_per_segment_with_folded_keys():
         assert torch.equal(buf, want)
         back = torch.zeros(1, sum(segs))
         codec.dequantize_segments(got.view(1, -1), segs, spec, out=back, hadamard=hadamard)
-        assert (back[0] - (x - r)).abs().max() < 1.0
+        # 4-bit stochastic rounding: relative L2 error about 0.16, with or without Hadamard
+        assert (back[0] - (x - r)).norm() < 0.25 * (x - r).norm()
     empty = codec.quantize_segments(torch.zeros(0), (0, 0), spec, KEY)  # a rank with nothing
     assert empty.shape == (0,)
     codec.dequantize_segments(empty.view(2, 0), (0, 0), spec, out=torch.zeros(2, 0))
