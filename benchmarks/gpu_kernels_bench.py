@@ -359,7 +359,7 @@ def main() -> int:
         if args.tile < 256 or args.tile & (args.tile - 1):
             print(f"--tile {args.tile}: must be a power of 2 >= 256")
             return 1
-        tiles.TILE = args.tile
+        tiles.TILE = tiles.GROUP_TILE = args.tile
 
     dev = "cpu" if args.interpret else "cuda"
     cases = [c for c in _cases(torch, QuantSpec, RngKey, torch_codec, codec)
@@ -374,7 +374,8 @@ def main() -> int:
     rows = max(1, args.rows)
     n_big = max(8, args.numel // rows)
     print(f"timed input: {rows} x {n_big} = {rows * n_big / 2**20:.0f}M elements; "
-          f"checks: 3 x {args.check_numel // 3 | 1} with NaN/Inf; tile {tiles.TILE}")
+          f"checks: 3 x {args.check_numel // 3 | 1} with NaN/Inf; tile {tiles.TILE}, "
+          f"encoders' {tiles.GROUP_TILE}")
 
     # The device's copy bandwidth: read + write of the fp32 input.
     x = torch.randn(rows, n_big, device=dev)
@@ -439,7 +440,7 @@ def main() -> int:
                        "interpret": args.interpret, "rows": rows, "numel": rows * n_big,
                        "clone_ms": t_copy * 1e3, "clone_gbps": bw_copy / 1e9, "target": TARGET,
                        "cases": rows_out, "failures": failures, "below_target": slow,
-                       "tile": tiles.TILE}, f,
+                       "tile": tiles.TILE, "group_tile": tiles.GROUP_TILE}, f,
                       indent=1)
     return 1 if failures or (args.strict and slow) else 0
 

@@ -248,17 +248,20 @@ def main(argv=None) -> int:
     if a.tile:
         if a.tile < 256 or a.tile & (a.tile - 1):
             raise SystemExit(f"kernel_sass: --tile {a.tile}: must be a power of 2 >= 256")
-        C.TILE = a.tile  # group_tiling and the element-tiled kernels read it at call time
+        C.TILE = a.tile  # group_tiling and the element-tiled kernels read them at call time
+        C.GROUP_TILE = a.tile  # (a --src checkout before it had one tile for both)
     rows = [measure(c, a.arch) for c in _cases(C) if a.only in c.name]
     if not rows:
         raise SystemExit(f"kernel_sass: no kernel name contains {a.only!r}")
-    table = f"triton {triton.__version__}, TILE {C.TILE}; " + _table(rows, a.arch)
+    tiles = f"TILE {C.TILE}, GROUP_TILE {getattr(C, 'GROUP_TILE', C.TILE)}"
+    table = f"triton {triton.__version__}, {tiles}; " + _table(rows, a.arch)
     print(table)
     if a.out:
         label = a.label or "kernels"
         (a.out / f"{label}.md").write_text(f"kernels: {src}\n{table}")
         (a.out / f"{label}.json").write_text(json.dumps(
             {"src": str(src), "triton": triton.__version__, "arch": a.arch, "tile": C.TILE,
+             "group_tile": getattr(C, "GROUP_TILE", C.TILE),
              "rows": rows},
             indent=1) + "\n")
         rec.note(label=label, src=str(src))

@@ -36,10 +36,18 @@ import triton.language as tl
 from ..codec import wire
 from ..config import QuantSpec
 
-# Elements one program handles; groups larger than this loop over sub-tiles. With 8 warps that
-# is 8 elements a thread: ~60-90 registers and no spills on sm_90 (from the compiled code, not
-# yet timed on a GPU; benchmarks/gpu_kernels_bench.py --tile tries others).
+# Elements one program handles in the element-tiled kernels (the decoders, the reduce kernels):
+# with 8 warps, 8 a thread. On an H100 (results/gpu_check/h100_2026-12-06, step "tiles") no
+# other tile was faster for all of them: qWD's decode-and-add gained 0.09x of clone at 1024,
+# the learned 4-bit decoder lost 0.08x at 4096.
 TILE = 2048
+# The same for the encoders, which hold whole groups (``group_tiling``; larger groups loop over
+# sub-tiles): 16 elements a thread. On that H100 every ``quantize`` row ran 16-37% faster at 4096
+# than at 2048 (4-bit g128 +H32 0.48 -> 0.56x clone, qWD's 0.66 -> 0.80x), the other encoders
+# within 2% (QSDP's learned levels were 18% faster at 1024: one run, not acted on); the extra
+# registers (58-71 against 40-44, ``benchmarks/kernel_sass.py``) spill nothing.
+# ``benchmarks/gpu_kernels_bench.py --tile`` sets both tiles.
+GROUP_TILE = 4096
 # Scale dtypes by the code the kernels use as a constexpr.
 _SCALE_KIND = {"float32": 0, "bfloat16": 1, "float16": 2}
 _BITS_VIEW = {"float32": torch.int32, "bfloat16": torch.int16, "float16": torch.int16}
@@ -108,7 +116,7 @@ def key_words(key, stochastic: bool) -> tuple[int, int]:
 
 def check_row_len(n: int, group_size: int) -> None:
     """Indices inside a row (including a tile's overhang past its end) are int32."""
-    if n + 2 * max(group_size, TILE) >= 1 << 31:
+    if n + 2 * max(group_size, TILE, GROUP_TILE) >= 1 << 31:
         raise ValueError(f"rows of {n} values are too long for the kernels' int32 indexing; "
                          "split them into more rows (shards) of fewer than 2^31 - 2^16 values")
 
@@ -151,11 +159,12 @@ def aligned_segment(n: int, off: int, woff: int) -> bool:
 
 
 def group_tiling(group_size: int) -> tuple[int, int, int]:
-    """(GS_P2, GPB, SUB): padded group width, groups per program, sub-tile of a large group."""
+    """(GS_P2, GPB, SUB) of an encoder: padded group width, groups per program, sub-tile of a
+    group larger than ``GROUP_TILE``."""
     gs_p2 = triton.next_power_of_2(group_size)
-    if gs_p2 <= TILE:
-        return gs_p2, max(1, TILE // gs_p2), gs_p2
-    return gs_p2, 1, TILE
+    if gs_p2 <= GROUP_TILE:
+        return gs_p2, max(1, GROUP_TILE // gs_p2), gs_p2
+    return gs_p2, 1, GROUP_TILE
 
 
 # ---- device side: program layout ------------------------------------------------------------

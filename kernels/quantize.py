@@ -1,8 +1,8 @@
 """Fused quantize: (x - ref), optional Hadamard-32, per-group scales, rounding, bit packing.
 
-One program encodes ``GPB`` whole groups of one row (groups up to ``TILE`` elements; held as
-8-blocks, or with the rotation as one row per group: ``_common.flat_tile``) or one large group
-in two passes over sub-tiles (statistics, then codes). Torch twin: ``torch_codec.quantize``.
+One program encodes ``GPB`` whole groups of one row (groups up to ``GROUP_TILE`` elements;
+held as 8-blocks, or with the rotation as one row per group: ``_common.flat_tile``) or one large
+group in two passes over sub-tiles (statistics, then codes). Torch twin: ``torch_codec.quantize``.
 """
 
 from __future__ import annotations
@@ -173,11 +173,11 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, device: str):
+def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, device: str, gpb: int):
     """(table int64 [S, 7], program -> segment int32, programs, wire bytes, whether any row has
     padding after its codes, whether every segment is ``C.aligned_segment``, the tables' copy
-    event: ``C.table_to``) of one layout of back-to-back segment rows."""
-    gs_p2, gpb, sub = C.group_tiling(spec.group_size)
+    event: ``C.table_to``) of one layout of back-to-back segment rows, ``gpb`` groups a
+    program (part of the key: a tile set at run time gets its own table)."""
     rows, blk_seg, xoff, woff, pad, aligned = [], [], 0, 0, False, True
     for k, n in enumerate(segments):
         m = wire.hadamard_len(n) if hadamard else n
@@ -227,8 +227,9 @@ def quantize_segments(
                               device=x.device)
         return _each_quantize(sys.modules[__name__], x, segments, spec, key, key_salt, ref,
                               True, out)
+    gs_p2, gpb, sub = C.group_tiling(spec.group_size)
     tab, blk_seg, nblk, width, pad, aligned, done = _segment_table(segments, spec, hadamard,
-                                                                   str(x.device))
+                                                                   str(x.device), gpb)
     if out is None:
         out = torch.empty(width, dtype=torch.uint8, device=x.device)
     if nblk == 0:
@@ -237,7 +238,6 @@ def quantize_segments(
         out.zero_()
     h3 = key.prefix() if key is not None else 0
     bucket = int(key.bucket) if key is not None else 0
-    gs_p2, gpb, sub = C.group_tiling(spec.group_size)
     r = ref if ref is not None else x
     C.wait_for(done, x.device)
     with C.on_device(x):

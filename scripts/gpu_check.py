@@ -27,8 +27,9 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    without it: bit-identical weights (one rank calls no collective), bf16 mixed precision;
    sdp4bit also with CPU-offloaded shards, against FSDP2 offloading alone;
 8. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors;
-9. ``tiles``: the bandwidth of step 5 again with 1024 and 4096 elements per program (the
-   kernels' own is 2048), for tuning: x clone per kernel and tile.
+9. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
+   per program (their own: 4096 for the encoders, 2048 for the rest), for tuning: x clone per
+   kernel and tile.
 
 Results go to ``$OUT`` when it is set (the device tool brings that folder back), else
 ``--out`` (default ``results/gpu_check/``): ``gpu_check.json`` (every step, rewritten as each
@@ -336,14 +337,16 @@ def step_bandwidth(ctx: dict) -> dict:
     return res
 
 
-#: elements per program tried besides the kernels' own (``kernels/_common.py`` ``TILE``)
-TILES = (1024, 4096)
+#: elements per program tried, each for every kernel (their own: ``kernels/_common.py``
+#: ``GROUP_TILE`` for the encoders, ``TILE`` for the rest)
+TILES = (1024, 2048, 4096)
 
 
 def step_tiles(ctx: dict) -> dict:
-    """The bandwidth table again at other tiles: 4096 elements per program take 6-27% fewer
-    instructions per element than 2048 but more registers (``benchmarks/kernel_sass.py``);
-    only a GPU says which is faster."""
+    """The bandwidth table again at each tile, every kernel at it: 4096 elements per program
+    take 6-27% fewer instructions per element than 2048 but more registers
+    (``benchmarks/kernel_sass.py``); the H100 of 2026-12-06 ran the encoders faster at 4096,
+    the rest no faster, and each run measures it again on its GPU."""
     out: dict = {}
     for k, tile in enumerate(TILES):
         left = ctx["limit"] - 5 - (time.perf_counter() - ctx["t0"])
@@ -634,14 +637,14 @@ def _summary(results: dict) -> str:
                              f"| {xp} |")
     tiles = (results["steps"].get("tiles", {}).get("result") or {}).get("x_clone") or {}
     if tiles:
-        cols = {int(k): v for k, v in tiles.items()}
+        cols = {f"TILE {k}": tiles[k] for k in sorted(tiles, key=int)}
         own = {row["case"]: row["x_copy"] for row in bench.get("cases", []) if "x_copy" in row}
-        if own:  # step 5 measured the kernels' own tile
-            cols[bench["tile"]] = own
-        names = sorted(cols)
+        if own:  # step 5 measured the kernels' own tiles
+            cols[f"own (encoders {bench.get('group_tile', bench.get('tile'))}, others "
+                 f"{bench.get('tile')})"] = own
+        names = list(cols)
         lines += ["", "## Kernel bandwidth by tile (x clone)", "",
-                  "| kernel | " + " | ".join(f"TILE {c}" + (" (own)" if cols[c] is own else "")
-                                           for c in names) + " |",
+                  "| kernel | " + " | ".join(names) + " |",
                   "|---|" + "---|" * len(names)]
         for case in dict.fromkeys(k for c in names for k in cols[c]):
             cells = [f"{cols[c][case]:.2f}" if case in cols[c] else "-" for c in names]

@@ -61,7 +61,7 @@ def test_gpu_check_dry_run(tmp_path):
     bench = steps["bandwidth"]["result"]
     assert bench["interpret"] and all(c["check"] == "ok" for c in bench["cases"])
     tiles = steps["tiles"]["result"]["x_clone"]
-    assert list(tiles) == ["1024", "4096"]
+    assert list(tiles) == ["1024", "2048", "4096"]
     # the dry run's kernels: the 4-bit encoder, without and with the Hadamard rotation
     want = ["quantize 4b g128 sym stoch", "quantize 4b g128 sym stoch +H32"]
     assert all(list(t) == want for t in tiles.values()), tiles
@@ -77,7 +77,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert hooks["baseline"]["kinds"]["weight_allgather"]["bits_per_element"] == 32.0
     summary = (out / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
-    assert "| kernel | TILE 1024 | TILE 2048 (own) | TILE 4096 |" in summary
+    assert ("| kernel | TILE 1024 | TILE 2048 | TILE 4096 | own (encoders 4096, others 2048) |"
+            in summary)
     assert "== step_cost" in (out / "log.txt").read_text()
 
 

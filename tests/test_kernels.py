@@ -471,7 +471,7 @@ def test_quantize_flat_and_8_block_tiles_same_bytes(K, monkeypatch, flat, bits, 
 @_exact
 @pytest.mark.parametrize("sym", [True, False])
 def test_quantize_groups_larger_than_a_tile(K, sym):
-    # 4104 > TILE (2048): each group is read in sub-tiles, statistics first, then codes.
+    # 4104 > GROUP_TILE (4096): each group is read in sub-tiles, statistics first, then codes.
     spec = _spec(4, sym, "stochastic", "bfloat16", 4104)
     x = _data(2, 9001, torch.float32, seed=11)
     for hadamard in (False, True):
@@ -530,7 +530,8 @@ def test_quantize_segments_same_bytes(K, spec, segs):
     and offsets are multiples of 8 take the kernel's aligned variant (``_common.segment_hints``)."""
     aligned = all(n % 8 == 0 for n in segs)
     table = importlib.import_module("fsdp_qcomm.kernels.quantize")._segment_table
-    assert table(segs, spec, False, "cpu")[5] is aligned
+    gpb = importlib.import_module("fsdp_qcomm.kernels._common").group_tiling(spec.group_size)[1]
+    assert table(segs, spec, False, "cpu", gpb)[5] is aligned
     N = sum(segs)
     x = _data(1, N, torch.float32, seed=3)[0]
     r = _data(1, N, torch.float32, seed=4, specials=False)[0]
