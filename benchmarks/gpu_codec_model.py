@@ -1,10 +1,11 @@
 """What ``enable(preset)`` adds to a GPU training step, counted on the CPU and priced at the
 bandwidths a GPU run measured.
 
-``gpu_step_cost.py`` measured the codec's share of a bf16 step on the H200 (26-39%, against a
-goal of 10%) but not which work makes it up. This script counts that work without a GPU: it
-trains the same Llama-shaped step (bf16 parameters, fp32 reduction, AdamW) as rank 0 of W ranks
-through torch's ``fake`` backend, once without and once with ``enable``, and records
+``gpu_step_cost.py`` measures the codec's share of a bf16 step on a GPU (26-39% on the first
+run's H200, 9.3-18.5% on the H100 of 2026-12-06, against a goal of 10%) but not which work
+makes it up. This script counts that work without a GPU: it trains the same Llama-shaped
+step (bf16 parameters, fp32 reduction, AdamW) as rank 0 of W ranks through torch's ``fake``
+backend, once without and once with ``enable``, and records
 
 * every codec call (what the Triton kernels run on CUDA): kernel, elements, the bytes it must
   read and write (as ``gpu_kernels_bench.py`` counts them);
@@ -28,7 +29,7 @@ out (``host_ms``): their Python, dispatch and the glue's operations on small ten
 proxy, tracked from commit to commit, for what the hooks cost a GPU job's host.
 
     python benchmarks/gpu_codec_model.py [--target 1B] [--world 8:1] [--preset sdp4bit]
-        [--gpu-check results/gpu_check/h200_2026-12-04/gpu_check.json] [--out DIR --label L]
+        [--gpu-check results/gpu_check/h100_2026-12-06/gpu_check.json] [--out DIR --label L]
         [--torch-digest] [--host-steps 10]
 """
 
@@ -53,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 import _provenance  # noqa: E402
 from gpu_step_cost import SHAPES, LlamaShape, build_step  # noqa: E402
 
-DEFAULT_GPU_CHECK = ROOT / "results" / "gpu_check" / "h200_2026-12-04" / "gpu_check.json"
+#: the latest GPU run (the first, the H200's, is results/gpu_check/h200_2026-12-04)
+DEFAULT_GPU_CHECK = ROOT / "results" / "gpu_check" / "h100_2026-12-06" / "gpu_check.json"
 
 
 def counted_shape(target: LlamaShape) -> LlamaShape:
@@ -67,7 +69,16 @@ def counted_shape(target: LlamaShape) -> LlamaShape:
 #: a kernel the bandwidth table has no row for, priced at ``torch.clone``'s GB/s
 CLONE_ROW = "torch.clone"
 #: rows added to the bandwidth table after a GPU run, priced at the nearest row that run has
-_STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32"}
+_STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32",
+             "quantize_segments 4b g2048 x-ref (9 segments)":
+                 "quantize 4b g2048 sym stoch x-ref (qWD)",
+             "dequantize_segments 4b g2048 += fp32 (9 segments)":
+                 "dequantize 4b g2048 += fp32 (qWD)"}
+#: a grouped launch's row, where the table has one (else its one-row kernel's, ``_STAND_IN``)
+_GROUPED = {"quantize 4b g2048 sym stoch x-ref (qWD)":
+                "quantize_segments 4b g2048 x-ref (9 segments)",
+            "dequantize 4b g2048 += fp32 (qWD)":
+                "dequantize_segments 4b g2048 += fp32 (9 segments)"}
 _PKG = (str(ROOT / "fsdp_qcomm"), str(ROOT / "kernels"))
 _OTHER = "FSDP2, model, optimizer"
 #: operations that allocate or alias without moving data
@@ -256,7 +267,10 @@ class _Recorder:
                 name, args = "quantize", (a[0], a[2], a[3], a[5], a[6])
             elements, nbytes = _moved(name, args, out)
             label = _label(name, args, out).replace(name, kernel, 1)
-            self._mode.census.add_codec(label, bench_row(name, args), elements, nbytes)
+            row = bench_row(name, args)
+            if kernel.endswith("_segments"):
+                row = _GROUPED.get(row, row)
+            self._mode.census.add_codec(label, row, elements, nbytes)
             return out
 
         return call

@@ -643,19 +643,20 @@ def wire_bytes(results: Path) -> str:
 
 
 # ---- GPU: gpu_check.json's step_cost -------------------------------------------------------------
-GPU_CHECK = "gpu_check/h200_2026-12-04"
+GPU_CHECK = "gpu_check/h100_2026-12-06"  # the latest run: README's figure
+GPU_CHECK_FIRST = "gpu_check/h200_2026-12-04"
 
 
-def gpu_step_cost_rows(results: Path) -> tuple[dict, list[dict]]:
-    """(the environment step's result, step_cost's rows) of the committed GPU check. The rows
-    were recorded although the step FAILED on its host-sync check (docs/gpu_path.md)."""
-    doc = _json(results, f"{GPU_CHECK}/gpu_check.json")
+def gpu_step_cost_rows(results: Path, folder: str = GPU_CHECK) -> tuple[dict, list[dict]]:
+    """(the environment step's result, step_cost's rows) of a committed GPU check (the first
+    one's rows were recorded although its step FAILED on the host-sync check)."""
+    doc = _json(results, f"{folder}/gpu_check.json")
     if doc.get("dry_run"):
-        raise TableError(f"results/{GPU_CHECK}: a dry run, not a GPU's figures")
+        raise TableError(f"results/{folder}: a dry run, not a GPU's figures")
     env = doc["steps"]["environment"]["result"]
     cost = doc["steps"]["step_cost"]["result"]
     if cost.get("device") != "cuda":  # gpu_step_cost.py steps in bf16 on CUDA, fp32 elsewhere
-        raise TableError(f"results/{GPU_CHECK}: step_cost ran on {cost.get('device')!r}")
+        raise TableError(f"results/{folder}: step_cost ran on {cost.get('device')!r}")
     return env, cost["rows"]
 
 
@@ -663,14 +664,12 @@ def _gpu_goal(rows: list[dict]) -> str:
     goals = {m.group(1) for r in rows if r.get("goal")
              for m in [re.search(r"<=\s*(\d+(?:\.\d+)?%)", r["goal"])] if m}
     if len(goals) != 1:
-        raise TableError(f"results/{GPU_CHECK}: step_cost's goal is not one figure: {goals}")
+        raise TableError(f"step_cost's goal is not one figure: {goals}")
     return goals.pop()
 
 
-@table("gpu_step_cost", GPU_CHECK.split("/")[0])
-def gpu_step_cost(results: Path) -> str:
-    """What enable(sdp4bit) adds to a bf16 step on one H200 (docs/gpu_path.md)."""
-    _, rows = gpu_step_cost_rows(results)
+def _gpu_step_cost(results: Path, folder: str) -> str:
+    _, rows = gpu_step_cost_rows(results, folder)
     out = []
     for r in rows:
         name = r["shape"]["name"]
@@ -681,6 +680,18 @@ def gpu_step_cost(results: Path) -> str:
                     f"{b['fsdp2'] / 1e9:.2f} / {b[r['preset']] / 1e9:.2f}"])
     return _md(["shape", "W x G", "FSDP2 ms", "with sdp4bit ms", "codec share",
                 "GB/step to other nodes, FSDP2 / sdp4bit"], out)
+
+
+@table("gpu_step_cost", GPU_CHECK.split("/")[0])
+def gpu_step_cost(results: Path) -> str:
+    """What enable(sdp4bit) adds to a bf16 step on the latest GPU run (docs/gpu_path.md)."""
+    return _gpu_step_cost(results, GPU_CHECK)
+
+
+@table("gpu_step_cost_first", GPU_CHECK_FIRST.split("/")[0])
+def gpu_step_cost_first(results: Path) -> str:
+    """The same on the first GPU run, one H200 (docs/gpu_path.md)."""
+    return _gpu_step_cost(results, GPU_CHECK_FIRST)
 
 
 # ---- markers -------------------------------------------------------------------------------------
