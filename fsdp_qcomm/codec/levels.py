@@ -209,9 +209,8 @@ def fit_levels(counts: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 # ---- encode / decode -------------------------------------------------------------------------
 def _wire_rows(data: torch.Tensor, n: int, spec: QuantSpec, what: str) -> torch.Tensor:
-    return wire_rows(
-        data, levels_wire_bytes(n, spec), what, f"{n} values with learned levels under {spec}"
-    )
+    return wire_rows(data, levels_wire_bytes(n, spec), what,
+                     lambda: f"{n} values with learned levels under {spec}")
 
 
 def quantize_levels(
