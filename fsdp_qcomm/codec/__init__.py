@@ -18,7 +18,7 @@ from . import cpu_native, torch_codec
 from ._checks import (
     BITS_DTYPE,
     FLOAT_DTYPES,
-    chunk_list,
+    chunk_rows,
     float_rows,
     out_rows,
     raw_memory_ok,
@@ -218,15 +218,9 @@ def _each_segment(impl, rows: torch.Tensor, segments: Sequence[int], spec: Quant
     return out
 
 
-def _chunk_list(chunks: Chunks, n: int, spec: QuantSpec) -> tuple[list[torch.Tensor], tuple]:
-    """(the k blocks as wire rows, the tensors that hold them, for ``_impl``). A ``[k, ...]``
-    tensor is checked once, not block by block: the checks ran per block on every reduce, 66 us
-    of host time for k=8 on the CI machine, twice per FSDP group and step at 8 ranks a node."""
-    if isinstance(chunks, torch.Tensor) and chunks.dim() >= 2 and chunks.shape[0] > 0:
-        rows = _check_wire(chunks, n, spec, "chunk")
-        return list(rows.view(chunks.shape[0], -1, rows.shape[-1]).unbind(0)), (chunks,)
-    seq = [_check_wire(c, n, spec, "chunk") for c in chunk_list(chunks)]
-    return seq, tuple(seq)
+def _chunk_rows(chunks: Chunks, n: int, spec: QuantSpec
+                ) -> tuple[list[torch.Tensor], tuple, torch.Size]:
+    return chunk_rows(chunks, wire_bytes(n, spec), lambda: f"{n} values under {spec}")
 
 
 def reduce_requantize(
@@ -237,9 +231,8 @@ def reduce_requantize(
     ``n`` is the row length as encoded (already ``hadamard_len``-padded where Hadamard is used);
     the Hadamard rotation is kept, since sums commute with it.
     """
-    seq, held = _chunk_list(chunks, n, spec_in)
+    seq, held, shape = _chunk_rows(chunks, n, spec_in)
     require_key(spec_out, key)
-    shape = (chunks.shape[1:-1] if isinstance(chunks, torch.Tensor) else chunks[0].shape[:-1])
     out = _impl(*held).reduce_requantize(seq, n, spec_in, spec_out, key)
     return out.view(*shape, out.shape[-1])
 
@@ -254,8 +247,7 @@ def reduce_dequantize(
 ) -> torch.Tensor:
     """Decode k wire blocks, sum in fp32 (in order), undo the Hadamard once, keep ``n`` values."""
     m = hadamard_len(n) if hadamard else n
-    seq, held = _chunk_list(chunks, m, spec)
-    shape = (chunks.shape[1:-1] if isinstance(chunks, torch.Tensor) else chunks[0].shape[:-1])
+    seq, held, shape = _chunk_rows(chunks, m, spec)
     o = out_rows(out, seq[0].shape[0], n)
     res = _impl(*held, o).reduce_dequantize(seq, n, spec, hadamard, o)
     return out if out is not None else res.view(*shape, n)

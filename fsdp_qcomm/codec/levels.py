@@ -45,14 +45,14 @@ call.
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from ..config import QuantSpec
 from . import _impl, torch_codec
-from ._checks import chunk_list, float_rows, out_rows, require_key, wire_rows
+from ._checks import chunk_rows, float_rows, out_rows, require_key, wire_rows
 from .rng import RngKey
 from .wire import LEVELS_DTYPE, levels_wire_bytes, num_levels, table_bytes
 from .wire import levels_domain as domain
@@ -208,9 +208,12 @@ def fit_levels(counts: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 # ---- encode / decode -------------------------------------------------------------------------
+def _layout(n: int, spec: QuantSpec) -> Callable[[], str]:
+    return lambda: f"{n} values with learned levels under {spec}"
+
+
 def _wire_rows(data: torch.Tensor, n: int, spec: QuantSpec, what: str) -> torch.Tensor:
-    return wire_rows(data, levels_wire_bytes(n, spec), what,
-                     lambda: f"{n} values with learned levels under {spec}")
+    return wire_rows(data, levels_wire_bytes(n, spec), what, _layout(n, spec))
 
 
 def quantize_levels(
@@ -246,9 +249,8 @@ def reduce_dequantize_levels(
     spec: QuantSpec,
 ) -> torch.Tensor:
     """Decode k learned-levels blocks and sum them in fp32, in order 0..k-1."""
-    seq = [_wire_rows(c, n, spec, "chunk") for c in chunk_list(chunks)]
-    shape = chunk_list(chunks)[0].shape[:-1]
-    res = _impl(*seq).dequantize_levels_sum(seq, n, spec)
+    seq, held, shape = chunk_rows(chunks, levels_wire_bytes(n, spec), _layout(n, spec))
+    res = _impl(*held).dequantize_levels_sum(seq, n, spec)
     return res.view(*shape, n)
 
 
