@@ -68,17 +68,14 @@ def counted_shape(target: LlamaShape) -> LlamaShape:
 
 #: a kernel the bandwidth table has no row for, priced at ``torch.clone``'s GB/s
 CLONE_ROW = "torch.clone"
-#: rows added to the bandwidth table after a GPU run, priced at the nearest row that run has
-_STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32",
-             "quantize_segments 4b g2048 x-ref (9 segments)":
-                 "quantize 4b g2048 sym stoch x-ref (qWD)",
-             "dequantize_segments 4b g2048 += fp32 (9 segments)":
-                 "dequantize 4b g2048 += fp32 (qWD)"}
 #: a grouped launch's row, where the table has one (else its one-row kernel's, ``_STAND_IN``)
 _GROUPED = {"quantize 4b g2048 sym stoch x-ref (qWD)":
                 "quantize_segments 4b g2048 x-ref (9 segments)",
             "dequantize 4b g2048 += fp32 (qWD)":
                 "dequantize_segments 4b g2048 += fp32 (9 segments)"}
+#: rows added to the bandwidth table after a GPU run, priced at the nearest row that run has
+_STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32",
+             **{grouped: one_row for one_row, grouped in _GROUPED.items()}}
 _PKG = (str(ROOT / "fsdp_qcomm"), str(ROOT / "kernels"))
 _OTHER = "FSDP2, model, optimizer"
 #: operations that allocate or alias without moving data
