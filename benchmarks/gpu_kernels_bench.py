@@ -7,8 +7,9 @@ accumulate, reduce+requantize, reduce+dequantize+inverse Hadamard) it
    (wire bytes equal; decoded floats equal bit for bit, NaNs at the same places), on rows of
    odd length with NaN/Inf groups;
 2. times it on a large input (default 256M fp32 elements = 1 GiB; fewer if memory is short)
-   and prints the bandwidth it achieves (bytes it must read and write / time) next to the
-   device's copy bandwidth measured with ``torch.clone``; the target is >= 0.7x.
+   and prints the bandwidth it achieves (bytes it must read and write / the device's time)
+   next to the device's copy bandwidth measured with ``torch.clone``; the target is >= 0.7x.
+   The device's time excludes the call's host time (``_time``), printed beside it.
 
 Each case runs on its own: a failure is printed and the others still run. The exit status is
 1 if any check failed or crashed (``--strict``: also if a kernel is below the target).
@@ -147,7 +148,8 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
                     "out": values(rows, n, dev, False, 1)}
 
         def run(impl, d):
-            out = d["out"].clone()
+            # into d["out"] itself, as ``dequant`` does: a copy here would be timed with it
+            out = d["out"]
             if hasattr(impl, "dequantize_segments"):
                 return impl.dequantize_segments(d["data"], d["segs"], spec, False, out, True)
             return codec._each_segment(impl, d["data"], d["segs"], spec, False, out, True)
@@ -309,25 +311,71 @@ def _sync(torch, dev):
         torch.cuda.synchronize()
 
 
-def _time(torch, dev, fn, iters: int) -> float:
-    """Median seconds of ``fn()`` after two warm-up calls (compilation, caches)."""
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds of one call: on the device (what the bandwidth is computed from) and on
+    the host (Python and the launch, overlapped with the device's work in training).
+    ``host_bound``: some call's host time outlasted the GPU sleep queued before it, so its
+    device time may include a wait for the host."""
+
+    device: float
+    host: float
+    host_bound: bool = False
+
+
+_SLEEP_RATE: list = []  # torch.cuda._sleep's cycles per second, measured once
+
+
+def _sleep_rate(torch) -> float:
+    """Cycles per second of ``torch.cuda._sleep`` (the GPU clock it spins on), measured."""
+    if not _SLEEP_RATE:
+        n = 1 << 22
+        for _ in range(2):  # the first call loads the kernel
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(n)
+            b.record()
+            b.synchronize()
+        _SLEEP_RATE.append(n / (a.elapsed_time(b) / 1e3))
+    return _SLEEP_RATE[0]
+
+
+def _time(torch, dev, fn, iters: int) -> Timing:
+    """Median times of ``fn()`` after two warm-up calls (compilation, caches).
+
+    On CUDA each timed call is queued behind a GPU sleep longer than its host time, so the
+    events around the call bracket the device's work alone. On an idle stream they would also
+    count the host's time from the first event to the first launch: the Python wrapper's
+    checks and the Triton launcher, tens of microseconds against kernels of 0.1-0.5 ms (the
+    gpu_check runs of 2026-12-04 and 2026-12-06 timed that way)."""
     for _ in range(2):
         fn()
     _sync(torch, dev)
-    times = []
-    for _ in range(iters):
-        if dev == "cpu":
+    if dev == "cpu":
+        times = []
+        for _ in range(iters):
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
-        else:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+        return Timing(statistics.median(times), statistics.median(times))
+    t = time.perf_counter()
+    fn()
+    warm_host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    hold = max(1e-3, 4 * warm_host)  # seconds of GPU sleep before each timed call
+    cycles = int(hold * _sleep_rate(torch))
+    times, host = [], []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        a.record()
+        t = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return Timing(statistics.median(times), statistics.median(host), max(host) >= hold)
 
 
 def main() -> int:
@@ -379,13 +427,13 @@ def main() -> int:
 
     # The device's copy bandwidth: read + write of the fp32 input.
     x = torch.randn(rows, n_big, device=dev)
-    t_copy = _time(torch, dev, lambda x=x: x.clone(), args.iters)
+    t_copy = _time(torch, dev, lambda x=x: x.clone(), args.iters).device
     bw_copy = 2 * x.numel() * 4 / t_copy
     print(f"torch.clone: {t_copy * 1e3:8.3f} ms  {bw_copy / 1e9:8.1f} GB/s (reference)")
     del x
 
     failures, slow, rows_out = [], [], []
-    print(f"{'case':44s} {'check':>6s} {'ms':>9s} {'GB/s':>8s} {'x copy':>7s}")
+    print(f"{'case':44s} {'check':>6s} {'ms':>9s} {'GB/s':>8s} {'x copy':>7s} {'host us':>8s}")
     n_chk = args.check_numel // 3 | 1  # odd: not a multiple of 8, 32 or any group
     for case in cases:
         status = "?"
@@ -410,13 +458,15 @@ def main() -> int:
             d = case.make(rows, n_big, dev, False)
             out = case.run(_K, d)
             t = _time(torch, dev, lambda c=case, d=d: c.run(_K, d), args.iters)
-            bw = case.moved(d, out) / t
+            bw = case.moved(d, out) / t.device
             ratio = bw / bw_copy
-            row.update(ms=t * 1e3, gbps=bw / 1e9, x_copy=ratio)
+            row.update(ms=t.device * 1e3, gbps=bw / 1e9, x_copy=ratio, host_us=t.host * 1e6,
+                       host_bound=t.host_bound)
             if ratio < TARGET:
                 slow.append(f"{case.name}: {ratio:.2f}x")
-            print(f"{case.name:44s} {status:>6s} {t * 1e3:9.3f} {bw / 1e9:8.1f} {ratio:7.2f}"
-                  + ("" if ratio >= TARGET else "  < target"), flush=True)
+            print(f"{case.name:44s} {status:>6s} {t.device * 1e3:9.3f} {bw / 1e9:8.1f} "
+                  f"{ratio:7.2f} {t.host * 1e6:8.1f}" + ("" if ratio >= TARGET else "  < target")
+                  + ("  (host-bound)" if t.host_bound else ""), flush=True)
             del d, out
         except Exception as e:
             failures.append(f"{case.name}: timing raised {type(e).__name__}: {e}")

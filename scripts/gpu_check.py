@@ -16,8 +16,9 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
 4. ``exactness_sweep``: every kernel against the torch codec (``torch_codec`` on the CPU), bit
    for bit, over every width 2..8, group sizes from 8 to 4104, both scalings and roundings,
    the three scale dtypes and odd lengths (NaN/Inf/-0 groups included);
-5. ``bandwidth``: ``benchmarks/gpu_kernels_bench.py`` at 64M elements: each kernel against
-   ``torch.clone`` and the device's peak; goal >= 70% of clone for quantize/dequantize;
+5. ``bandwidth``: ``benchmarks/gpu_kernels_bench.py`` at 64M elements: each kernel's device
+   time against ``torch.clone`` and the device's peak (goal >= 70% of clone for
+   quantize/dequantize), and the host time of a call;
 6. ``fsdp_hooks``: every preset's hooks inside FSDP2 on CUDA: two ranks of the ``fake``
    backend, kernels on FSDP's streams, stats against the wire format, no host sync after the
    first step (``torch.cuda.set_sync_debug_mode("error")``), an asynchronous unshard waited on
@@ -627,14 +628,18 @@ def _summary(results: dict) -> str:
                   gpu_step_cost.table(cost)]
     bench = results["steps"].get("bandwidth", {}).get("result") or {}
     if bench.get("cases"):
-        lines += ["", "## Kernel bandwidth", "", "| kernel | GB/s | x clone | x peak |",
-                  "|---|---|---|---|"]
+        lines += ["", "## Kernel bandwidth (device time; host time of a call beside it)", "",
+                  "| kernel | GB/s | x clone | x peak | host us per call |",
+                  "|---|---|---|---|---|"]
         for row in bench["cases"]:
             if "gbps" in row:
                 xp = f"{row['x_peak']:.2f}" if "x_peak" in row else "-"
                 flag = "" if row.get("goal_met", True) else " (< goal)"
+                host = f"{row['host_us']:.0f}" if "host_us" in row else "-"  # older runs lack it
+                if row.get("host_bound"):
+                    host += " (host-bound)"
                 lines.append(f"| {row['case']} | {row['gbps']:.1f} | {row['x_copy']:.2f}{flag} "
-                             f"| {xp} |")
+                             f"| {xp} | {host} |")
     tiles = (results["steps"].get("tiles", {}).get("result") or {}).get("x_clone") or {}
     if tiles:
         cols = {f"TILE {k}": tiles[k] for k in sorted(tiles, key=int)}

@@ -517,6 +517,67 @@ def test_kernel_sass_counts_opcodes_and_the_main_path():
     assert lines[-2].count("---") == lines[-3].count("|") - 1  # one separator per column
 
 
+# ---- gpu_kernels_bench: what its CUDA timing brackets --------------------------------------------
+class _Stream:
+    """One CUDA stream on a simulated clock: work queued at host time t starts at
+    max(t, the end of the work before it); events take the time their turn comes."""
+
+    def __init__(self, rate):
+        self.host = 0.0  # the simulated perf_counter
+        self.free = 0.0  # when the queued work ends
+        self.rate = rate  # sleep cycles per second
+
+    def queue(self, seconds):
+        start = max(self.host, self.free)
+        self.free = start + seconds
+        return start
+
+    def torch(self):
+        from types import SimpleNamespace
+
+        stream = self
+
+        class Event:
+            def __init__(self, enable_timing):
+                self.t = None
+
+            def record(self):
+                self.t = stream.queue(0.0)
+
+            def synchronize(self):
+                stream.host = max(stream.host, self.t)
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3  # ms, as torch
+
+        return SimpleNamespace(cuda=SimpleNamespace(
+            Event=Event, _sleep=lambda cycles: self.queue(cycles / self.rate),
+            synchronize=lambda: setattr(self, "host", max(self.host, self.free))))
+
+
+@pytest.mark.parametrize("host_s, device_s", [(80e-6, 120e-6), (3e-3, 0.5e-3)])
+def test_gpu_kernels_bench_times_the_device_work_without_the_host_time(monkeypatch, host_s,
+                                                                       device_s):
+    """A call that spends host_s in Python before queueing device_s of GPU work: the events
+    bracket device_s alone (an idle stream would give host_s + device_s), and the host time
+    is reported beside it, also when it outlasts the default 1 ms sleep."""
+    import gpu_kernels_bench as b
+
+    stream = _Stream(rate=1.7e9)
+    monkeypatch.setattr(b.time, "perf_counter", lambda: stream.host)
+    monkeypatch.setattr(b, "_SLEEP_RATE", [])
+
+    def call():
+        stream.host += host_s
+        stream.queue(device_s)
+
+    t = b._time(stream.torch(), "cuda", call, 5)
+    assert t.device == pytest.approx(device_s, rel=1e-6)
+    assert t.host == pytest.approx(host_s, rel=1e-6)
+    assert not t.host_bound
+    assert b._SLEEP_RATE[0] == pytest.approx(1.7e9, rel=1e-6)
+
+
 # ---- gpu_codec_model: the codec's GPU work counted on the CPU ---------------------------------
 def test_gpu_codec_model_counts_bytes_of_copies_views_and_in_place_ops():
     import gpu_codec_model as m
