@@ -27,7 +27,9 @@ still NaN at the same places.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -77,13 +79,8 @@ class RowLayout:
 
     @classmethod
     def of(cls, n: int, spec: QuantSpec) -> "RowLayout":
-        itemsize = spec.torch_scale_dtype.itemsize
-        width = wire.wire_bytes(n, spec)
-        off = wire.scale_section_bytes(n, spec)
-        return cls(
-            spec=spec, width=width, groups=wire.num_groups(n, spec),
-            scale_words=width // itemsize, code_end=off + wire.code_bytes(n, spec),
-        )
+        """The layout of ``n`` values under ``spec``, cached: a launch asks for it each call."""
+        return _row_layout(cls, n, spec)
 
     def constexprs(self, prefix: str = "") -> dict:
         """The spec as the constexpr kernel arguments ``BITS, QMAX, SYM, SKIND, GS``."""
@@ -92,6 +89,17 @@ class RowLayout:
             f"{prefix}BITS": s.bits, f"{prefix}QMAX": s.qmax, f"{prefix}SYM": s.symmetric,
             f"{prefix}SKIND": _SCALE_KIND[s.scale_dtype], f"{prefix}GS": s.group_size,
         }
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_layout(cls, n: int, spec: QuantSpec) -> RowLayout:
+    itemsize = spec.torch_scale_dtype.itemsize
+    width = wire.wire_bytes(n, spec)
+    off = wire.scale_section_bytes(n, spec)
+    return cls(
+        spec=spec, width=width, groups=wire.num_groups(n, spec),
+        scale_words=width // itemsize, code_end=off + wire.code_bytes(n, spec),
+    )
 
 
 def scale_view(data: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -158,10 +166,21 @@ def aligned_segment(n: int, off: int, woff: int) -> bool:
     return n % 8 == 0 and off % 8 == 0 and woff % 4 == 0
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host. ``triton.cdiv`` is a ``ConstexprFunction`` since triton
+    3.6, and called from Python it costs microseconds per call on every launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n >= 1, on the host, as ``triton.next_power_of_2``."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def group_tiling(group_size: int) -> tuple[int, int, int]:
     """(GS_P2, GPB, SUB) of an encoder: padded group width, groups per program, sub-tile of a
     group larger than ``GROUP_TILE``."""
-    gs_p2 = triton.next_power_of_2(group_size)
+    gs_p2 = next_power_of_2(group_size)
     if gs_p2 <= GROUP_TILE:
         return gs_p2, max(1, GROUP_TILE // gs_p2), gs_p2
     return gs_p2, 1, GROUP_TILE
@@ -748,25 +767,28 @@ def flat_tile(bits: int, hadamard: bool) -> bool:
 
 
 # ---- host side: received chunks ---------------------------------------------------------------
-def chunk_stack(chunks, spec: QuantSpec) -> tuple[torch.Tensor, int]:
-    """(first chunk, byte stride between chunks) for k equally shaped [R, W] wire blocks.
+def chunk_stack(chunks, spec: QuantSpec, shape: tuple,
+                layout: Callable[[], str]) -> tuple[torch.Tensor, int]:
+    """(first chunk, byte stride between chunks) for k wire blocks of ``shape`` ([R, W]);
+    ValueError naming ``layout()`` (what the rows hold) if one has another shape.
 
     Chunks that are evenly spaced views of one buffer (the rows of a [k, R, W] receive buffer)
-    are read in place; anything else is stacked into one buffer first (a copy).
+    are read in place; anything else is stacked into one buffer first (a copy). One pass over
+    the chunks checks both: in three, the k=8 reduce's wrapper spent a third of its host time
+    on them (``docs/gpu_path.md`` section 7).
     """
     first = chunks[0]
-    k = len(chunks)
     itemsize = spec.torch_scale_dtype.itemsize
-    if all(c.is_contiguous() for c in chunks) and first.storage_offset() % itemsize == 0:
-        if k == 1:
-            return first, 0
-        storage = first.untyped_storage().data_ptr()
-        step = chunks[1].data_ptr() - first.data_ptr()
-        if step % itemsize == 0 and all(
-            c.untyped_storage().data_ptr() == storage
-            and c.data_ptr() - first.data_ptr() == j * step
-            for j, c in enumerate(chunks)
-        ):
-            return first, step
+    base = first.data_ptr()
+    step = chunks[1].data_ptr() - base if len(chunks) > 1 else 0
+    in_place = first.storage_offset() % itemsize == 0 and step % itemsize == 0
+    storage = first.untyped_storage().data_ptr() if in_place else None
+    for j, c in enumerate(chunks):
+        if c.shape != shape:
+            raise ValueError(f"chunk shape {tuple(c.shape)} is not {tuple(shape)}: {layout()}")
+        in_place = in_place and c.is_contiguous() and c.data_ptr() - base == j * step \
+            and (j == 0 or c.untyped_storage().data_ptr() == storage)
+    if in_place:
+        return first, step
     stacked = torch.stack([c.contiguous() for c in chunks])
     return stacked[0], stacked.stride(0)

@@ -74,7 +74,7 @@ def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, blk8: int, 
         if n:
             C.check_row_len(m, spec.group_size)
             lay = C.RowLayout.of(m, spec)
-            nblk = triton.cdiv(triton.cdiv(n, 8), blk8)
+            nblk = C.cdiv(C.cdiv(n, 8), blk8)
             rows.append([len(blk_seg), n, m, woff, off, lay.groups])
             aligned &= C.aligned_segment(n, off, woff)
             blk_seg += [len(rows) - 1] * nblk
@@ -148,7 +148,7 @@ def dequantize(
         o.copy_(dst)
     data = C.aligned_rows(data, spec)
     blk8 = C.TILE // 8
-    nblk = triton.cdiv(triton.cdiv(n, 8), blk8)
+    nblk = C.cdiv(C.cdiv(n, 8), blk8)
     with C.on_device(data):
         _dequantize_kernel[(R * nblk,)](
             data, C.scale_view(data, spec), o, n, m, lay.width, lay.scale_words, lay.groups,

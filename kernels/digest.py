@@ -63,7 +63,7 @@ def _table(layout: tuple, offset: int, device: str):
     for ptr, n in layout:
         if n:
             rows.append([ptr, n, off, len(blk_shard)])
-            blk_shard += [len(rows) - 1] * triton.cdiv(n, BLOCK)
+            blk_shard += [len(rows) - 1] * C.cdiv(n, BLOCK)
         off += n
     tab, idx, done = C.table_to(device, torch.tensor(rows or [[0] * 4], dtype=torch.int64),
                                 torch.tensor(blk_shard, dtype=torch.int32))

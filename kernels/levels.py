@@ -201,7 +201,7 @@ def quantize_levels(
     x = rows if rows.stride(-1) == 1 else rows.contiguous()
     lv = levels.to(device=rows.device, dtype=torch.float32).contiguous()
     gs_p2, gpb, sub = C.group_tiling(spec.group_size)
-    nblk = triton.cdiv(lay.groups, gpb)
+    nblk = C.cdiv(lay.groups, gpb)
     k0, k1 = C.key_words(key, spec.stochastic)
     isz = spec.torch_scale_dtype.itemsize
     with C.on_device(x):
@@ -233,25 +233,21 @@ def dequantize_levels_sum(
     R = chunks[0].shape[0]
     lay, tb = _layout(n, spec)
     width = tb + lay.width if n else 0
-    for c in chunks:
-        if tuple(c.shape) != (R, width):
-            raise ValueError(f"chunk shape {tuple(c.shape)} is not ({R}, {width}): {n} values "
-                             f"with learned levels under {spec}")
-    dev = chunks[0].device
-    dst = out if out is not None else torch.empty(R, n, dtype=torch.float32, device=dev)
+    first, step = C.chunk_stack(chunks, spec, (R, width),
+                                lambda: f"{n} values with learned levels under {spec}")
+    dst = out if out is not None else torch.empty(R, n, dtype=torch.float32, device=first.device)
     if R == 0 or n == 0:
         return dst
     C.check_row_len(n, spec.group_size)
     o = dst if dst.stride(-1) == 1 else torch.empty_like(dst, memory_format=torch.contiguous_format)
     if o is not dst and accumulate:
         o.copy_(dst)
-    first, step = C.chunk_stack(chunks, spec)
     if first.storage_offset() % 4 or step % 4:  # the fp32 table view needs 4-byte alignment
         stacked = torch.stack([c.contiguous() for c in chunks])
         first, step = stacked[0], stacked.stride(0)
     isz = spec.torch_scale_dtype.itemsize
     blk8 = C.TILE // 8
-    nblk = triton.cdiv(triton.cdiv(n, 8), blk8)
+    nblk = C.cdiv(C.cdiv(n, 8), blk8)
     with C.on_device(first):
         _decode_levels_kernel[(R * nblk,)](
             first, C.scale_view(first, spec), first.view(torch.float32), o, len(chunks), step,

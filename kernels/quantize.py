@@ -157,8 +157,8 @@ def _hadamard_rows_kernel(x_ptr, r_ptr, y_ptr, n, m, x_stride, r_stride, nblk,
 def _hadamard_rows(x: torch.Tensor, ref: Optional[torch.Tensor], m: int) -> torch.Tensor:
     rows, n = x.shape
     y = torch.empty(rows, m, dtype=torch.float32, device=x.device)
-    nb32 = max(1, min(C.TILE, triton.next_power_of_2(m)) // 32)
-    nblk = triton.cdiv(m, nb32 * 32)
+    nb32 = max(1, min(C.TILE, C.next_power_of_2(m)) // 32)
+    nblk = C.cdiv(m, nb32 * 32)
     r = ref if ref is not None else x
     with C.on_device(x):
         _hadamard_rows_kernel[(rows * nblk,)](
@@ -187,7 +187,7 @@ def _segment_table(segments: tuple, spec: QuantSpec, hadamard: bool, device: str
             lay = C.RowLayout.of(m, spec)
             rows.append([len(blk_seg), n, m, xoff, woff, lay.groups, k])
             aligned &= C.aligned_segment(n, xoff, woff)
-            blk_seg += [len(rows) - 1] * triton.cdiv(lay.groups, gpb)
+            blk_seg += [len(rows) - 1] * C.cdiv(lay.groups, gpb)
             woff += lay.width
             pad |= lay.width > lay.code_end
         xoff += n
@@ -292,7 +292,7 @@ def quantize(
         # Groups cut 32-blocks apart: transform in a first pass, then quantize that.
         x, r, n, hadamard = _hadamard_rows(x, r, m), None, m, False
     gs_p2, gpb, sub = C.group_tiling(spec.group_size)
-    nblk = triton.cdiv(lay.groups, gpb)
+    nblk = C.cdiv(lay.groups, gpb)
     k0, k1 = C.key_words(key, spec.stochastic)
     rr = r if r is not None else x
     with C.on_device(x):

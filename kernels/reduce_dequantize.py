@@ -51,20 +51,15 @@ def reduce_dequantize(
     R = chunks[0].shape[0]
     m = wire.hadamard_len(n) if hadamard else n
     lay = C.RowLayout.of(m, spec)
-    for c in chunks:
-        if tuple(c.shape) != (R, lay.width):
-            raise ValueError(f"chunk shape {tuple(c.shape)} is not ({R}, {lay.width}): {m} "
-                             f"values under {spec}")
-    dev = chunks[0].device
-    dst = out if out is not None else torch.empty(R, n, dtype=torch.float32, device=dev)
+    first, step = C.chunk_stack(chunks, spec, (R, lay.width), lambda: f"{m} values under {spec}")
+    dst = out if out is not None else torch.empty(R, n, dtype=torch.float32, device=first.device)
     if R == 0 or n == 0:
         return dst
     C.check_row_len(m, spec.group_size)
     o = dst if dst.stride(-1) == 1 else torch.empty_like(dst, memory_format=torch.contiguous_format)
-    first, step = C.chunk_stack(chunks, spec)
     isz = spec.torch_scale_dtype.itemsize
     blk8 = C.TILE // 8
-    nblk = triton.cdiv(triton.cdiv(n, 8), blk8)
+    nblk = C.cdiv(C.cdiv(n, 8), blk8)
     with C.on_device(first):
         _reduce_dequantize_kernel[(R * nblk,)](
             first, C.scale_view(first, spec), o, step, step // isz, n, m, lay.width,

@@ -98,19 +98,16 @@ def reduce_requantize(
     R = chunks[0].shape[0]
     lin = C.RowLayout.of(n, spec_in)
     lay = C.RowLayout.of(n, spec_out)
-    for c in chunks:
-        if tuple(c.shape) != (R, lin.width):
-            raise ValueError(f"chunk shape {tuple(c.shape)} is not ({R}, {lin.width}): {n} "
-                             f"values under {spec_in}")
-    out = torch.empty(R, lay.width, dtype=torch.uint8, device=chunks[0].device)
+    first, step = C.chunk_stack(chunks, spec_in, (R, lin.width),
+                                lambda: f"{n} values under {spec_in}")
+    out = torch.empty(R, lay.width, dtype=torch.uint8, device=first.device)
     if R == 0 or n == 0:
         return out
     C.check_row_len(n, max(spec_in.group_size, spec_out.group_size))
     if spec_out.stochastic:
         check_counter_range(R, n)
-    first, step = C.chunk_stack(chunks, spec_in)
     gs_p2, gpb, sub = C.group_tiling(spec_out.group_size)
-    nblk = triton.cdiv(lay.groups, gpb)
+    nblk = C.cdiv(lay.groups, gpb)
     k0, k1 = C.key_words(key, spec_out.stochastic)
     with C.on_device(first):
         _reduce_requantize_kernel[(R * nblk,)](

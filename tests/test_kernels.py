@@ -693,6 +693,26 @@ def test_reduce_dequantize_same_values(K, k, hadamard):
 
 
 @_exact
+def test_reduce_takes_chunks_in_their_order_and_refuses_a_misshapen_one(K):
+    # Views of one buffer out of its order (not evenly spaced: stacked), in reverse order
+    # (evenly spaced backwards: read in place), and a block of another shape.
+    s8 = _spec(8, True, "stochastic", "float32", 128)
+    s4 = _spec(4, True, "stochastic", "float32", 128)
+    n = 213
+    buf = _chunks(3, 2, n, s8, False, seed=5)
+    dev = _d(buf)
+    for order in ([2, 0, 1], [2, 1, 0]):
+        _same(K.reduce_requantize([dev[j] for j in order], n, s8, s4, KEY),
+              torch_codec.reduce_requantize([buf[j] for j in order], n, s8, s4, KEY))
+        _same(K.reduce_dequantize([dev[j] for j in order], n, s8, False, None),
+              torch_codec.reduce_dequantize([buf[j] for j in order], n, s8, False, None))
+    with pytest.raises(ValueError, match=r"chunk shape \(1, \d+\) is not \(2, \d+\): 213 values"):
+        K.reduce_requantize([dev[0], dev[1][:1]], n, s8, s4, KEY)
+    with pytest.raises(ValueError, match=r"chunk shape \(1, \d+\) is not \(2, \d+\): 213 values"):
+        K.reduce_dequantize([dev[0], dev[1][:1]], n, s8, False, None)
+
+
+@_exact
 def test_two_level_pipeline_round_trip(K):
     # The TLq-HS chain (Hadamard + 8 bit, reduce, 4 bit, reduce + inverse Hadamard) end to end.
     s8 = _spec(8, True, "stochastic", "float32", 128)
