@@ -538,6 +538,13 @@ def _flat_run(rank: int, world: int) -> dict:
         "sharded_grad_dtypes": [str(internals.sharded_grad_dtype(fp))
                                 for fp in internals.fsdp_params(gm)],
     }
+
+    # coalesced all-gathers (not FSDP2's: c10d's), each into its own block of one buffer
+    blocks = torch.zeros(3, world, 2)
+    with _c10d.coalesced(dist.group.WORLD):
+        for q in range(3):
+            _c10d.all_gather_single(blocks[q].view(-1), torch.full((2,), 10.0 * q + rank))
+    res["coalesced"] = blocks.tolist()
     return res
 
 
@@ -714,6 +721,15 @@ def test_mixed_dtypes_make_the_all_gather_buffer_uint8(flat):
         assert allocs == calls == ["torch.uint8"] and all(slots), moved(
             f"gathers a group of mixed dtypes as raw uint8 bytes (got {allocs}, {calls})",
             "fsdp/all_gather.py _fallback_reason (plain gather for non-float buffers)")
+
+
+def test_coalesced_all_gathers_fill_their_own_outputs(flat):
+    want = [[[10.0 * q + r] * 2 for r in range(2)] for q in range(3)]
+    for r in flat:
+        assert r["coalesced"] == want, (
+            f"torch {torch.__version__}'s _coalescing_manager no longer issues all-gathers into "
+            "their own outputs: fsdp_qcomm/collectives/_c10d.py coalesced relies on it "
+            "(NodeShardedQwd's gather inside the node)")
 
 
 def test_sharded_params_stay_in_the_original_dtype(flat):

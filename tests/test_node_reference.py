@@ -28,8 +28,10 @@ SPEC = QuantSpec(bits=4, group_size=16)
 SEGS = (23, 0, 17, 9)  # parameters of odd sizes (and an empty shard of one)
 
 
-def _collective(rank, world, rpn, steps):
-    """FSDP-free: the node-sharded and the full reference side by side, fed the same shards."""
+def _collective(rank, world, rpn, steps, direct=True):
+    """FSDP-free: the node-sharded and the full reference side by side, fed the same shards
+    (``direct=False``: hop 2 through its staging buffer and permuting copy, the path of layouts
+    whose nodes are not consecutive slots)."""
     group = dist.group.WORLD
     n = sum(SEGS)
     topo = node_topology(group, rpn)
@@ -38,6 +40,9 @@ def _collective(rank, world, rpn, steps):
     if topo.intra is not None:
         node = NodeShardedQwd(n, torch.float32, torch.device("cpu"), SPEC, group, topo.layout,
                               topo.intra, topo.inter, segments=SEGS)
+        assert node._node_starts == [q * rpn for q in range(world // rpn)]
+        if not direct:
+            node._node_starts = None
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(n, generator=g)
     out = {"equal": [], "cross": [], "reuse_cross": None, "bytes": None}
@@ -66,9 +71,9 @@ def _collective(rank, world, rpn, steps):
     return out
 
 
-@pytest.mark.parametrize("rpn", [1, 2, 3])
-def test_same_bits_as_the_full_reference_6_ranks(rpn):
-    res = run_ranks(_collective, 6, rpn, 6, timeout=300)
+@pytest.mark.parametrize("rpn,direct", [(1, True), (2, True), (3, True), (3, False)])
+def test_same_bits_as_the_full_reference_6_ranks(rpn, direct):
+    res = run_ranks(_collective, 6, rpn, 6, direct, timeout=300)
     assert len({r["ref"] for r in res}) == 1  # the full reference: identical on every rank
     for r in res:
         if rpn == 1:  # one rank per node: a node's shard is the whole reference
@@ -84,6 +89,20 @@ def test_same_bits_as_the_full_reference_6_ranks(rpn):
         # the first gather sends the shard itself, then differences, to nodes - 1 peers each
         assert r["cross"][0] == (nodes - 1) * n * 4 and all(
             0 < c < r["cross"][0] for c in r["cross"][1:])
+
+
+def test_hop_2_gathers_in_place_only_where_each_nodes_members_are_consecutive_slots():
+    from fsdp_qcomm.collectives.topology import NodeLayout
+    from fsdp_qcomm.collectives.weight_gather import _node_blocks
+
+    def layout(nodes):
+        return NodeLayout(global_ranks=tuple(range(6)), ranks_per_node=len(nodes[0]),
+                          nodes=nodes, rank=0)
+
+    assert _node_blocks(layout(((0, 1, 2), (3, 4, 5)))) == [0, 3]
+    assert _node_blocks(layout(((3, 4, 5), (0, 1, 2)))) == [3, 0]
+    assert _node_blocks(layout(((0, 2, 4), (1, 3, 5)))) is None  # interleaved
+    assert _node_blocks(layout(((1, 0, 2), (3, 4, 5)))) is None  # out of local order
 
 
 def _train(rank, world, rpn, reference, preset, raf, micro):

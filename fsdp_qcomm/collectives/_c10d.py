@@ -29,6 +29,16 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = R
     return fn(output, input, op=op, group=group, async_op=async_op)
 
 
+def coalesced(group: ProcessGroup):
+    """A context in which same-kind collectives on ``group`` are issued as one (NCCL: one
+    grouped launch; gloo and ``fake`` run them as one call too): torch's private
+    ``_coalescing_manager``, present with this signature in every torch fsdp-qcomm supports
+    (2.10-2.15, ``tests/test_fsdp_canaries.py``)."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    return _coalescing_manager(group=group)
+
+
 def carries(group: ProcessGroup, device: torch.device) -> bool:
     """Whether ``group`` has a backend for tensors on ``device``'s type: an NCCL group carries
     no CPU tensor (torch raises "No backend type associated with device type cpu" at the first
@@ -51,5 +61,5 @@ def reduce_scatter_name() -> str:
             else "reduce_scatter_tensor")
 
 
-__all__ = ["all_gather_name", "all_gather_single", "carries", "reduce_scatter_name",
+__all__ = ["all_gather_name", "all_gather_single", "carries", "coalesced", "reduce_scatter_name",
            "reduce_scatter_single"]

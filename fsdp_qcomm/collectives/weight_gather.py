@@ -517,6 +517,18 @@ class QwdAllGather(KeptWeights):
         return _launch(gathered, wire, self.group, async_op, finish_diff)
 
 
+def _node_blocks(layout: "NodeLayout") -> Optional[list[int]]:
+    """The first slot of each node's members in a gather's output, if every node's members are
+    consecutive slots in local-index order (then one all-gather inside the node fills a node's
+    block in place); None otherwise."""
+    starts = []
+    for members in layout.nodes:
+        if list(members) != list(range(members[0], members[0] + len(members))):
+            return None
+        starts.append(members[0])
+    return starts
+
+
 class NodeShardedQwd:
     """qWD with the reference sharded inside each node (ZeRO++'s hpZ partitioning, applied to
     SDP4Bit's reference).
@@ -532,7 +544,11 @@ class NodeShardedQwd:
        of the full reference's gather (same key, same segments); each of them adds the decoded
        differences to its ``N`` slices, all from the same bytes, so they stay bit-identical;
     2. inside the node (``intra``): an all-gather of the ``N`` rebuilt slices in the all-gather
-       dtype, which lands every shard's reference in ``output``.
+       dtype, which lands every shard's reference in ``output``. Where each node's members are
+       consecutive slots of ``output`` (every layout of sorted ranks), that is ``N``
+       all-gathers, one per node's block of ``output``, coalesced into one collective: no
+       staging buffer of the unsharded size and no permuting copy out of it (at 8 nodes of 8
+       and 1B parameters, 9.9 GB a step: ``docs/gpu_path.md`` section 7).
 
     The result is bit for bit the full reference's output. A gather of unchanged weights
     (``reuse``: backward re-gathers, accumulation micro-batches) runs hop 2 only and crosses no
@@ -578,6 +594,7 @@ class NodeShardedQwd:
         self._slots = torch.tensor(
             [layout.nodes[q][p] for p in range(self.local) for q in range(self.nodes)],
             dtype=torch.long, device=device)
+        self._node_starts = _node_blocks(layout)
 
     @property
     def own_ref(self) -> torch.Tensor:
@@ -603,11 +620,19 @@ class NodeShardedQwd:
     def _intra_gather(self, output: torch.Tensor) -> tuple[int, int, int]:
         """Hop 2: every member's slices into ``output`` in FSDP's slot order."""
         n = self.numel
+        rows = output.view(self.world, n)
+        received = self.local * self.slices.nbytes
+        if self._node_starts is not None:
+            with _c10d.coalesced(self.intra):
+                for q, first in enumerate(self._node_starts):
+                    _c10d.all_gather_single(rows[first:first + self.local].view(-1),
+                                            self.slices[q], group=self.intra)
+            return self.slices.nbytes, received, self.nodes * n
         gathered = torch.empty(self.local * self.nodes * n, dtype=self.slices.dtype,
                                device=self.slices.device)
         _c10d.all_gather_single(gathered, self.slices.view(-1), group=self.intra)
-        output.view(self.world, n).index_copy_(0, self._slots, gathered.view(-1, n))
-        return self.slices.nbytes, gathered.nbytes, self.nodes * n
+        rows.index_copy_(0, self._slots, gathered.view(-1, n))
+        return self.slices.nbytes, received, self.nodes * n
 
     def _base(self) -> int:
         return self.numel * self.slices.element_size()
