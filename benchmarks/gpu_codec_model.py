@@ -74,8 +74,12 @@ _GROUPED = {"quantize 4b g2048 sym stoch x-ref (qWD)":
             "dequantize 4b g2048 += fp32 (qWD)":
                 "dequantize_segments 4b g2048 += fp32 (9 segments)"}
 #: rows added to the bandwidth table after a GPU run, priced at the nearest row that run has
+#: the encoder's row with its rows reordered (the gradient's first hop), where the table has one
+_REORDERED = {"quantize 8b g128 sym stoch +H32":
+              "quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)"}
 _STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32",
-             **{grouped: one_row for one_row, grouped in _GROUPED.items()}}
+             **{grouped: one_row for one_row, grouped in _GROUPED.items()},
+             **{reordered: one_row for one_row, reordered in _REORDERED.items()}}
 _PKG = (str(ROOT / "fsdp_qcomm"), str(ROOT / "kernels"))
 _OTHER = "FSDP2, model, optimizer"
 #: operations that allocate or alias without moving data
@@ -225,6 +229,12 @@ def _moved(kernel: str, a: tuple, out: torch.Tensor) -> tuple[int, int]:
     return res.numel(), sum(map(_nbytes, seq)) + _nbytes(res) * (2 if acc else 1)
 
 
+#: codec functions that are one kernel on CUDA and a loop of others on the CPU: the
+#: ``_Recorder`` method that stands in for each
+_ONE_LAUNCH = {"dequantize_segments": "_segments", "quantize_segments": "_quantize_segments",
+               "quantize_ordered": "_quantize_ordered"}
+
+
 class _Recorder:
     """Stands in for the codec implementation module: records each call, then runs it."""
 
@@ -245,11 +255,15 @@ class _Recorder:
             out = torch.empty(sum(_widths(segs, spec, hadamard)), dtype=torch.uint8)
         return _each_quantize(self._impl, x, segs, spec, key, key_salt, ref, hadamard, out)
 
+    def _quantize_ordered(self, rows, spec, key, ref, hadamard, order):
+        """The CPU implementations' ``quantize``, then its rows in ``order`` (one kernel on
+        CUDA: ``kernels.quantize_ordered``)."""
+        return self._impl.quantize(rows, spec, key, ref, hadamard, None)[list(order)]
+
     def __getattr__(self, kernel: str):
         fn = getattr(self._impl, kernel, None)
-        if fn is None and kernel in ("dequantize_segments", "quantize_segments"):
-            # one launch on CUDA: counted as one call
-            fn = self._segments if kernel == "dequantize_segments" else self._quantize_segments
+        if fn is None and kernel in _ONE_LAUNCH:  # one launch on CUDA: counted as one call
+            fn = getattr(self, _ONE_LAUNCH[kernel])
         elif fn is None:
             raise AttributeError(kernel)
 
@@ -262,11 +276,15 @@ class _Recorder:
             name, args = kernel, a
             if kernel == "quantize_segments":  # counted as the quantize of the whole row
                 name, args = "quantize", (a[0], a[2], a[3], a[5], a[6])
+            elif kernel == "quantize_ordered":  # as the quantize of the rows (a permutation)
+                name, args = "quantize", a[:5]
             elements, nbytes = _moved(name, args, out)
             label = _label(name, args, out).replace(name, kernel, 1)
             row = bench_row(name, args)
             if kernel.endswith("_segments"):
                 row = _GROUPED.get(row, row)
+            elif kernel == "quantize_ordered":
+                row = _REORDERED.get(row, row)
             self._mode.census.add_codec(label, row, elements, nbytes)
             return out
 
@@ -349,6 +367,13 @@ class _NoCodec:
             return out
         m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
         return torch.zeros(rows.shape[0], wire.wire_bytes(m, spec), dtype=torch.uint8)
+
+    @staticmethod
+    def quantize_ordered(rows, spec, key, ref, hadamard, order):
+        from fsdp_qcomm.codec import wire
+
+        m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
+        return torch.zeros(len(order), wire.wire_bytes(m, spec), dtype=torch.uint8)
 
     @staticmethod
     def quantize_segments(x, segs, spec, key, key_salt, ref, hadamard, out):

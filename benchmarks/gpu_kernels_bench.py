@@ -113,6 +113,19 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
             moved=lambda d, out: nbytes(d["x"]) + (nbytes(d["ref"]) if ref else 0) + nbytes(out),
         )
 
+    def quant_ordered(name, spec, hadamard=False):
+        # The gradient's first hop: rows encoded in its send order (here reversed), one launch;
+        # the torch codec encodes them in order, then gathers the rows.
+        def make(rows, n, dev, check):
+            return {"x": values(rows, n, dev, check, 0), "order": tuple(reversed(range(rows)))}
+
+        def run(impl, d):
+            if hasattr(impl, "quantize_ordered"):
+                return impl.quantize_ordered(d["x"], spec, key, None, hadamard, d["order"])
+            return impl.quantize(d["x"], spec, key, None, hadamard)[list(d["order"])]
+
+        return Case(name, make, run, moved=lambda d, out: nbytes(d["x"]) + nbytes(out))
+
     def dequant(name, spec, out_dtype=None, accumulate=False, hadamard=False):
         def make(rows, n, dev, check):
             d = {"data": encode(values(rows, n, dev, check, 0), spec, key, hadamard, check),
@@ -268,6 +281,8 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         quant("quantize 4b g128 sym stoch", s4),
         quant("quantize 8b g128 sym stoch +H32", s8, hadamard=True),
         quant("quantize 4b g128 sym stoch +H32", s4, hadamard=True),
+        quant_ordered("quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)", s8,
+                      hadamard=True),
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", w4, ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q8, dtype=torch.bfloat16),
         quant_segments("quantize_segments 4b g2048 x-ref (9 segments)", w4, 9),

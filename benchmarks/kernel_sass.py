@@ -95,12 +95,13 @@ def _cases(C) -> list[Case]:
     # the tile the encoders choose (a checkout before 2026-12-05 has one: --src)
     flat_tile = getattr(C, "flat_tile", lambda bits, hadamard: False)
 
-    def quant(name, spec, x="*fp32", ref=False, had=False, stoch=True):
+    def quant(name, spec, x="*fp32", ref=False, had=False, stoch=True, ordered=False):
         t, tile = tiling(spec["GS"])
         return Case(name, "quantize", "_quantize_kernel",
-                    {"x_ptr": x, "r_ptr": x, "out_b": "*u8", "out_s": words(spec)},
+                    {"x_ptr": x, "r_ptr": x, "out_b": "*u8", "out_s": words(spec),
+                     "src_rows": "*i32" if ordered else x},
                     dict(**spec, **t, STOCH=stoch, HAS_REF=ref, HADAMARD=had,
-                         FLAT=flat_tile(spec["BITS"], had)), tile)
+                         FLAT=flat_tile(spec["BITS"], had), ORDERED=ordered), tile)
 
     def dequant(name, spec, out="*fp32", had=False, acc=False):
         return Case(name, "dequantize", "_dequantize_kernel",
@@ -126,6 +127,8 @@ def _cases(C) -> list[Case]:
         quant("quantize 4b g128 sym stoch", q(4, True, F32, 128)),
         quant("quantize 4b g128 sym nearest (no GPU row)", q(4, True, F32, 128), stoch=False),
         quant("quantize 8b g128 sym stoch +H32", q(8, True, F32, 128), had=True),
+        quant("quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)",
+              q(8, True, F32, 128), had=True, ordered=True),
         quant("quantize 4b g128 sym stoch +H32", q(4, True, F32, 128), had=True),
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", q(4, True, F32, 2048), ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q(8, False, BF16, 1024), x="*bf16"),

@@ -86,14 +86,21 @@ def _encode_groups(
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, r_ptr, out_b, out_s, n, m, x_stride, r_stride, W, WS, G, nblk, k0, k1,
+    x_ptr, r_ptr, out_b, out_s, src_rows, n, m, x_stride, r_stride, W, WS, G, nblk, k0, k1,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, GS_P2: tl.constexpr, GPB: tl.constexpr, SUB: tl.constexpr,
     STOCH: tl.constexpr, HAS_REF: tl.constexpr, HADAMARD: tl.constexpr, FLAT: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
+    """Output row ``row`` encodes input row ``row``, or with ``ORDERED`` input row
+    ``src_rows[row]``, with that input row's random numbers (``quantize_ordered``)."""
     row, blk, row64 = C.row_block(nblk)
-    _encode_groups(x_ptr + row64 * x_stride, r_ptr + row64 * r_stride, out_b + row64 * W,
-                   out_s + row64 * WS, blk * GPB, n, m, G, row, k0, k1,
+    src, src64 = row, row64
+    if ORDERED:
+        src = tl.load(src_rows + row)
+        src64 = src.to(tl.int64)
+    _encode_groups(x_ptr + src64 * x_stride, r_ptr + src64 * r_stride, out_b + row64 * W,
+                   out_s + row64 * WS, blk * GPB, n, m, G, src, k0, k1,
                    BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF, HADAMARD, FLAT)
 
 
@@ -270,18 +277,57 @@ def quantize(
     ``torch_codec.quantize`` (``ref``: encode ``x - ref``; ``hadamard``: encode ``H32 x``;
     ``out``: [R, W] written in place, directly when its rows are packed and their start is
     aligned for the scales, else through a copy)."""
-    if spec.stochastic and key is None:
-        raise ValueError(
-            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
-    R, n = rows.shape
-    m = wire.hadamard_len(n) if hadamard else n
+    _need_key(spec, key)
+    m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
     lay = C.RowLayout.of(m, spec)
     if out is not None and not _packed_rows(out, lay, spec):
         out.copy_(quantize(rows, spec, key, ref, hadamard))
         return out
     if out is None:
-        out = torch.empty(R, lay.width, dtype=torch.uint8, device=rows.device)
-    if R == 0 or m == 0:
+        out = torch.empty(rows.shape[0], lay.width, dtype=torch.uint8, device=rows.device)
+    return _encode_rows(rows, spec, key, ref, hadamard, lay, out, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _order_table(order: tuple, device: str):
+    """(int32 table of ``order`` on ``device``, its copy event: ``C.table_to``)."""
+    return C.table_to(device, torch.tensor(order, dtype=torch.int32))
+
+
+def quantize_ordered(
+    rows: torch.Tensor,
+    spec: QuantSpec,
+    key: Optional[RngKey],
+    ref: Optional[torch.Tensor],
+    hadamard: bool,
+    order: tuple,
+) -> torch.Tensor:
+    """``quantize(rows, ...)[order]`` in one pass, without the wire rows in input order: output
+    row j encodes input row ``order[j]`` with that row's random numbers, so the bytes are the
+    same (the gradient's first hop sends its rows grouped by local peer: ``grad_reduce``).
+    ``order``: host ints in ``[0, R)``, checked by ``codec.quantize``."""
+    _need_key(spec, key)
+    m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
+    lay = C.RowLayout.of(m, spec)
+    out = torch.empty(len(order), lay.width, dtype=torch.uint8, device=rows.device)
+    if not order:
+        return out
+    return _encode_rows(rows, spec, key, ref, hadamard, lay, out,
+                        _order_table(order, str(rows.device)))
+
+
+def _need_key(spec: QuantSpec, key: Optional[RngKey]) -> None:
+    if spec.stochastic and key is None:
+        raise ValueError(
+            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
+
+
+def _encode_rows(rows, spec, key, ref, hadamard, lay, out, order) -> torch.Tensor:
+    """Launch the encoder: every input row into ``out``, or with ``order`` (a ``_order_table``)
+    the rows it lists, in its order."""
+    R, n = rows.shape
+    m = wire.hadamard_len(n) if hadamard else n
+    if R == 0 or m == 0 or out.shape[0] == 0:
         return out
     C.check_row_len(m, spec.group_size)
     if spec.stochastic:
@@ -295,13 +341,17 @@ def quantize(
     nblk = C.cdiv(lay.groups, gpb)
     k0, k1 = C.key_words(key, spec.stochastic)
     rr = r if r is not None else x
+    src = x
+    if order is not None:
+        src, done = order
+        C.wait_for(done, x.device)
     with C.on_device(x):
-        _quantize_kernel[(R * nblk,)](
-            x, rr, out, C.scale_view(out, spec), n, m, x.stride(0), rr.stride(0), lay.width,
-            lay.scale_words, lay.groups, nblk, k0, k1,
+        _quantize_kernel[(out.shape[0] * nblk,)](
+            x, rr, out, C.scale_view(out, spec), src, n, m, x.stride(0), rr.stride(0),
+            lay.width, lay.scale_words, lay.groups, nblk, k0, k1,
             **lay.constexprs(), GS_P2=gs_p2, GPB=gpb, SUB=sub, STOCH=spec.stochastic,
             HAS_REF=r is not None, HADAMARD=hadamard, FLAT=C.flat_tile(spec.bits, hadamard),
-            **C.launch_opts(gpb * sub),
+            ORDERED=order is not None, **C.launch_opts(gpb * sub),
         )
     if lay.width > lay.code_end:
         out[:, lay.code_end:].zero_()

@@ -600,12 +600,15 @@ def test_gpu_codec_model_counts_each_kernel_once_per_step_and_prices_it():
     enabled, n2 = m.count_step(shape, 4, 2, "sdp4bit", warmup=1)
     assert n == n2 and not base.codec
     kernels = {k for k, _ in enabled.codec}
-    # two hops of TLq-HS and qWD's encode / decode-and-add, each gathered group once
-    assert any(k.startswith("quantize 8b g128 +H32") for k in kernels), kernels
+    # two hops of TLq-HS (hop 1 encodes its rows in send order, with no gather after it) and
+    # qWD's encode / decode-and-add, each gathered group once
+    assert any(k.startswith("quantize_ordered 8b g128 +H32") for k in kernels), kernels
+    assert not [op for (site, op), (_, nbytes, _) in enabled.ops.items()
+                if "grad_reduce" in site and nbytes], enabled.ops
     assert any(k.startswith("reduce_requantize k=2 8b->4b") for k in kernels), kernels
     assert any(k.startswith("dequantize_segments 4b g2048 +=") for k in kernels), kernels
     calls = {k: v[0] for (k, _), v in enabled.codec.items()}
-    hop1 = next(v for k, v in calls.items() if k.startswith("quantize 8b"))
+    hop1 = next(v for k, v in calls.items() if k.startswith("quantize_ordered 8b"))
     assert hop1 == shape.layers + 1  # one reduce-scatter per FSDP group and step
     for kind in ("dequantize_segments", "quantize_segments"):
         n = next(v for k, v in calls.items() if k.startswith(kind))

@@ -271,6 +271,25 @@ def test_quantize_into_out_writes_the_returned_bytes_and_nothing_else(hadamard):
         codec.quantize(x, spec, KEY, hadamard=hadamard, out=torch.empty(3, W))
 
 
+def test_quantize_in_an_order_is_quantize_then_index_select():
+    """``order=``: the rows' bytes in that order (a repeat and a subset too), each row with its
+    own random numbers; refused with out=, for x that is not 2-D, for an index outside the
+    rows."""
+    spec = QuantSpec(bits=8, group_size=128)
+    x = torch.randn(4, 300)
+    want = codec.quantize(x, spec, KEY, hadamard=True)
+    for order in ([2, 0, 3, 1], (3, 3), range(2), []):
+        got = codec.quantize(x, spec, KEY, hadamard=True, order=order)
+        assert torch.equal(got, want[list(order)])
+    with pytest.raises(ValueError, match="out= cannot"):
+        codec.quantize(x, spec, KEY, order=[0], out=torch.empty(1, want.shape[1],
+                                                                 dtype=torch.uint8))
+    with pytest.raises(ValueError, match="2-D x"):
+        codec.quantize(x.view(2, 2, 300), spec, KEY, order=[0])
+    with pytest.raises(ValueError, match=r"ints in \[0, 4\)"):
+        codec.quantize(x, spec, KEY, order=[0, 4])
+
+
 def test_quantize_segments_is_quantize_per_segment_with_folded_keys():
     """A flat tensor of back-to-back segments encodes as ``quantize`` of each segment alone
     with ``key.fold(key_salt + k)``, rows back to back (or into ``out``); empty segments send

@@ -239,12 +239,14 @@ def _compile_cases():
     u8s16 = {"out_b": "*u8", "out_s": "*i16"}
     return [
         (m["quantize"]._quantize_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", **u8s16},
-         dict(**q5, **grp(96), STOCH=True, HAS_REF=True, HADAMARD=True, FLAT=False), True),
-        (m["quantize"]._quantize_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", **u8s16},
-         dict(**q4, **grp(96), STOCH=True, HAS_REF=True, HADAMARD=True, FLAT=True), True),
+         dict(**q5, **grp(96), STOCH=True, HAS_REF=True, HADAMARD=True, FLAT=False,
+              ORDERED=False), True),
+        (m["quantize"]._quantize_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", **u8s16,
+         "src_rows": "*i32"}, dict(**q4, **grp(96), STOCH=True, HAS_REF=True, HADAMARD=True,
+                                   FLAT=True, ORDERED=True), True),
         (m["quantize"]._quantize_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32", "out_b": "*u8",
          "out_s": "*i32"}, dict(**q4, **grp(4104), STOCH=True, HAS_REF=True, HADAMARD=False,
-                               FLAT=False), True),
+                               FLAT=False, ORDERED=False), True),
         (m["quantize"]._quantize_segments_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32",
          "out_b": "*u8", "out_s": "*i32", "seg_tab": "*i64", "blk_seg": "*i32", "h3": "i64",
          "bucket": "i64", "salt": "i64"},
@@ -441,6 +443,21 @@ def test_quantize_difference_and_hadamard(K, gs, ref, hadamard):
     r = _data(2, 133, dtype, seed=gs + 1, specials=False) if ref else None
     got = K.quantize(_d(x), spec, KEY, _d(r), hadamard)
     _same(got, torch_codec.quantize(x, spec, KEY, r, hadamard))
+
+
+@_exact
+@pytest.mark.parametrize("gs,hadamard", [(128, True), (24, True), (40, False)])
+def test_quantize_ordered_is_quantize_then_index_select(K, gs, hadamard):
+    # Rows in another order (the gradient's first hop), a subset, repeats, none; a column slice
+    # of a wider buffer, as the hop encodes a span of it. Each row keeps its own random numbers.
+    spec = _spec(8 if hadamard else 4, True, "stochastic", SCALE_DTYPES[gs % 3], gs)
+    x = _data(6, 230, torch.float32, seed=gs)[:, 11:211]
+    r = _data(6, 230, torch.float32, seed=gs + 1, specials=False)[:, 11:211]
+    for ref in (None, r):
+        want = torch_codec.quantize(x, spec, KEY, ref, hadamard)
+        for order in ((0, 3, 1, 4, 2, 5), (5, 5, 0), ()):
+            got = K.quantize_ordered(_d(x), spec, KEY, _d(ref), hadamard, order)
+            _same(got, want[list(order)])
 
 
 @_exact

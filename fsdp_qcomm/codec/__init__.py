@@ -9,6 +9,7 @@ available. All write the same bytes.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -57,6 +58,7 @@ def quantize(
     ref: Optional[torch.Tensor] = None,
     hadamard: bool = False,
     out: Optional[torch.Tensor] = None,
+    order: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """Encode rows of ``x`` (or ``x - ref``; or ``H32 x`` padded to whole 32-blocks).
 
@@ -64,6 +66,10 @@ def quantize(
     ``hadamard_len(n)``, or writes it into ``out`` of that shape (a slice of a larger wire
     buffer: the kernels and the C loop write there directly, saving a copy and a launch per
     call). ``key`` is required for stochastic rounding.
+
+    ``order`` (host ints indexing the rows of a 2-D ``x``) returns the wire rows in that order,
+    ``[len(order), W]``: the bytes of ``quantize(x, ...)[order]``. The kernels read the rows in
+    that order, with no wire buffer in input order and no gather out of it.
     """
     require_key(spec, key)
     rows = float_rows(x, "x")
@@ -72,6 +78,8 @@ def quantize(
         if ref.shape != x.shape:
             raise ValueError(f"ref shape {tuple(ref.shape)} must equal x shape {tuple(x.shape)}")
         r = float_rows(ref, "ref")
+    if order is not None:
+        return _quantize_ordered(x, rows, r, spec, key, hadamard, out, order)
     o = None
     if out is not None:
         m = hadamard_len(x.shape[-1]) if hadamard else x.shape[-1]
@@ -87,6 +95,41 @@ def quantize(
                              "buffer, for example") from e
     res = _impl(rows, r, o).quantize(rows, spec, key, r, hadamard, o)
     return out if out is not None else res.view(*x.shape[:-1], res.shape[-1])
+
+
+def _quantize_ordered(x, rows, r, spec, key, hadamard, out, order) -> torch.Tensor:
+    if out is not None:
+        raise ValueError("quantize: order= returns a new tensor; out= cannot be given with it")
+    if x.dim() != 2:
+        raise ValueError(f"quantize: order= indexes the rows of a 2-D x, got shape "
+                         f"{tuple(x.shape)}")
+    order = _checked_order(tuple(order), x.shape[0])
+    impl = _impl(rows, r)
+    fused = getattr(impl, "quantize_ordered", None)
+    if fused is not None:
+        return fused(rows, spec, key, r, hadamard, order)
+    res = impl.quantize(rows, spec, key, r, hadamard, None)
+    return res.index_select(0, _order_index(order, res.device))
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_order(order: tuple, rows: int) -> tuple:
+    if not all(isinstance(i, int) and 0 <= i < rows for i in order):
+        raise ValueError(f"quantize: order must be ints in [0, {rows}) (rows of x), got "
+                         f"{list(order)}")
+    return order
+
+
+_ORDERS: dict[tuple, torch.Tensor] = {}
+
+
+def _order_index(order: tuple, device: torch.device) -> torch.Tensor:
+    """``order`` as an index tensor on ``device``, built once per order and device."""
+    k = (order, str(device))
+    t = _ORDERS.get(k)
+    if t is None:
+        t = _ORDERS[k] = torch.tensor(order, dtype=torch.long, device=device)
+    return t
 
 
 def quantize_segments(

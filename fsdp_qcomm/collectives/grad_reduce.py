@@ -210,9 +210,9 @@ def reduce_scatter_quantized(
         if lay.num_nodes > 1 and lay.local_size > 1:
             hop1 = _Hop(topo.intra, config.grad_intra_spec(), "grad_intra")
             hop2 = _Hop(topo.inter, config.grad_inter_spec(), "grad_inter")
-            perm = _hop1_perm(tuple(lay.hop1_order()), input.device)
-            t1, t2 = _two_hops(out, x, spans, hop1, hop2, perm, lay.local_size, lay.num_nodes,
-                               hadamard, key, finish, res.get("a2a"), res.get("requant"))
+            t1, t2 = _two_hops(out, x, spans, hop1, hop2, tuple(lay.hop1_order()),
+                               lay.local_size, lay.num_nodes, hadamard, key, finish,
+                               res.get("a2a"), res.get("requant"))
             done()
             if stats is not None:
                 # hop 2 sends one row to each node, all but one of them remote
@@ -344,18 +344,6 @@ def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int) -> Non
         raise ValueError(f"input is on {input.device} but output on {output.device}")
 
 
-_PERMS: dict[tuple, torch.Tensor] = {}
-
-
-def _hop1_perm(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Row order of hop 1's send buffer as an index tensor, built once per layout and device."""
-    k = (order, str(device))
-    t = _PERMS.get(k)
-    if t is None:
-        t = _PERMS[k] = torch.tensor(order, dtype=torch.long, device=device)
-    return t
-
-
 def _known_layout(group: Optional[ProcessGroup], config: QCommConfig) -> Optional[NodeLayout]:
     """The group's node layout, or None when the placement is unknown (the hop then counts as
     crossing nodes)."""
@@ -427,23 +415,28 @@ def _finish_last_hop(out, pending, spec: QuantSpec, hadamard: bool, finish: Fini
     _write(out[a:b], res, finish)
 
 
-def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, perm: torch.Tensor, local: int, nodes: int,
-              hadamard: bool, key: RngKey, finish: Finish,
+def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, order: tuple[int, ...], local: int,
+              nodes: int, hadamard: bool, key: RngKey, finish: Finish,
               e_a2a: Optional[torch.Tensor] = None, e_requant: Optional[torch.Tensor] = None
               ) -> tuple[_Tally, _Tally]:
     """Intra-node all-to-all, sum + re-quantize, inter-node all-to-all, sum.
 
     Send buffer of hop 1: ``[local, nodes, W1]``, block ``p`` = rows of the ranks with local
-    index ``p``. Its receive buffer ``[local (source), nodes, W1]`` reduces to ``[nodes, W2]``,
-    row ``q`` = partial sum for rank ``(q, my local index)``, which is hop 2's send buffer.
+    index ``p`` (``order``: ``NodeLayout.hop1_order``), encoded in that order. Its receive
+    buffer ``[local (source), nodes, W1]`` reduces to ``[nodes, W2]``, row ``q`` = partial sum
+    for rank ``(q, my local index)``, which is hop 2's send buffer.
     """
     t1, t2 = _Tally(), _Tally()
 
     def start_hop1(c: int):
         a, b = spans[c]
-        e = None if e_a2a is None else e_a2a[:, a:b]
-        wire = _encode(x[:, a:b], hop1.spec, key.fold(c).fold(1), hadamard, None, e)
-        send = wire.index_select(0, perm).view(local, nodes, wire.shape[-1])
+        k1 = key.fold(c).fold(1)
+        if e_a2a is None:
+            send = codec.quantize(x[:, a:b], hop1.spec, k1, hadamard=hadamard, order=order)
+        else:  # the residual is kept per input row: encode in input order, then reorder
+            wire = _encode(x[:, a:b], hop1.spec, k1, hadamard, None, e_a2a[:, a:b])
+            send = wire.index_select(0, codec._order_index(order, wire.device))
+        send = send.view(local, nodes, send.shape[-1])
         work, recv = _a2a(send, hop1.group, t1)
         return work, send, recv
 

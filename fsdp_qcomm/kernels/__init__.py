@@ -35,7 +35,7 @@ if not (_HERE / "_common.py").is_file():  # a source checkout: the sources are i
 from .dequantize import dequantize, dequantize_segments  # noqa: E402
 from .digest import digest_many  # noqa: E402
 from .levels import dequantize_levels_sum, quantize_levels  # noqa: E402
-from .quantize import quantize, quantize_segments  # noqa: E402
+from .quantize import quantize, quantize_ordered, quantize_segments  # noqa: E402
 from .reduce_dequantize import reduce_dequantize  # noqa: E402
 from .reduce_requantize import reduce_requantize  # noqa: E402
 
@@ -46,6 +46,7 @@ __all__ = [
     "digest_many",
     "quantize",
     "quantize_levels",
+    "quantize_ordered",
     "quantize_segments",
     "reduce_dequantize",
     "reduce_requantize",
