@@ -173,9 +173,15 @@ def quantize_segments(
     return _each_quantize(impl, x, segs, spec, key, key_salt, ref, hadamard, out)
 
 
-def _widths(segments: Sequence[int], spec: QuantSpec, hadamard: bool) -> list[int]:
+def _widths(segments: Sequence[int], spec: QuantSpec, hadamard: bool) -> tuple[int, ...]:
     """Wire bytes of each segment's row (rotated rows pad to whole 32-blocks)."""
-    return [wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segments]
+    return _widths_of(tuple(segments), spec, hadamard)
+
+
+@functools.lru_cache(maxsize=1024)
+def _widths_of(segments: tuple, spec: QuantSpec, hadamard: bool) -> tuple[int, ...]:
+    # cached per layout: every qWD gather asks for its shard's widths two or three times
+    return tuple(wire_bytes(hadamard_len(n) if hadamard else n, spec) for n in segments)
 
 
 def _each_quantize(impl, x: torch.Tensor, segments: Sequence[int], spec: QuantSpec,
