@@ -124,6 +124,19 @@ test_kernels_under_the_interpreter.__test__ = not INTERPRET and not CUDA
 test_kernels_under_the_interpreter_every_width.__test__ = not INTERPRET and not CUDA
 
 
+def test_host_integer_helpers_match_tritons():
+    """The launch arithmetic the wrappers do in plain Python (``triton.cdiv`` and
+    ``triton.next_power_of_2`` are slow to call from Python since triton 3.6)."""
+    import triton
+
+    common = importlib.import_module("fsdp_qcomm.kernels._common")
+    for n in list(range(1, 5000)) + [2**k + d for k in range(12, 31) for d in (-1, 0, 1)]:
+        assert common.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 7, 8, 32, 256, 4096):
+            assert common.cdiv(n, b) == triton.cdiv(n, b), (n, b)
+    assert common.cdiv(0, 8) == 0
+
+
 @pytest.fixture(scope="module")
 def K():
     import fsdp_qcomm.kernels as kernels
