@@ -360,20 +360,22 @@ class _NoCodec:
     no work (zero codes; a decode leaves ``out`` as it is)."""
 
     @staticmethod
-    def quantize(rows, spec, key, ref, hadamard, out=None):
+    def _wire(count, n, spec, hadamard):
+        """``count`` zero wire rows of ``n`` values (``hadamard``: padded to 32-blocks)."""
         from fsdp_qcomm.codec import wire
 
+        m = wire.hadamard_len(n) if hadamard else n
+        return torch.zeros(count, wire.wire_bytes(m, spec), dtype=torch.uint8)
+
+    @staticmethod
+    def quantize(rows, spec, key, ref, hadamard, out=None):
         if out is not None:
             return out
-        m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
-        return torch.zeros(rows.shape[0], wire.wire_bytes(m, spec), dtype=torch.uint8)
+        return _NoCodec._wire(rows.shape[0], rows.shape[1], spec, hadamard)
 
     @staticmethod
     def quantize_ordered(rows, spec, key, ref, hadamard, order):
-        from fsdp_qcomm.codec import wire
-
-        m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
-        return torch.zeros(len(order), wire.wire_bytes(m, spec), dtype=torch.uint8)
+        return _NoCodec._wire(len(order), rows.shape[1], spec, hadamard)
 
     @staticmethod
     def quantize_segments(x, segs, spec, key, key_salt, ref, hadamard, out):

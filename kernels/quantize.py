@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..codec import wire
+from ..codec._checks import require_key
 from ..codec.rng import RngKey, check_counter_range
 from ..config import QuantSpec
 from . import _common as C
@@ -221,9 +222,7 @@ def quantize_segments(
     """A flat row of back-to-back segments -> their wire rows back to back, in one launch:
     segment ``k`` as ``quantize`` of it alone with ``key.fold(key_salt + k)`` (``out``: the
     flat wire buffer to write; x, ref and out contiguous)."""
-    if spec.stochastic and key is None:
-        raise ValueError(
-            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
+    require_key(spec, key)
     segments = tuple(segments)
     if hadamard and spec.group_size % wire.HADAMARD_BLOCK:
         # Groups cut 32-blocks apart: the two-pass transform, segment by segment.
@@ -277,7 +276,7 @@ def quantize(
     ``torch_codec.quantize`` (``ref``: encode ``x - ref``; ``hadamard``: encode ``H32 x``;
     ``out``: [R, W] written in place, directly when its rows are packed and their start is
     aligned for the scales, else through a copy)."""
-    _need_key(spec, key)
+    require_key(spec, key)
     m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
     lay = C.RowLayout.of(m, spec)
     if out is not None and not _packed_rows(out, lay, spec):
@@ -306,7 +305,7 @@ def quantize_ordered(
     row j encodes input row ``order[j]`` with that row's random numbers, so the bytes are the
     same (the gradient's first hop sends its rows grouped by local peer: ``grad_reduce``).
     ``order``: host ints in ``[0, R)``, checked by ``codec.quantize``."""
-    _need_key(spec, key)
+    require_key(spec, key)
     m = wire.hadamard_len(rows.shape[1]) if hadamard else rows.shape[1]
     lay = C.RowLayout.of(m, spec)
     out = torch.empty(len(order), lay.width, dtype=torch.uint8, device=rows.device)
@@ -316,18 +315,12 @@ def quantize_ordered(
                         _order_table(order, str(rows.device)))
 
 
-def _need_key(spec: QuantSpec, key: Optional[RngKey]) -> None:
-    if spec.stochastic and key is None:
-        raise ValueError(
-            f"{spec} rounds stochastically and needs key=RngKey(seed, step, rank, bucket)")
-
-
 def _encode_rows(rows, spec, key, ref, hadamard, lay, out, order) -> torch.Tensor:
     """Launch the encoder: every input row into ``out``, or with ``order`` (a ``_order_table``)
     the rows it lists, in its order."""
     R, n = rows.shape
     m = wire.hadamard_len(n) if hadamard else n
-    if R == 0 or m == 0 or out.shape[0] == 0:
+    if R == 0 or m == 0:
         return out
     C.check_row_len(m, spec.group_size)
     if spec.stochastic:

@@ -120,16 +120,10 @@ def _checked_order(order: tuple, rows: int) -> tuple:
     return order
 
 
-_ORDERS: dict[tuple, torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _order_index(order: tuple, device: torch.device) -> torch.Tensor:
     """``order`` as an index tensor on ``device``, built once per order and device."""
-    k = (order, str(device))
-    t = _ORDERS.get(k)
-    if t is None:
-        t = _ORDERS[k] = torch.tensor(order, dtype=torch.long, device=device)
-    return t
+    return torch.tensor(order, dtype=torch.long, device=device)
 
 
 def quantize_segments(
