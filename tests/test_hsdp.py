@@ -750,3 +750,33 @@ def test_node_placement_is_checked_at_enable():
         # the two a2a rows to them and the gathered row to each of them cross
         assert cross == sent * 4 // 5
         assert any("share this rank's node" in n for n in notes)
+
+
+def test_backend_without_sequence_numbers_trains_and_says_the_check_is_off():
+    """torch's ``fake`` backend (rank 0 of 2, in this process) counts no collectives: HSDP's
+    proof that FSDP's own all-reduce runs on the one-rank group cannot be taken there, so
+    ``enable`` trains with it off and says so, rather than failing inside ``enable`` with
+    torch's "does not yet support sequence numbers"."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = nn.Sequential(MLPBlock(D, HIDDEN), nn.Linear(D, VOCAB))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        handle = enable(model, QCommConfig.preset("sdp4bit", ranks_per_node=1, **SDP4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(4, D)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        stats = handle.stats()
+        handle.disable()
+        assert stats["grad_replica"]["calls"] == 4  # 2 modules x 2 steps
+        off = [n for n in stats["notes"] if "counts no sequence numbers" in n]
+        assert off and "'fake' backend" in off[0], stats["notes"]
+    finally:
+        dist.destroy_process_group()

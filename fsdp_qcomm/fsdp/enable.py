@@ -472,6 +472,12 @@ def enable(model: nn.Module, config: QCommConfig, *,
     solo = None  # HSDP: the one-rank group FSDP's own all-reduce is pointed at
     if any(p.replica is not None for p in plans.values()):
         solo = hsdp.SoloGroup()
+        if not solo.counted:
+            stats.note(
+                f"HSDP: the {dist.get_backend(solo.group)!r} backend counts no sequence "
+                "numbers, so the check that FSDP's own replica all-reduce runs on fsdp_qcomm's "
+                "one-rank group (not on the replica group, beside the quantized one) is off"
+            )
     queue = ReductionQueue() if config.grad_overlap else None  # this call's reduction thread
     agreement_group = _agreement_group(installs)
     # Build everything first (a failing constructor installs nothing), creating every process

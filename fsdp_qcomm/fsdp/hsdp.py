@@ -87,13 +87,20 @@ class SoloGroup:
 
     Only this rank takes part in creating the group (``use_local_synchronization``), so it may
     be created whatever the other ranks do; every rank creates its own at the same point of
-    ``enable``."""
+    ``enable``.
+
+    A backend that counts no sequence numbers (torch's ``fake``, some vendors') cannot give the
+    proof: ``counted`` is then False, the check is off and ``enable`` says so in its notes."""
 
     def __init__(self) -> None:
         rank = dist.get_rank()
         self.group = dist.new_group([rank], use_local_synchronization=True,
                                     group_desc="qcomm_hsdp_solo")
-        self._seen = fsdp.sequence_number(self.group)
+        try:
+            self._seen: Optional[int] = fsdp.sequence_number(self.group)
+        except RuntimeError:  # "ProcessGroup custom does not yet support sequence numbers"
+            self._seen = None
+        self.counted = self._seen is not None
         self._task: Optional[int] = None  # the backward pass whose end is checked
         # the hooks whose FSDP all-reduce runs here (ReplicaAllReduce, or isolate's LocalReplica)
         self.hooks: list[Any] = []
@@ -108,6 +115,8 @@ class SoloGroup:
             self._task = task
 
     def _expect_one(self, where: str, ran_expected: int = 1) -> None:
+        if self._seen is None:
+            return
         now = fsdp.sequence_number(self.group)
         ran, self._seen = now - self._seen, now
         if ran != ran_expected:
