@@ -27,8 +27,12 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
 7. ``fsdp_one_rank``: FSDP2 on one NCCL rank, ``enable()`` with each preset against a run
    without it: bit-identical weights (one rank calls no collective), bf16 mixed precision;
    sdp4bit also with CPU-offloaded shards, against FSDP2 offloading alone;
-8. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors;
-9. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
+8. ``layouts``: sdp4bit where large-model users stack it, as rank 0 of 4 ``fake`` ranks: HSDP
+   (2 x 2), FSDP x tensor parallelism (2 x 2) and DiLoCo's outer all-reduce overlapped on its
+   side stream (bit-identical to the same schedule in line); the quantized collectives reached
+   the hooks, no host sync after the first step;
+9. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors;
+10. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
    per program (their own: 4096 for the encoders, 2048 for the rest), for tuning: x clone per
    kernel and tile.
 
@@ -369,15 +373,23 @@ def _model(torch, d: int, layers: int):
                          nn.Linear(d, 97))
 
 
-def _shard(torch, model, mixed: bool, offload: bool = False):
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+def _shard_kw(torch, mixed: bool, offload: bool = False, mesh=None) -> dict:
+    """``fully_shard``'s options: bf16 parameters with fp32 reduction when ``mixed``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    kw = {}
+    kw = {} if mesh is None else {"mesh": mesh}
     if offload:  # pinned host memory needs a GPU: the dry run offloads to pageable memory
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if mixed:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
+    return kw
+
+
+def _shard(torch, model, mixed: bool, offload: bool = False, mesh=None):
+    from torch.distributed.fsdp import fully_shard
+
+    kw = _shard_kw(torch, mixed, offload, mesh)
     for block in list(model)[:-2]:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -424,6 +436,42 @@ def _init_group(torch, backend: str, world: int, **kw) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     else:
         dist.init_process_group(backend, rank=0, world_size=world)
+
+
+def _fake_fills_outputs(torch) -> None:
+    """Makes this process's ``fake`` group write the outputs of ``all_to_all_single`` and
+    ``reduce_scatter_tensor`` as torch 2.13 and later do (this rank's part of the input),
+    where the running torch leaves them as they were: torch 2.11's, the GPU machine's, leaves
+    both unwritten, so FSDP's reduced gradients and our received chunks would be whatever the
+    allocator's memory held, and a run would not repeat. Installed for the rest of the child
+    process (each step has its own)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    probe = torch.full((world,), -1.0)
+    dist.all_to_all_single(probe, torch.zeros(world))
+    rs = torch.full((1,), -1.0)
+    dist.reduce_scatter_tensor(rs, torch.zeros(world))
+    if probe[0] == 0 and rs[0] == 0:
+        return  # this torch fills them
+    a2a, rsc = dist.all_to_all_single, dist.reduce_scatter_tensor
+
+    def fake(kw: dict) -> bool:  # FSDP and fsdp_qcomm pass the group by keyword
+        return dist.get_backend(kw.get("group")) == "fake"
+
+    def all_to_all_single(output, input, *a, **kw):
+        work = a2a(output, input, *a, **kw)
+        if fake(kw) and output.numel() == input.numel():
+            output.view(-1).copy_(input.reshape(-1))
+        return work
+
+    def reduce_scatter_tensor(output, input, *a, **kw):
+        work = rsc(output, input, *a, **kw)
+        if fake(kw):
+            output.view(-1).copy_(input.reshape(-1)[:output.numel()])
+        return work
+
+    dist.all_to_all_single, dist.reduce_scatter_tensor = all_to_all_single, reduce_scatter_tensor
 
 
 def step_fsdp_one_rank(ctx: dict) -> dict:
@@ -567,6 +615,147 @@ def step_fsdp_hooks(ctx: dict) -> dict:
         dist.destroy_process_group()
 
 
+def _kinds(handle) -> dict:
+    """Calls per collective kind of ``handle.stats()``."""
+    return {k: v["calls"] for k, v in handle.stats().items()
+            if isinstance(v, dict) and "calls" in v}
+
+
+def step_layouts(ctx: dict) -> dict:
+    """Where large-model users stack the hooks, on CUDA: HSDP (2 replicas x 2 shards), FSDP x
+    tensor parallelism (2 x 2, torchtitan's plan with SequenceParallel) and DiLoCo's outer
+    all-reduce on its side stream, each as rank 0 of 4 ``fake`` ranks, whose collectives write
+    this rank's own data (``_fake_fills_outputs``), so a run repeats bit for bit. Judged: each
+    layout's quantized collectives reached the hooks, no host sync after the first step but the
+    agreement's read (HSDP, TP), and DiLoCo overlapped on its side stream bit-identical to the
+    same schedule run in line. A layout that raises is recorded and the others still run."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_qcomm
+    from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
+
+    dev = "cpu" if ctx["dry_run"] else "cuda"
+    mixed = dev == "cuda"
+    d, layers, steps = (24, 2, 3) if ctx["dry_run"] else (256, 4, 4)
+    _init_group(torch, "fake", 4)
+    _fake_fills_outputs(torch)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _tp_models import TinyLlama, batch, parallelize_tp
+    from gpu_step_cost import describe_syncs, host_syncs
+
+    sdp4bit = fsdp_qcomm.QCommConfig.preset("sdp4bit", ranks_per_node=2)  # ranks 0,1 | 2,3
+    problems: list[str] = []
+
+    def later_steps(step_fn, count: int):
+        """Steps 1 .. count-1 (step 0 may sync: lazy init, the full-precision reference),
+        under the sync detector on CUDA; what it found."""
+        if dev != "cuda":
+            for t in range(1, count):
+                step_fn(t)
+            return "not checked (CPU)"
+        return host_syncs(lambda: [step_fn(t) for t in range(1, count)])
+
+    def hooked(name: str, handle, step_fn, expect: set) -> dict:
+        step_fn(0)
+        syncs = later_steps(step_fn, steps)
+        if isinstance(syncs, dict) and not syncs["ok"]:
+            problems.append(f"{name}: host sync after the first step: {describe_syncs(syncs)}")
+        kinds = _kinds(handle)
+        notes = handle.stats()["notes"]
+        handle.disable()
+        missing = sorted(k for k in expect if not kinds.get(k))
+        if missing:
+            problems.append(f"{name}: no {missing} call reached the hooks ({kinds})")
+        return {"kinds": kinds, "host_syncs": syncs, "notes": notes}
+
+    def hsdp() -> dict:
+        """Shards inside a node, the replica all-reduce across nodes (quantized)."""
+        mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _model(torch, d, layers).to(dev)
+        _shard(torch, model, mixed, mesh=mesh)
+        handle = fsdp_qcomm.enable(model, sdp4bit)
+        batches = _batches(torch, model, dev, steps)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return hooked("hsdp 2x2", handle,
+                      lambda t: _train(torch, model, batches[t:t + 1], opt), {"grad_replica"})
+
+    def tensor_parallel() -> dict:
+        """FSDP over "dp" (across nodes) x TP inside a node: TP's replicated parameters (norms,
+        biases) averaged over their peers after the lossy reduction."""
+        mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = TinyLlama().to(dev)
+        parallelize_tp(model, mesh["tp"], sequence_parallel=True)
+        for m in (*model.layers, model):
+            fully_shard(m, **_shard_kw(torch, mixed, mesh=mesh["dp"]))
+        handle = fsdp_qcomm.enable(model, sdp4bit)
+        data = [tuple(v.to(dev) for v in batch(t, 0)) for t in range(steps)]
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+        def step(t: int) -> None:
+            x, y = data[t]
+            F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+
+        return hooked("fsdp x tp 2x2", handle, step,
+                      {"weight_allgather", "grad_inter", "tp_peer_sync"})
+
+    def diloco_run(overlap: bool) -> dict:
+        """4-bit outer gradients over the replicas, merged one inner step late; with overlap
+        the all-reduce and its codec run on a side stream from a background thread."""
+        mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _model(torch, d, layers).to(dev)
+        _shard(torch, model, mixed, mesh=mesh["shard"])
+        cfg = DiLoCoConfig(sync_every=4, fragments=2, delay=1, overlap=overlap, bits=4)
+        diloco = DiLoCo(model, cfg, replicas=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        batches = _batches(torch, model, dev, 8)  # 4 outer all-reduces, 2 per fragment
+        losses = []
+
+        def inner(t: int) -> None:
+            losses.append(_train(torch, model, batches[t:t + 1], opt)[0][0])
+            diloco.step()
+
+        inner(0)
+        syncs = later_steps(inner, len(batches))  # recorded, not judged
+        diloco.finish()
+        calls = diloco.stats().get("outer_allreduce", {}).get("calls", 0)
+        diloco.close()
+        return {"losses": [float(v) for v in losses], "outer_calls": calls, "host_syncs": syncs,
+                "weights": {n: _digest(p.to_local()) for n, p in model.named_parameters()}}
+
+    def diloco() -> dict:
+        line, over = diloco_run(False), diloco_run(True)
+        same = over["losses"] == line["losses"] and over["weights"] == line["weights"]
+        if not same:
+            problems.append("diloco: the overlapped run differs from the same schedule in line")
+        if not over["outer_calls"]:
+            problems.append("diloco: no outer all-reduce ran")
+        return {"outer_allreduce_calls": over["outer_calls"], "equal_to_in_line": same,
+                "final_loss": over["losses"][-1], "host_syncs": over["host_syncs"]}
+
+    out: dict = {"backend": "fake", "world": 4, "steps": steps, "layouts": {}}
+    try:
+        for name, fn in (("hsdp 2x2", hsdp), ("fsdp x tp 2x2", tensor_parallel),
+                         ("diloco overlap", diloco)):
+            try:
+                out["layouts"][name] = fn()
+            except Exception as e:  # noqa: BLE001 - one layout's failure is its finding
+                problems.append(f"{name}: {type(e).__name__}: {e}")
+                out["layouts"][name] = {"error": traceback.format_exc()[-2000:]}
+        if problems:
+            raise StepFailed("; ".join(problems), out)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 # In order of value; each with the most seconds it may take (the budget may give it less).
 STEPS = {
     "environment": (step_environment, 60),
@@ -576,6 +765,7 @@ STEPS = {
     "bandwidth": (step_bandwidth, 100),
     "fsdp_hooks": (step_fsdp_hooks, 100),
     "fsdp_one_rank": (step_fsdp_one_rank, 80),
+    "layouts": (step_layouts, 80),
     "kernel_tests": (step_kernel_tests, 200),
     "tiles": (step_tiles, 100),
 }
@@ -608,6 +798,15 @@ def _summary_line(name: str, rec: dict) -> str:
     elif name == "step_cost":
         what = "; ".join(f"{row['shape']['name']} W={row['world']}: codec "
                          f"{100 * row['codec_share']:.1f}%" for row in r.get("rows", []))
+    elif name == "layouts":
+        def layout(v: dict) -> str:
+            if "error" in v:
+                return "raised"
+            if "equal_to_in_line" in v:
+                return "equal to in-line" if v["equal_to_in_line"] else "DIFFERS"
+            return ", ".join(f"{kind} {n}" for kind, n in v["kinds"].items())
+
+        what = "; ".join(f"{k}: {layout(v)}" for k, v in r.get("layouts", {}).items())
     else:
         what = ", ".join(f"{p}" for p in r.get("presets", {}))
     return f"{name:16s} {rec['status']:7s} {rec.get('seconds', 0):7.1f}s  {what}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["environment", "step_cost", "step_profile", "exactness_sweep", "bandwidth", "fsdp_hooks",
-         "fsdp_one_rank", "kernel_tests", "tiles"]
+         "fsdp_one_rank", "layouts", "kernel_tests", "tiles"]
 
 
 def _dry_run(out: Path, *extra: str, env_out: str = "", tmp: Path = None):
@@ -75,6 +75,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert hooks["qsdp"]["kinds"]["grad_inter"]["calls"] > 0
     assert "levels_sync" in hooks["W4G4-learned"]["kinds"]
     assert hooks["baseline"]["kinds"]["weight_allgather"]["bits_per_element"] == 32.0
+    lay = steps["layouts"]["result"]["layouts"]
+    assert lay["hsdp 2x2"]["kinds"]["grad_replica"] > 0
+    # the fake backend counts no sequence numbers: HSDP runs, and enable says what it skips
+    assert any("counts no sequence numbers" in n for n in lay["hsdp 2x2"]["notes"])
+    tp = lay["fsdp x tp 2x2"]["kinds"]
+    assert tp["tp_peer_sync"] > 0 and tp["grad_inter"] > 0 and tp["weight_allgather"] > 0
+    assert lay["diloco overlap"]["equal_to_in_line"]
+    assert lay["diloco overlap"]["outer_allreduce_calls"] == 4
     summary = (out / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
     assert ("| kernel | TILE 1024 | TILE 2048 | TILE 4096 | own (encoders 4096, others 2048) |"
