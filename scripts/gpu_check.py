@@ -61,8 +61,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Every named preset, and QSDP's learned levels on both sides.
-PRESETS = ("baseline", "sdp4bit", "qsdp", "zeropp", "qw4", "qwd", "tlq", "tlq_hs", "W4G4-learned")
 GOAL = 0.7  # of torch.clone's bandwidth, for quantize / dequantize kernels at 64M elements
 # Peak DRAM bandwidth (GB/s) of parts NVML may not describe.
 _KNOWN_PEAK = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB":
@@ -362,6 +360,13 @@ def step_tiles(ctx: dict) -> dict:
     return {"x_clone": out}
 
 
+def _presets() -> tuple:
+    """Every named preset (``QCommConfig.PRESETS``), and QSDP's learned levels on both sides."""
+    from fsdp_qcomm import QCommConfig
+
+    return (*QCommConfig.PRESETS, "W4G4-learned")
+
+
 def _model(torch, d: int, layers: int):
     import torch.nn as nn
 
@@ -492,7 +497,8 @@ def step_fsdp_one_rank(ctx: dict) -> dict:
         out = {"backend": dist.get_backend(), "steps": steps, "presets": {}}
         bad = []
         # every preset; then sdp4bit with CPU-offloaded shards against FSDP2 offloading alone
-        cases = [(name, name, False) for name in PRESETS] + [("sdp4bit offload", "sdp4bit", True)]
+        cases = [(name, name, False) for name in _presets()] + [
+            ("sdp4bit offload", "sdp4bit", True)]
         for name, preset, offload in cases:
             if offload:
                 ref = _model(torch, d, layers).to(dev)
@@ -539,7 +545,7 @@ def step_fsdp_hooks(ctx: dict) -> dict:
     # every preset, sdp4bit without the change agreement (no host read at all), and sdp4bit
     # with FSDP's CPU offload (shards on the host: the agreement must still exchange on the
     # GPU; FSDP's own offload copies may sync, so its syncs are recorded, not judged)
-    cases = [(p, p, {}, False) for p in PRESETS] + [
+    cases = [(p, p, {}, False) for p in _presets()] + [
         ("sdp4bit unverified", "sdp4bit", {"verify_weight_writes": False}, False),
         ("sdp4bit offload", "sdp4bit", {}, True)]
     from fsdp_qcomm.fsdp import change_tracker

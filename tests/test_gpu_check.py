@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fsdp_qcomm import QCommConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["environment", "step_cost", "step_profile", "exactness_sweep", "bandwidth", "fsdp_hooks",
          "fsdp_one_rank", "layouts", "kernel_tests", "tiles"]
@@ -66,9 +68,13 @@ def test_gpu_check_dry_run(tmp_path):
     want = ["quantize 4b g128 sym stoch", "quantize 4b g128 sym stoch +H32"]
     assert all(list(t) == want for t in tiles.values()), tiles
     one = steps["fsdp_one_rank"]["result"]["presets"]
-    assert len(one) == 10 and all(p["weights_equal_unhooked"] for p in one.values())
+    # every named preset, QSDP's learned levels and sdp4bit on CPU-offloaded shards
+    assert list(one) == [*QCommConfig.PRESETS, "W4G4-learned", "sdp4bit offload"]
+    assert all(p["weights_equal_unhooked"] for p in one.values())
     hooks = steps["fsdp_hooks"]["result"]["presets"]
     assert hooks["sdp4bit"]["modes"]["qwd_diff"] > 0
+    assert hooks["bf16"]["kinds"]["weight_allgather"]["bits_per_element"] == 16.0
+    assert "levels_sync" in hooks["lowbit"]["kinds"]
     # CPU-offloaded shards: the agreement ran, on FSDP's device (the GPU's, on a GPU)
     assert hooks["sdp4bit offload"]["modes"]["qwd_diff"] > 0
     assert hooks["sdp4bit offload"]["agreement_on"] == ["cpu"]
