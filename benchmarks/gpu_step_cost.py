@@ -9,7 +9,9 @@ codec costs on the GPU. Values are not checked (what the gathers return is not d
 Per configuration (shape, W, G ranks per node) it records:
 
 * ``ms``: median step time (CUDA events, after warm-up), without and with ``enable``;
-  ``codec_share``: (with - without) / with;
+  ``codec_share``: (with - without) / with; ``unverified``: the same with
+  ``verify_weight_writes=False`` (no change agreement, whose host read before each root
+  forward drains the GPU's queue), so the difference is what that read costs;
 * ``peak_gib``: ``torch.cuda.max_memory_allocated`` over the timed steps (the node-sharded
   qWD reference of ``weight_reference="node"`` is part of "with");
 * ``host_syncs``: two steps after the warm-up run under ``torch.cuda.set_sync_debug_mode``
@@ -213,11 +215,11 @@ def describe_syncs(s) -> str:
 
 
 def build_step(shape: LlamaShape, world: int, per_node: int, preset: Optional[str], dev: str,
-               param_dtype: Optional[torch.dtype] = None):
+               param_dtype: Optional[torch.dtype] = None, overrides: Optional[dict] = None):
     """Rank 0 of ``world`` fake ranks: the model sharded per block and at its root, bf16
     parameters on CUDA (fp32 on the CPU unless ``param_dtype``), fp32 reduction, ``enable``
-    when ``preset`` is given, AdamW, one batch. Returns ``(step, handle or None, padded
-    parameters)``."""
+    when ``preset`` is given (with the config fields ``overrides``), AdamW, one batch. Returns
+    ``(step, handle or None, padded parameters)``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import fsdp_qcomm
@@ -237,7 +239,7 @@ def build_step(shape: LlamaShape, world: int, per_node: int, preset: Optional[st
     handle = None
     if preset is not None:
         handle = fsdp_qcomm.enable(model, fsdp_qcomm.QCommConfig.preset(
-            preset, ranks_per_node=per_node))
+            preset, ranks_per_node=per_node, **(overrides or {})))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     g = torch.Generator(device=dev).manual_seed(1)
     idx = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), device=dev, generator=g)
@@ -281,15 +283,17 @@ def per_parameter_launches():
 
 
 def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str], steps: int,
-            warmup: int, dev: str, profile: bool = False, per_parameter: bool = False) -> dict:
+            warmup: int, dev: str, profile: bool = False, per_parameter: bool = False,
+            overrides: Optional[dict] = None) -> dict:
     """One model, one configuration: timed steps, peak memory, host syncs, bytes; with
     ``profile``, where two more steps spend their time (``profile_steps``); with
-    ``per_parameter``, under ``per_parameter_launches``."""
+    ``per_parameter``, under ``per_parameter_launches``; ``overrides``: config fields."""
     if per_parameter:
         with per_parameter_launches():
-            return run_one(shape, world, per_node, preset, steps, warmup, dev, profile)
+            return run_one(shape, world, per_node, preset, steps, warmup, dev, profile,
+                           overrides=overrides)
     cuda = dev == "cuda"
-    step, handle, padded = build_step(shape, world, per_node, preset, dev)
+    step, handle, padded = build_step(shape, world, per_node, preset, dev, overrides=overrides)
     for _ in range(max(1, warmup)):
         step()
     syncs = "not checked (CPU)"
@@ -422,10 +426,15 @@ def _cross_node(handle) -> int:
 
 def compare(shape: LlamaShape, world: int, per_node: int, steps: int, warmup: int,
             dev: str, preset: str = "sdp4bit") -> dict:
-    """FSDP2 alone against FSDP2 + ``enable(preset)``, same shape and W."""
+    """FSDP2 alone against FSDP2 + ``enable(preset)``, same shape and W; and ``enable`` again
+    with ``verify_weight_writes=False`` (``unverified``): no change agreement, so no host read
+    before each root forward. What the agreement's read costs the step is the difference."""
     base = run_one(shape, world, per_node, None, steps, warmup, dev)
     _free(dev)
     q = run_one(shape, world, per_node, preset, steps, warmup, dev)
+    _free(dev)
+    u = run_one(shape, world, per_node, preset, steps, warmup, dev,
+                overrides={"verify_weight_writes": False})
     _free(dev)
     q_cross = q["cross_node_bytes_per_step"]
     b_cross = baseline_cross_node_bytes(base["padded_params"], world, per_node)
@@ -434,6 +443,8 @@ def compare(shape: LlamaShape, world: int, per_node: int, steps: int, warmup: in
         "ranks_per_node": per_node, "preset": preset, "fsdp2": base, "enabled": q,
         "codec_ms": q["ms"] - base["ms"],
         "codec_share": (q["ms"] - base["ms"]) / q["ms"] if q["ms"] else None,
+        "unverified": {"ms": u["ms"], "ms_all": u["ms_all"], "host_syncs": u["host_syncs"],
+                       "codec_share": (u["ms"] - base["ms"]) / u["ms"] if u["ms"] else None},
         "cross_node_bytes_per_step": {"fsdp2": b_cross, preset: q_cross},
         "bytes_ratio": b_cross / q_cross if q_cross else None,
         "implied_step_s": {"fsdp2": implied(base["ms"] / 1e3, b_cross),
@@ -445,10 +456,10 @@ def compare(shape: LlamaShape, world: int, per_node: int, steps: int, warmup: in
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | W x G | FSDP2 ms | sdp4bit ms | codec share | peak GiB FSDP2 / sdp4bit "
-             "| host syncs | GB/step to other nodes FSDP2 / sdp4bit | step s at 25 / 100 / 400 "
-             "Gbit/s, FSDP2 -> sdp4bit (serial) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | W x G | FSDP2 ms | sdp4bit ms | codec share | codec share without the "
+             "agreement (ms) | peak GiB FSDP2 / sdp4bit | host syncs | GB/step to other nodes "
+             "FSDP2 / sdp4bit | step s at 25 / 100 / 400 Gbit/s, FSDP2 -> sdp4bit (serial) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, q = r["fsdp2"], r["enabled"]
         peak = r.get("peak_gib")
@@ -457,10 +468,13 @@ def table(rows: list[dict]) -> str:
         imp = r["implied_step_s"]
         links = " / ".join(f"{imp['fsdp2'][f'{g}gbit']['serial_s']:.2f} -> "
                            f"{imp[r['preset']][f'{g}gbit']['serial_s']:.2f}" for g in LINKS_GBIT)
+        u = r.get("unverified")  # runs before 2026-12-06 lack it
+        u_s = f"{100 * u['codec_share']:.1f}% ({u['ms']:.1f})" if u else "-"
         lines.append(
             f"| {r['shape']['name']} ({r['params'] / 1e9:.2f}B) | {r['world']} x "
             f"{r['ranks_per_node']} | {b['ms']:.1f} | {q['ms']:.1f} | "
-            f"{100 * r['codec_share']:.1f}% | {peak_s} | {describe_syncs(q['host_syncs'])[:60]} | "
+            f"{100 * r['codec_share']:.1f}% | {u_s} | {peak_s} | "
+            f"{describe_syncs(q['host_syncs'])[:60]} | "
             f"{cb['fsdp2'] / 1e9:.2f} / {cb[r['preset']] / 1e9:.2f} | {links} |")
     return "\n".join(lines)
 

@@ -8,7 +8,8 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
 2. ``step_cost``: ``benchmarks/gpu_step_cost.py``: a Llama-shaped model (1B, and 4 layers of
    an 8B) as rank 0 of W = 8 and 64 ranks through torch's ``fake`` backend, bf16 parameters and
    fp32 reduction: step time without and with ``enable(sdp4bit)`` (the codec's share of the
-   step; goal <= 10% at W = 8), peak memory, host syncs after the first step, bytes sent to
+   step; goal <= 10% at W = 8), and with ``verify_weight_writes=False`` (no change agreement:
+   what its host read costs), peak memory, host syncs after the first step, bytes sent to
    other nodes and the step time they imply at 25, 100 and 400 Gbit/s;
 3. ``step_profile``: the same step (1B, W=8) with and without ``enable`` under
    ``torch.profiler`` and ``cProfile``: the kernels by time (ours marked), how much of the wall
@@ -174,9 +175,10 @@ def step_step_cost(ctx: dict) -> dict:
     res = json.loads(out.read_text())
     problems = list(res["failed"])
     for row in res["rows"]:
-        for run in ("fsdp2", "enabled"):
+        for run in ("fsdp2", "enabled", "unverified"):
             sync = row[run]["host_syncs"]
-            if isinstance(sync, dict) and not sync["ok"]:
+            if isinstance(sync, dict) and (not sync["ok"] or run == "unverified"
+                                           and sync["agreement"]):
                 problems.append(f"{row['shape']['name']} W={row['world']} {run}: host sync "
                                 f"after the first step: {gpu_step_cost.describe_syncs(sync)}")
         goal = row["world"] == 8 and not ctx["dry_run"]
@@ -802,8 +804,13 @@ def _summary_line(name: str, rec: dict) -> str:
         what = "; ".join(f"TILE {k}: {sum(v >= GOAL for v in rows.values())} of {len(rows)} "
                          f"kernels at >= {GOAL}x clone" for k, rows in r.get("x_clone", {}).items())
     elif name == "step_cost":
+        def unverified(row: dict) -> str:  # runs before 2026-12-06 lack it
+            u = row.get("unverified")
+            return f" ({100 * u['codec_share']:.1f}% unverified)" if u else ""
+
         what = "; ".join(f"{row['shape']['name']} W={row['world']}: codec "
-                         f"{100 * row['codec_share']:.1f}%" for row in r.get("rows", []))
+                         f"{100 * row['codec_share']:.1f}%{unverified(row)}"
+                         for row in r.get("rows", []))
     elif name == "layouts":
         def layout(v: dict) -> str:
             if "error" in v:

@@ -53,6 +53,9 @@ def test_gpu_check_dry_run(tmp_path):
         assert 6 < r["bytes_ratio"] == b["fsdp2"] / b["sdp4bit"] < 12, r["bytes_ratio"]
         for link in r["implied_step_s"]["fsdp2"].values():
             assert link["overlap_s"] <= link["serial_s"]
+        # the same step without the change agreement: timed, and its share computed alike
+        u = r["unverified"]
+        assert u["ms"] > 0 and u["codec_share"] == (u["ms"] - r["fsdp2"]["ms"]) / u["ms"]
     prof = steps["step_profile"]["result"]
     assert list(prof) == ["fsdp2", "sdp4bit", "sdp4bit_per_parameter"]
     assert prof["fsdp2"]["profile"]["python_top"] == []  # nothing of ours runs without enable
