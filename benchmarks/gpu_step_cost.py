@@ -254,44 +254,12 @@ def build_step(shape: LlamaShape, world: int, per_node: int, preset: Optional[st
     return step, handle, padded
 
 
-@contextlib.contextmanager
-def per_parameter_launches():
-    """The hooks' launches as they were before qWD's grouped kernels: its encode, its decode
-    and the digest one launch per parameter (the kernels' grouped entry points hidden, so the
-    codec takes its per-segment path; the digest run shard by shard). The same bytes on the
-    wire: an A/B of what the launches cost (``gpu_check.sh``'s ``step_profile``)."""
-    import fsdp_qcomm.kernels as kernels
-
-    digest = sys.modules["fsdp_qcomm.kernels.digest"]
-    grouped = {n: getattr(kernels, n) for n in ("quantize_segments", "dequantize_segments")}
-    many = digest.digest_many
-
-    def per_shard(shards, out, offset=0):
-        for x in shards:
-            many([x], out, offset)
-            offset += x.numel()
-
-    for name in grouped:
-        delattr(kernels, name)
-    digest.digest_many = per_shard
-    try:
-        yield
-    finally:
-        for name, fn in grouped.items():
-            setattr(kernels, name, fn)
-        digest.digest_many = many
-
-
 def run_one(shape: LlamaShape, world: int, per_node: int, preset: Optional[str], steps: int,
-            warmup: int, dev: str, profile: bool = False, per_parameter: bool = False,
+            warmup: int, dev: str, profile: bool = False,
             overrides: Optional[dict] = None) -> dict:
     """One model, one configuration: timed steps, peak memory, host syncs, bytes; with
-    ``profile``, where two more steps spend their time (``profile_steps``); with
-    ``per_parameter``, under ``per_parameter_launches``; ``overrides``: config fields."""
-    if per_parameter:
-        with per_parameter_launches():
-            return run_one(shape, world, per_node, preset, steps, warmup, dev, profile,
-                           overrides=overrides)
+    ``profile``, where two more steps spend their time (``profile_steps``); ``overrides``:
+    config fields."""
     cuda = dev == "cuda"
     step, handle, padded = build_step(shape, world, per_node, preset, dev, overrides=overrides)
     for _ in range(max(1, warmup)):

@@ -195,19 +195,18 @@ def step_step_cost(ctx: dict) -> dict:
 def step_step_profile(ctx: dict) -> dict:
     """Where the codec's share of the step goes: 1B at W=8 (one rank per node) with and without
     ``enable(sdp4bit)`` under ``torch.profiler`` (kernels, ours marked; launches; how much of
-    the wall time the GPU is busy) and ``cProfile`` (fsdp_qcomm's Python by cumulative time);
-    and ``enable`` again with qWD's per-parameter launches (``per_parameter_launches``): the
-    A/B that says what the launches cost (docs/gpu_path.md section 7)."""
+    the wall time the GPU is busy) and ``cProfile`` (fsdp_qcomm's Python by cumulative time).
+    (Until 2026-12-06 it also ran qWD's launches per parameter: the H100 run settled that A/B,
+    docs/gpu_path.md section 7.)"""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_step_cost as g
 
     dev = "cpu" if ctx["dry_run"] else "cuda"
     shape = g.SHAPES["tiny" if ctx["dry_run"] else "1B"]
     out = {}
-    for label, preset, per_param in (("fsdp2", None, False), ("sdp4bit", "sdp4bit", False),
-                                     ("sdp4bit_per_parameter", "sdp4bit", True)):
+    for label, preset in (("fsdp2", None), ("sdp4bit", "sdp4bit")):
         run = g.run_one(shape, 8, 1, preset, steps=2, warmup=3 if dev == "cuda" else 1, dev=dev,
-                        profile=True, per_parameter=per_param)
+                        profile=True)
         out[label] = {"ms": run["ms"], "profile": run["profile"]}
         g._free(dev)
     return out

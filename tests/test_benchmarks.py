@@ -636,19 +636,3 @@ def test_gpu_codec_model_times_the_hooks_host_work_without_the_codec():
     h = m.host_ms(m.SHAPES["tiny"], 4, 2, "sdp4bit", steps=1, rounds=1)
     assert set(h) == {"fsdp2", "sdp4bit", "added", "runs", "added_range"}
     assert h["fsdp2"] > 0 and h["sdp4bit"] > 0 and h["added"] == h["sdp4bit"] - h["fsdp2"]
-
-
-def test_per_parameter_launches_hides_the_grouped_kernels_and_restores_them():
-    """gpu_check's launch A/B: inside, the codec finds no grouped kernels (its per-segment
-    path) and the digest goes shard by shard; afterwards everything is as it was."""
-    import gpu_step_cost as g
-
-    import fsdp_qcomm.kernels as kernels
-
-    digest = sys.modules["fsdp_qcomm.kernels.digest"]
-    with g.per_parameter_launches():
-        assert not hasattr(kernels, "quantize_segments")
-        assert not hasattr(kernels, "dequantize_segments")
-        assert digest.digest_many.__name__ == "per_shard"
-    assert callable(kernels.quantize_segments) and callable(kernels.dequantize_segments)
-    assert digest.digest_many.__name__ == "digest_many"

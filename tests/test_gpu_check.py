@@ -57,7 +57,7 @@ def test_gpu_check_dry_run(tmp_path):
         u = r["unverified"]
         assert u["ms"] > 0 and u["codec_share"] == (u["ms"] - r["fsdp2"]["ms"]) / u["ms"]
     prof = steps["step_profile"]["result"]
-    assert list(prof) == ["fsdp2", "sdp4bit", "sdp4bit_per_parameter"]
+    assert list(prof) == ["fsdp2", "sdp4bit"]
     assert prof["fsdp2"]["profile"]["python_top"] == []  # nothing of ours runs without enable
     assert any("weight" in f["function"] or "grad" in f["function"]
                for f in prof["sdp4bit"]["profile"]["python_top"])
