@@ -648,6 +648,10 @@ def step_layouts(ctx: dict) -> dict:
     dev = "cpu" if ctx["dry_run"] else "cuda"
     mixed = dev == "cuda"
     d, layers, steps = (24, 2, 3) if ctx["dry_run"] else (256, 4, 4)
+    # DiLoCo's two runs are compared bit for bit: cuBLAS's deterministic workspace, set before
+    # its first use in this process (warn_only: an op without a deterministic kernel warns)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
     _init_group(torch, "fake", 4)
     _fake_fills_outputs(torch)
     sys.path.insert(0, str(ROOT / "benchmarks"))
