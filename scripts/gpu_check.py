@@ -32,7 +32,7 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    (2 x 2), FSDP x tensor parallelism (2 x 2) and DiLoCo's outer all-reduce overlapped on its
    side stream (bit-identical to the same schedule in line); the quantized collectives reached
    the hooks, no host sync after the first step;
-9. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors;
+9. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors, in up to 4 processes;
 10. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
    per program (their own: 4096 for the encoders, 2048 for the rest), for tuning: x clone per
    kernel and tile.
@@ -145,20 +145,51 @@ def step_environment(ctx: dict) -> dict:
 
 
 def step_kernel_tests(ctx: dict) -> dict:
+    """``tests/test_kernels.py`` on CUDA tensors, its tests dealt round-robin to a few pytest
+    processes at once: most of their time is Triton compiling each kernel's specializations on
+    the host (130 s in one process on the H100 run), which the machine's cores share."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(ROOT / "tests" / "test_kernels.py")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     if ctx["dry_run"]:  # a few tests under the interpreter (the whole file: CI does it)
         env["TRITON_INTERPRET"] = "1"
-        cmd += ["-k", "two_level_pipeline or groups_larger_than_a_tile"]
+        select = ["-k", "two_level_pipeline or groups_larger_than_a_tile"]
     else:  # on CUDA tensors; the interpreter's own run is CI's
-        cmd += ["-k", "not under_the_interpreter"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=max(10.0, ctx["limit"] - 5))
-    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    if proc.returncode:
-        raise RuntimeError(f"pytest failed: {last}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
-    return {"summary": last}
+        select = ["-k", "not under_the_interpreter"]
+    t0 = time.perf_counter()
+    listed = subprocess.run([*cmd, "--collect-only", str(ROOT / "tests" / "test_kernels.py"),
+                             *select], env=env, capture_output=True, text=True, cwd=ROOT,
+                            timeout=max(10.0, ctx["limit"] / 4))
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    if listed.returncode or not ids:
+        raise RuntimeError(f"pytest --collect-only found no test: {listed.stdout[-2000:]}\n"
+                           f"{listed.stderr[-2000:]}")
+    n = min(len(ids), 4, max(2, (os.cpu_count() or 2) // 4))
+    procs = [subprocess.Popen([*cmd, *ids[k::n]], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for k in range(n)]
+    deadline = t0 + max(10.0, ctx["limit"] - 5)
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(1.0, deadline - time.perf_counter()))[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for out in outs:
+        last = out.strip().splitlines()[-1] if out.strip() else ""
+        for word in counts:
+            for part in last.split(","):
+                bits = part.split()
+                if len(bits) >= 2 and bits[1].startswith(word) and bits[0].isdigit():
+                    counts[word] += int(bits[0])
+    summary = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
+               f"{counts['skipped']} skipped of {len(ids)} in {n} processes, "
+               f"{time.perf_counter() - t0:.1f}s")
+    if any(proc.returncode for proc in procs) or counts["passed"] + counts["skipped"] != len(ids):
+        bad = "\n".join(out[-3000:] for proc, out in zip(procs, outs) if proc.returncode)
+        raise RuntimeError(f"pytest failed: {summary}\n{bad}")
+    return {"summary": summary, "processes": n, "tests": len(ids)}
 
 
 def step_step_cost(ctx: dict) -> dict:
