@@ -243,7 +243,9 @@ def step_step_profile(ctx: dict) -> dict:
     return out
 
 
-def step_exactness_sweep(ctx: dict) -> dict:
+def _sweep_pair(dev: str, c: int, bits: int, gs: int, lengths: tuple) -> tuple[int, list]:
+    """The exactness sweep's comparisons for one (width, group size) pair, the ``c``-th: every
+    kernel against ``torch_codec`` at each length. Returns (comparisons, failures)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -253,19 +255,8 @@ def step_exactness_sweep(ctx: dict) -> dict:
     from fsdp_qcomm import QuantSpec
     from fsdp_qcomm.codec import RngKey, torch_codec, wire
 
-    dev = "cpu" if ctx["dry_run"] else "cuda"
     key = RngKey(11, 5, 3, 1)
     sdts = ("float32", "bfloat16", "float16")
-    # Every width once with the group sizes spread over them, and the papers' (4, 128),
-    # (8, 128), (4, 2048): each (width, group size) pair is a set of Triton compiles, the cost
-    # of this step; tests/test_kernels.py covers more pairings at short lengths. Odd lengths,
-    # one spanning many tiles and groups.
-    groups = (8, 24, 40, 128, 1024, 2048, 4104)
-    pairs = [(b, groups[b % len(groups)]) for b in range(2, 9)] + [(4, 128), (8, 128),
-                                                                    (4, 2048)]
-    lengths = (7, 203, 20011)
-    if ctx["dry_run"]:
-        pairs, lengths = [(4, 8), (4, 40)], (203,)
     checked, failures = 0, []
 
     def same(name, got, want) -> None:
@@ -286,47 +277,72 @@ def step_exactness_sweep(ctx: dict) -> dict:
         if not ok:
             failures.append(name)
 
-    for c, (bits, gs) in enumerate(pairs):
-        sym, stoch = bool(c % 2), bool((c // 2) % 2)
-        spec = QuantSpec(bits=bits, group_size=gs, symmetric=sym, scale_dtype=sdts[c % 3],
-                         rounding="stochastic" if stoch else "nearest")
-        spec8 = QuantSpec(bits=8, group_size=gs, symmetric=True, scale_dtype=sdts[c % 3])
-        table = fitted_levels(spec, seed=bits)
-        for n in lengths:
-            tag = f"b{bits} g{gs} {'sym' if sym else 'asym'} {spec.rounding} " \
-                  f"{spec.scale_dtype} n{n}"
-            x = sample_rows(3, n, seed=c * 100 + n)
-            r = sample_rows(3, n, seed=c * 100 + n + 1, specials=False)
-            had = gs % 32 == 0 and c % 3 == 0
-            data = torch_codec.quantize(x, spec, key, r, had)
-            same(f"quantize {tag}", K.quantize(x.to(dev), spec, key, r.to(dev), had), data)
-            m = wire.hadamard_len(n) if had else n
-            base = sample_rows(3, n, seed=7, specials=False).to(torch.bfloat16)
-            got, want = base.to(dev), base.clone()
-            K.dequantize(data.to(dev), n, spec, had, got, True)
-            torch_codec.dequantize(data, n, spec, had, want, True)
-            same(f"dequantize += bf16 {tag}", got, want)
-            hop1 = [torch_codec.quantize(sample_rows(3, m, seed=j), spec8, key.fold(j))
-                    for j in range(3)]
-            same(f"reduce_requantize {tag}",
-                 K.reduce_requantize([h.to(dev) for h in hop1], m, spec8, spec, key),
-                 torch_codec.reduce_requantize(hop1, m, spec8, spec, key))
-            hop2 = [torch_codec.quantize(sample_rows(3, m, seed=j + 5), spec, key.fold(j))
-                    for j in range(3)]
-            same(f"reduce_dequantize {tag}",
-                 K.reduce_dequantize([h.to(dev) for h in hop2], n, spec, had, None),
-                 torch_codec.reduce_dequantize(hop2, n, spec, had, None))
-            xl = level_rows(3, n, seed=c + n, levels=table)
-            lv = torch_codec.quantize_levels(xl, spec, table, key)
-            same(f"quantize_levels {tag}",
-                 K.quantize_levels(xl.to(dev), spec, table.to(dev), key), lv)
-            same(f"dequantize_levels {tag}",
-                 K.dequantize_levels_sum([lv.to(dev)], n, spec),
-                 torch_codec.dequantize_levels_sum([lv], n, spec))
+    sym, stoch = bool(c % 2), bool((c // 2) % 2)
+    spec = QuantSpec(bits=bits, group_size=gs, symmetric=sym, scale_dtype=sdts[c % 3],
+                     rounding="stochastic" if stoch else "nearest")
+    spec8 = QuantSpec(bits=8, group_size=gs, symmetric=True, scale_dtype=sdts[c % 3])
+    table = fitted_levels(spec, seed=bits)
+    for n in lengths:
+        tag = f"b{bits} g{gs} {'sym' if sym else 'asym'} {spec.rounding} " \
+              f"{spec.scale_dtype} n{n}"
+        x = sample_rows(3, n, seed=c * 100 + n)
+        r = sample_rows(3, n, seed=c * 100 + n + 1, specials=False)
+        had = gs % 32 == 0 and c % 3 == 0
+        data = torch_codec.quantize(x, spec, key, r, had)
+        same(f"quantize {tag}", K.quantize(x.to(dev), spec, key, r.to(dev), had), data)
+        m = wire.hadamard_len(n) if had else n
+        base = sample_rows(3, n, seed=7, specials=False).to(torch.bfloat16)
+        got, want = base.to(dev), base.clone()
+        K.dequantize(data.to(dev), n, spec, had, got, True)
+        torch_codec.dequantize(data, n, spec, had, want, True)
+        same(f"dequantize += bf16 {tag}", got, want)
+        hop1 = [torch_codec.quantize(sample_rows(3, m, seed=j), spec8, key.fold(j))
+                for j in range(3)]
+        same(f"reduce_requantize {tag}",
+             K.reduce_requantize([h.to(dev) for h in hop1], m, spec8, spec, key),
+             torch_codec.reduce_requantize(hop1, m, spec8, spec, key))
+        hop2 = [torch_codec.quantize(sample_rows(3, m, seed=j + 5), spec, key.fold(j))
+                for j in range(3)]
+        same(f"reduce_dequantize {tag}",
+             K.reduce_dequantize([h.to(dev) for h in hop2], n, spec, had, None),
+             torch_codec.reduce_dequantize(hop2, n, spec, had, None))
+        xl = level_rows(3, n, seed=c + n, levels=table)
+        lv = torch_codec.quantize_levels(xl, spec, table, key)
+        same(f"quantize_levels {tag}",
+             K.quantize_levels(xl.to(dev), spec, table.to(dev), key), lv)
+        same(f"dequantize_levels {tag}",
+             K.dequantize_levels_sum([lv.to(dev)], n, spec),
+             torch_codec.dequantize_levels_sum([lv], n, spec))
+    return checked, failures
+
+
+def step_exactness_sweep(ctx: dict) -> dict:
+    """Every kernel against ``torch_codec``, bit for bit. Each (width, group size) pair is a
+    set of Triton compiles on the host, the cost of this step (87 s in one process on the H100
+    run), so the pairs run in up to 4 processes at once."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    dev = "cpu" if ctx["dry_run"] else "cuda"
+    # Every width once with the group sizes spread over them, and the papers' (4, 128),
+    # (8, 128), (4, 2048); tests/test_kernels.py covers more pairings at short lengths. Odd
+    # lengths, one spanning many tiles and groups.
+    groups = (8, 24, 40, 128, 1024, 2048, 4104)
+    pairs = [(b, groups[b % len(groups)]) for b in range(2, 9)] + [(4, 128), (8, 128),
+                                                                    (4, 2048)]
+    lengths = (7, 203, 20011)
+    if ctx["dry_run"]:
+        pairs, lengths = [(4, 8), (4, 40)], (203,)
+    n = min(len(pairs), 4, max(2, (os.cpu_count() or 2) // 4))
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        done = list(pool.map(_sweep_pair, [dev] * len(pairs), range(len(pairs)),
+                             *zip(*pairs), [lengths] * len(pairs)))
+    checked = sum(k for k, _ in done)
+    failures = [f for _, fs in done for f in fs]
     if failures:
         raise StepFailed(f"{len(failures)} of {checked} comparisons differ: {failures[:20]}",
                          {"comparisons": checked, "failures": failures})
-    return {"comparisons": checked, "pairs": pairs, "lengths": list(lengths)}
+    return {"comparisons": checked, "pairs": pairs, "lengths": list(lengths), "processes": n}
 
 
 def _kernels_bench(ctx: dict, *extra: str, iters: int = 20, timeout: float) -> dict:
