@@ -500,13 +500,15 @@ def _fake_fills_outputs(torch) -> None:
     process (each step has its own)."""
     import torch.distributed as dist
 
+    from fsdp_qcomm.collectives import _c10d
+
     world = dist.get_world_size()
     probe = torch.full((world,), -1.0)
     dist.all_to_all_single(probe, torch.zeros(world))
     rs = torch.full((1,), -1.0)
-    dist.reduce_scatter_tensor(rs, torch.zeros(world))
+    _c10d.reduce_scatter_single(rs, torch.zeros(world))
     if probe[0] == 0 and rs[0] == 0:
-        return  # this torch fills them
+        return  # this torch fills them (2.13 and later, which also name it reduce_scatter_single)
     a2a, rsc = dist.all_to_all_single, dist.reduce_scatter_tensor
 
     def fake(kw: dict) -> bool:  # FSDP and fsdp_qcomm pass the group by keyword
@@ -558,8 +560,7 @@ def step_fsdp_one_rank(ctx: dict) -> dict:
             handle = fsdp_qcomm.enable(model, fsdp_qcomm.QCommConfig.preset(preset))
             losses = [float(v) for v in _train(torch, model, batches)[0]]
             got = {n: _digest(p.to_local()) for n, p in model.named_parameters()}
-            calls = {k: v["calls"] for k, v in handle.stats().items()
-                     if isinstance(v, dict) and "calls" in v}
+            calls = _kinds(handle)
             handle.disable()
             equal = got == want and losses == ref_losses
             out["presets"][name] = {"weights_equal_unhooked": equal, "calls": calls,
