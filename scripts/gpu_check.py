@@ -29,9 +29,9 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    without it: bit-identical weights (one rank calls no collective), bf16 mixed precision;
    sdp4bit also with CPU-offloaded shards, against FSDP2 offloading alone;
 8. ``layouts``: sdp4bit where large-model users stack it, as rank 0 of 4 ``fake`` ranks: HSDP
-   (2 x 2), FSDP x tensor parallelism (2 x 2) and DiLoCo's outer all-reduce overlapped on its
-   side stream (bit-identical to the same schedule in line); the quantized collectives reached
-   the hooks, no host sync after the first step;
+   (2 x 2), FSDP x tensor parallelism (2 x 2), DiLoCo's outer all-reduce overlapped on its
+   side stream (bit-identical to the same schedule in line) and blocks compiled by inductor;
+   the quantized collectives reached the hooks, no host sync after the first step;
 9. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors, in up to 4 processes;
 10. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
    per program (their own: 4096 for the encoders, 2048 for the rest), for tuning: x clone per
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -678,12 +679,14 @@ def _kinds(handle) -> dict:
 
 def step_layouts(ctx: dict) -> dict:
     """Where large-model users stack the hooks, on CUDA: HSDP (2 replicas x 2 shards), FSDP x
-    tensor parallelism (2 x 2, torchtitan's plan with SequenceParallel) and DiLoCo's outer
-    all-reduce on its side stream, each as rank 0 of 4 ``fake`` ranks, whose collectives write
-    this rank's own data (``_fake_fills_outputs``), so a run repeats bit for bit. Judged: each
-    layout's quantized collectives reached the hooks, no host sync after the first step but the
-    agreement's read (HSDP, TP), and DiLoCo overlapped on its side stream bit-identical to the
-    same schedule run in line. A layout that raises is recorded and the others still run."""
+    tensor parallelism (2 x 2, torchtitan's plan with SequenceParallel), DiLoCo's outer
+    all-reduce on its side stream and inductor-compiled blocks, each as rank 0 of 4 ``fake``
+    ranks, whose collectives write this rank's own data (``_fake_fills_outputs``), so a run
+    repeats bit for bit. Judged: each layout's quantized collectives reached the hooks, no host
+    sync after the first step but the agreement's read (not DiLoCo's: recorded), DiLoCo
+    overlapped on its side stream bit-identical to the same schedule run in line, the compiled
+    blocks with the eager run's collectives. A layout that raises is recorded and the others
+    still run."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -799,10 +802,41 @@ def step_layouts(ctx: dict) -> dict:
         return {"outer_allreduce_calls": over["outer_calls"], "equal_to_in_line": same,
                 "final_loss": over["losses"][-1], "host_syncs": over["host_syncs"]}
 
+    def compiled_blocks() -> dict:
+        """Each block compiled by inductor after fully_shard, as torchtitan does (section 8):
+        the hooks run eagerly around the blocks' graphs, so they see the collectives of an
+        eager run; the losses are finite."""
+        runs = {}
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            model = _model(torch, d, layers).to(dev)
+            _shard(torch, model, mixed)
+            if compiled:  # the dry run traces only: inductor on the CPU is a long test's
+                for block in list(model)[:-2]:
+                    block.compile(backend="aot_eager" if ctx["dry_run"] else "inductor")
+            handle = fsdp_qcomm.enable(model, fsdp_qcomm.QCommConfig.preset("sdp4bit",
+                                                                            ranks_per_node=1))
+            batches = _batches(torch, model, dev, steps)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            losses = []
+            runs[compiled] = hooked(
+                "compiled blocks" if compiled else "eager blocks", handle,
+                lambda t: losses.extend(_train(torch, model, batches[t:t + 1], opt)[0]),
+                {"weight_allgather", "grad_inter"})
+            runs[compiled]["losses"] = [float(v) for v in losses]
+        row = runs[True]
+        if row["kinds"] != runs[False]["kinds"]:
+            problems.append(f"compiled blocks: collectives {row['kinds']}, eager "
+                            f"{runs[False]['kinds']}")
+        if not all(math.isfinite(v) for v in row["losses"]):
+            problems.append(f"compiled blocks: losses {row['losses']}")
+        row["eager_losses"] = runs[False]["losses"]
+        return row
+
     out: dict = {"backend": "fake", "world": 4, "steps": steps, "layouts": {}}
     try:
         for name, fn in (("hsdp 2x2", hsdp), ("fsdp x tp 2x2", tensor_parallel),
-                         ("diloco overlap", diloco)):
+                         ("diloco overlap", diloco), ("compiled blocks", compiled_blocks)):
             try:
                 out["layouts"][name] = fn()
             except Exception as e:  # noqa: BLE001 - one layout's failure is its finding
@@ -824,7 +858,7 @@ STEPS = {
     "bandwidth": (step_bandwidth, 100),
     "fsdp_hooks": (step_fsdp_hooks, 100),
     "fsdp_one_rank": (step_fsdp_one_rank, 80),
-    "layouts": (step_layouts, 80),
+    "layouts": (step_layouts, 150),
     "kernel_tests": (step_kernel_tests, 200),
     "tiles": (step_tiles, 100),
 }

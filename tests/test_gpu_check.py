@@ -92,6 +92,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert tp["tp_peer_sync"] > 0 and tp["grad_inter"] > 0 and tp["weight_allgather"] > 0
     assert lay["diloco overlap"]["equal_to_in_line"]
     assert lay["diloco overlap"]["outer_allreduce_calls"] == 4
+    assert lay["compiled blocks"]["kinds"]["grad_inter"] > 0
     summary = (out / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
     assert ("| kernel | TILE 1024 | TILE 2048 | TILE 4096 | own (encoders 4096, others 2048) |"
