@@ -96,10 +96,7 @@ class SoloGroup:
         rank = dist.get_rank()
         self.group = dist.new_group([rank], use_local_synchronization=True,
                                     group_desc="qcomm_hsdp_solo")
-        try:
-            self._seen: Optional[int] = fsdp.sequence_number(self.group)
-        except RuntimeError:  # "ProcessGroup custom does not yet support sequence numbers"
-            self._seen = None
+        self._seen = fsdp.sequence_number(self.group)
         self.counted = self._seen is not None
         self._task: Optional[int] = None  # the backward pass whose end is checked
         # the hooks whose FSDP all-reduce runs here (ReplicaAllReduce, or isolate's LocalReplica)

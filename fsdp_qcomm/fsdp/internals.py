@@ -232,9 +232,20 @@ def set_isolation_record(group: ParamGroup, record: Any) -> None:
     setattr(group.mesh_info, _ISOLATION_ATTR, record)
 
 
-def sequence_number(pg: dist.ProcessGroup) -> int:
-    """How many collectives this process has issued on ``pg`` (gloo and NCCL count them)."""
-    return int(pg._get_sequence_number_for_group())
+#: backends known to count no collectives: asking raises a C++ error, which a process run
+#: under AddressSanitizer's preloaded runtime does not survive (it aborts)
+_UNCOUNTED_BACKENDS = frozenset({"fake"})
+
+
+def sequence_number(pg: dist.ProcessGroup) -> Optional[int]:
+    """How many collectives this process has issued on ``pg`` (gloo and NCCL count them), or
+    None where its backend counts none (torch's ``fake``, some vendors')."""
+    if dist.get_backend(pg) in _UNCOUNTED_BACKENDS:
+        return None
+    try:
+        return int(pg._get_sequence_number_for_group())
+    except RuntimeError:  # "ProcessGroup custom does not yet support sequence numbers"
+        return None
 
 
 # ---- installed collectives and reduction settings ----------------------------------------------
