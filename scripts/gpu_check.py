@@ -145,6 +145,12 @@ def step_environment(ctx: dict) -> dict:
     return out
 
 
+def _processes(jobs: int) -> int:
+    """Processes for ``jobs`` compile-bound jobs (Triton compiling on the host): up to 4, a
+    quarter of the cores, at least 2 so that the dry run takes the same path."""
+    return min(jobs, 4, max(2, (os.cpu_count() or 2) // 4))
+
+
 def step_kernel_tests(ctx: dict) -> dict:
     """``tests/test_kernels.py`` on CUDA tensors, its tests dealt round-robin to a few pytest
     processes at once: most of their time is Triton compiling each kernel's specializations on
@@ -164,7 +170,7 @@ def step_kernel_tests(ctx: dict) -> dict:
     if listed.returncode or not ids:
         raise RuntimeError(f"pytest --collect-only found no test: {listed.stdout[-2000:]}\n"
                            f"{listed.stderr[-2000:]}")
-    n = min(len(ids), 4, max(2, (os.cpu_count() or 2) // 4))
+    n = _processes(len(ids))
     procs = [subprocess.Popen([*cmd, *ids[k::n]], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for k in range(n)]
     deadline = t0 + max(10.0, ctx["limit"] - 5)
@@ -334,7 +340,7 @@ def step_exactness_sweep(ctx: dict) -> dict:
     lengths = (7, 203, 20011)
     if ctx["dry_run"]:
         pairs, lengths = [(4, 8), (4, 40)], (203,)
-    n = min(len(pairs), 4, max(2, (os.cpu_count() or 2) // 4))
+    n = _processes(len(pairs))
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = list(pool.map(_sweep_pair, [dev] * len(pairs), range(len(pairs)),
                              *zip(*pairs), [lengths] * len(pairs)))

@@ -96,11 +96,15 @@ class SoloGroup:
         rank = dist.get_rank()
         self.group = dist.new_group([rank], use_local_synchronization=True,
                                     group_desc="qcomm_hsdp_solo")
-        self._seen = fsdp.sequence_number(self.group)
-        self.counted = self._seen is not None
+        self._seen = fsdp.sequence_number(self.group)  # None: the backend counts none
         self._task: Optional[int] = None  # the backward pass whose end is checked
         # the hooks whose FSDP all-reduce runs here (ReplicaAllReduce, or isolate's LocalReplica)
         self.hooks: list[Any] = []
+
+    @property
+    def counted(self) -> bool:
+        """Whether the backend counts collectives, so that the check runs."""
+        return self._seen is not None
 
     def check(self, label: str) -> None:
         """Called first thing in every all-reduce hook call; also arranges ``_end_of_backward``
@@ -112,7 +116,7 @@ class SoloGroup:
             self._task = task
 
     def _expect_one(self, where: str, ran_expected: int = 1) -> None:
-        if self._seen is None:
+        if not self.counted:
             return
         now = fsdp.sequence_number(self.group)
         ran, self._seen = now - self._seen, now
