@@ -122,6 +122,17 @@ def _cases(C) -> list[Case]:
                     dict(**spec, BLK8=C.TILE // 8, HADAMARD=False, ACCUMULATE=True,
                          ALIGNED=aligned), C.TILE)
 
+    def levels_quant(name, spec):
+        t, tile = tiling(spec["GS"])
+        return Case(name, "levels", "_quantize_levels_kernel",
+                    {"x_ptr": "*fp32", "lv_ptr": "*fp32", "out_b": "*u8", "out_s": words(spec),
+                     "out_l": "*fp32"}, dict(**spec, **t, STOCH=True), tile)
+
+    def levels_dequant(name, spec, out="*fp32", acc=False):
+        return Case(name, "levels", "_decode_levels_kernel",
+                    {"data_b": "*u8", "data_s": words(spec), "data_l": "*fp32", "out_ptr": out},
+                    dict(**spec, BLK8=C.TILE // 8, ACCUMULATE=acc), C.TILE)
+
     t128, tile128 = tiling(128)
     return [
         quant("quantize 4b g128 sym stoch", q(4, True, F32, 128)),
@@ -159,6 +170,11 @@ def _cases(C) -> list[Case]:
         Case("reduce_dequantize k=4 4b g128 +H32^-1", "reduce_dequantize",
              "_reduce_dequantize_kernel", {"data_b": "*u8", "data_s": "*i32", "out_ptr": "*fp32"},
              dict(**q(4, True, F32, 128), BLK8=C.TILE // 8, HADAMARD=True, K=4), C.TILE),
+        # QSDP's learned levels: a table of 2^b fp32 levels in front of each row
+        levels_quant("quantize_levels 8b g1024 asym stoch (QSDP)", q(8, False, F32, 1024)),
+        levels_quant("quantize_levels 4b g1024 asym stoch", q(4, False, F32, 1024)),
+        levels_dequant("dequantize_levels 8b g1024 -> bf16", q(8, False, F32, 1024), "*bf16"),
+        levels_dequant("dequantize_levels 4b g1024 += fp32", q(4, False, F32, 1024), acc=True),
     ]
 
 

@@ -6,11 +6,13 @@ the codes of ``wire.py``, all shifted by the table's bytes. The arithmetic is th
 
 * per group: non-finite test, ``scale = absmax`` (symmetric) or ``min``, ``max - min``
   (min-max), rounded to the scale dtype, a zero stored as +0;
-* ``t = x / scale`` or ``(x - min) / scale`` (a zero scale divides by 1), clamped to the table's
-  domain; ``k`` = the last level ``<= t`` among levels ``0 .. 2^b - 2`` (a branch-free binary
-  search over the table, equal to ``searchsorted(L, t, right=True) - 1`` clamped);
-* ``p = (t - L[k]) / (L[k + 1] - L[k])``; code ``k + (u < p)`` (stochastic, ``u`` the counter
-  hash of ``rng.py``) or ``k + (p >= 1/2)`` (nearest); a non-finite group sends code 0;
+* ``t = (x * f) * (1 / (s * f))``, ``x - min`` for ``x`` if asymmetric (``s`` the scale, 1 if
+  zero; a reciprocal per group, ``wire.py``'s "Encoding"), clamped to the table's domain;
+  ``k`` = the last level ``<= t`` among levels ``0 .. 2^b - 2`` (a branch-free binary search
+  over the table, equal to ``searchsorted(L, t, right=True) - 1`` clamped);
+* ``d = t - L[k]``, ``gap = L[k + 1] - L[k]``; code ``k + (u * gap < d)`` (stochastic, ``u``
+  the counter hash of ``rng.py``) or ``k + (d + d >= gap)`` (nearest): ``d / gap`` compared
+  without a division per element; a non-finite group sends code 0;
 * decode ``L[u] * scale (+ min)``, summed over chunks in order 0..k-1.
 
 Tiling: like ``quantize`` (whole groups per program, or one large group in sub-tiles) and
@@ -32,16 +34,35 @@ from . import _common as C
 
 
 @triton.jit
-def _search(lv_ptr, t, BITS: tl.constexpr):
-    """Largest k in [0, 2^BITS - 2] with L[k] <= t (t >= L[0]): a binary search, BITS steps."""
+def _search(lv_ptr, t, BITS: tl.constexpr, PICKED: tl.constexpr):
+    """(k, L[k], L[k + 1]) for the largest k in [0, 2^BITS - 2] with L[k] <= t (t >= L[0]): a
+    binary search of BITS steps, each of which tests candidate c = k + 2^(BITS - 1 - step).
+
+    The two levels come with the search rather than from two more loads per element: the
+    candidates rejected shrink the upper end (L[c] > t, or c = 2^BITS - 1, which k may not
+    reach), so the last one rejected is k + 1, and the last one accepted is k (else k = 0).
+    The first ``PICKED`` steps have 1, 2, 4, ... candidates for the whole tile: their levels
+    are loaded once per program and picked per element by comparisons, so only the later
+    steps gather from the table (a gather's lanes hit up to 8 cache lines of an 8-bit table).
+    """
     K: tl.constexpr = 1 << BITS
     k = tl.zeros(t.shape, tl.int32)
+    left = tl.zeros(t.shape, tl.float32) + tl.load(lv_ptr)
+    right = left
     for j in tl.static_range(BITS):
-        c = k + (1 << (BITS - 1 - j))
-        ok = c <= K - 2
-        lc = tl.load(lv_ptr + tl.where(ok, c, 0))
-        k = tl.where(ok & (lc <= t), c, k)
-    return k
+        span = 1 << (BITS - j)  # k is a multiple of span before this step
+        c = k + span // 2  # <= K - 1
+        if j < PICKED:
+            lc = tl.zeros(t.shape, tl.float32) + tl.load(lv_ptr + span // 2)
+            for m in tl.static_range(1, 1 << j):
+                lc = tl.where(k >= m * span, tl.load(lv_ptr + (m * span + span // 2)), lc)
+        else:
+            lc = tl.load(lv_ptr + c)
+        take = (lc <= t) & (c <= K - 2)
+        k = tl.where(take, c, k)
+        left = tl.where(take, lc, left)
+        right = tl.where(take, right, lc)
+    return k, left, right
 
 
 @triton.jit
@@ -68,24 +89,25 @@ def _encode_level_codes(
     v, valid, i, e8, e8_ok, row, numel, row_b, G, scale, mins, bad, lv_ptr, k0, k1,
     BITS: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr, STOCH: tl.constexpr,
 ):
-    K: tl.constexpr = 1 << BITS
-    safe = tl.where(scale == 0.0, 1.0, scale)[:, None, None]
+    safe = tl.where(scale == 0.0, 1.0, scale)
+    f = tl.where(safe < C._TINY_SCALE, C._TINY_PRESCALE, 1.0)
+    r = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe * f)[:, None, None]
+    f = f[:, None, None]
     if SYM:
-        t = tl.math.div_rn(v, safe)
+        t = (v * f) * r
         t = tl.minimum(tl.maximum(t, -1.0), 1.0)
     else:
-        t = tl.math.div_rn(v - mins[:, None, None], safe)
+        t = ((v - mins[:, None, None]) * f) * r
         t = tl.minimum(tl.maximum(t, 0.0), 1.0)
     nonfinite = bad[:, None, None] != 0
     t = tl.where(nonfinite, 0.0, t)
-    k = _search(lv_ptr, t, BITS)
-    left = tl.load(lv_ptr + k)
-    right = tl.load(lv_ptr + tl.minimum(k + 1, K - 1))
-    p = tl.math.div_rn(t - left, right - left)
+    k, left, right = _search(lv_ptr, t, BITS, 3)
+    d = t - left
+    gap = right - left
     if STOCH:
-        up = C.uniform(row, numel, i, k0, k1) < p
+        up = C.uniform(row, numel, i, k0, k1) * gap < d
     else:
-        up = p >= 0.5
+        up = d + d >= gap
     q = k + up.to(tl.int32)
     q = tl.where(nonfinite, 0, q)
     codes = tl.where(valid, q, 0)

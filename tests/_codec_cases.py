@@ -55,11 +55,28 @@ def fitted_levels(spec, seed: int) -> torch.Tensor:
     return lv.fit_levels(lv.histogram(heavy, spec, bins=512), spec)
 
 
-def level_rows(rows: int, n: int, seed: int, levels: torch.Tensor, dtype=torch.float32):
+def level_rows(rows: int, n: int, seed: int, levels: torch.Tensor, dtype=torch.float32,
+               group_size: int = 0):
     """``sample_rows`` with a few values placed exactly on levels (scaled by a group's range)
-    so the search's ``<=`` boundary and ``p = 0`` occur."""
+    so the search's ``<=`` boundary and ``p = 0`` occur. With ``group_size`` and two rows or
+    more, the last row's groups from the first whole one after index 12 (up to index 512, where
+    ``sample_rows``' tiny groups start) each hold the domain's ends, so that ``t = x`` exactly,
+    and the midpoints of consecutive levels: nearest rounding's ties, ``d + d == gap``."""
     x = sample_rows(rows, n, seed, True, torch.float32)
     k = min(n - 12, len(levels))
     if k > 0:
         x[:, 12:12 + k] = levels[:k] * 2.0
+    if group_size and rows >= 2:
+        lo = -1.0 if levels[0] < 0 else 0.0
+        mids = (levels[:-1] + levels[1:]) / 2
+        per = group_size - 2
+        g0 = -(-12 // group_size) * group_size
+        for j, start in enumerate(range(g0, min(n, 512) - group_size + 1, group_size)):
+            if per <= 0 or j * per >= len(mids):
+                break
+            m = mids[j * per:(j + 1) * per]
+            x[-1, start:start + group_size] = 0.5 + lo / 2  # inside the domain
+            x[-1, start] = lo
+            x[-1, start + 1] = 1.0
+            x[-1, start + 2:start + 2 + len(m)] = m
     return x.to(dtype)

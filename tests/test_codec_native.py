@@ -250,7 +250,7 @@ def test_levels_quantize_and_decode_match_torch(bits, sym, rounding):
     for gs, rows, n in [(8, 3, 61), (40, 2, 333), (128, 2, 1001), (2048, 1, 9000)]:
         spec = _spec(bits, sym, rounding, gs)
         table = fitted_levels(spec, seed=bits)
-        x = level_rows(rows, n, bits * 7 + gs, table)
+        x = level_rows(rows, n, bits * 7 + gs, table, group_size=gs)
         got = cpu_native.quantize_levels(x, spec, table, KEY)
         _same(got, torch_codec.quantize_levels(x, spec, table, KEY))
         assert got.shape == (rows, wire.levels_wire_bytes(n, spec))

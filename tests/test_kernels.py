@@ -768,8 +768,10 @@ def test_levels_same_bytes_and_values(K, bits, sym, rounding):
     c = bits * 4 + sym * 2 + (rounding == "stochastic")
     spec = _spec(bits, sym, rounding, SCALE_DTYPES[c % 3], (8, 24, 64, 40, 128)[c % 5])
     table = fitted_levels(spec, seed=bits)
-    for rows, n in ((3, 203), (1, 7)):
-        x = level_rows(rows, n, seed=c + n, levels=table, dtype=IN_DTYPES[(c // 3) % 3])
+    # 1100: whole groups below wire.TINY_SCALE and of subnormals (the reciprocal's prescale)
+    for rows, n in ((3, 203), (1, 7), (2, 1100)):
+        x = level_rows(rows, n, seed=c + n, levels=table, dtype=IN_DTYPES[(c // 3) % 3],
+                       group_size=spec.group_size)
         got = K.quantize_levels(_d(x), spec, _d(table), KEY)
         want = torch_codec.quantize_levels(x, spec, table, KEY)
         _same(got, want)

@@ -351,9 +351,10 @@ static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int6
 }
 
 /* encode_window for learned levels (codec/levels.py): scale = absmax or max - min (a zero stored
- * as +0), t = x / scale or (x - min) / scale (a zero scale divides by 1) clamped to the table's
- * domain, k = the last level <= t among L[0 .. K-2] (binary search), p = (t - L[k]) /
- * (L[k+1] - L[k]), code k + (u < p) or k + (p >= 1/2). */
+ * as +0), t = (x * f) * (1 / (s * f)) or ((x - min) * f) * (1 / (s * f)) with s the scale (1 if
+ * zero) and f as in encode_window, clamped to the table's domain, k = the last level <= t among
+ * L[0 .. K-2] (binary search), d = t - L[k], gap = L[k+1] - L[k], code k + (u * gap < d) or
+ * k + (d + d >= gap): no division per element. */
 static void encode_window_levels(float *v, int64_t n, const spec_t *s, const float *lv,
                                  int64_t w0, int64_t w1, int stochastic, uint32_t k0,
                                  uint32_t k1, uint32_t ctr0, uint8_t *row, uint8_t *codes) {
@@ -376,9 +377,11 @@ static void encode_window_levels(float *v, int64_t n, const spec_t *s, const flo
         memcpy(row + 4 * g, &scale, 4);
         if (!s->symmetric) memcpy(row + 4 * (G + g), &mins, 4);
         float safe = scale == 0.0f ? 1.0f : scale;
+        float f = safe < 0x1p-64f ? 0x1p64f : 1.0f;
+        float r = 1.0f / (safe * f);
         uint32_t ctr = ctr0 + (uint32_t)(g0 - w0), h = 0;
         for (int64_t i = 0; i < len; i++) {
-            float t = s->symmetric ? x[i] / safe : (x[i] - mins) / safe;
+            float t = ((s->symmetric ? x[i] : x[i] - mins) * f) * r;
             t = t < dlo ? dlo : t;
             t = t > 1.0f ? 1.0f : t;
             int k = 0;
@@ -386,14 +389,13 @@ static void encode_window_levels(float *v, int64_t n, const spec_t *s, const flo
                 int cand = k + step;
                 if (cand <= K - 2 && lv[cand] <= t) k = cand;
             }
-            float left = lv[k], right = lv[k + 1];
-            float p = (t - left) / (right - left);
+            float d = t - lv[k], gap = lv[k + 1] - lv[k];
             int up;
             if (stochastic) {
                 if (!(i & 1)) h = pair_hash(ctr + (uint32_t)i, k0, k1); /* i starts even */
-                up = pair_uniform(h, (int)(i & 1)) < p;
+                up = pair_uniform(h, (int)(i & 1)) * gap < d;
             } else {
-                up = p >= 0.5f;
+                up = d + d >= gap;
             }
             c[i] = (uint8_t)(k + up);
         }

@@ -5,8 +5,9 @@ min-max specs (``t = (x - min) / (max - min)``) and ``[-1, 1]`` for symmetric sp
 (``t = x / absmax``). ``L[0]`` and ``L[-1]`` are the domain bounds, so every group's extremes
 stay exact, and the interior levels sit where the values are dense. A value between levels
 ``L[k] <= t < L[k+1]`` is sent as ``k + 1`` with probability ``(t - L[k]) / (L[k+1] - L[k])``
-and as ``k`` otherwise (stochastic rounding), so ``E[decode] = x``: learned levels stay
-unbiased. ``rounding="nearest"`` picks the nearer level instead.
+and as ``k`` otherwise (stochastic rounding; compared without a division per element,
+``wire.py``), so ``E[decode] = x``: learned levels stay unbiased. ``rounding="nearest"``
+picks the nearer level instead.
 
 Wire row (an extension of ``wire.py``'s row: same scale, min and code sections)::
 

@@ -594,7 +594,9 @@ def level_groups(v: torch.Tensor, spec: QuantSpec):
     scale dtype; min None for symmetric specs) and the non-finite mask [R, G].
 
     The scale is the group's absmax (symmetric) or max - min; a zero scale or min is stored as
-    +0 (``+ 0.0``), so the bytes do not depend on which zero a reduction returns."""
+    +0 (``+ 0.0``), so the bytes do not depend on which zero a reduction returns. ``t`` is
+    ``(x * f) * (1 / (s * f))`` (``x - min`` for ``x`` if asymmetric; ``s`` the scale, 1 if
+    zero): a reciprocal per group, as the uniform codes (``wire.py``, "Encoding")."""
     rows, n = v.shape
     gs = spec.group_size
     groups = wire.num_groups(n, spec)
@@ -605,14 +607,16 @@ def level_groups(v: torch.Tensor, spec: QuantSpec):
         bad = ~torch.isfinite(amax)
         scale = amax.to(sdt).to(torch.float32) + 0.0
         mins = None
-        t = g / torch.where(scale == 0, torch.ones_like(scale), scale)[..., None]
+        num = g
     else:
         mn, mx = g.amin(-1), g.amax(-1)
         bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
         mins = mn.to(sdt).to(torch.float32) + 0.0
         scale = (mx - mins).to(sdt).to(torch.float32) + 0.0
-        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        t = (g - mins[..., None]) / safe[..., None]
+        num = g - mins[..., None]
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    f = torch.where(safe < wire.TINY_SCALE, wire.TINY_PRESCALE, 1.0)
+    t = (num * f[..., None]) * (1.0 / (safe * f))[..., None]
     lo, hi = wire.levels_domain(spec)
     t = torch.where(bad[..., None], torch.zeros_like(t), t).clamp_(lo, hi)
     return t, scale, mins, bad
@@ -635,14 +639,15 @@ def quantize_levels(
     t, scale, mins, bad = level_groups(v, spec)
     k = torch.searchsorted(L, t.contiguous(), right=True).sub_(1)
     k.clamp_(0, wire.num_levels(spec) - 2)
-    left, right = L[k], L[k + 1]
-    p = (t - left) / (right - left)
+    # code k + 1 with probability d / gap, compared without dividing: u * gap < d (nearest:
+    # d + d >= gap, d / gap >= 1/2), which every implementation computes as written
+    d, gap = t - L[k], L[k + 1] - L[k]
     if spec.stochastic:
         groups, gs = t.shape[1], t.shape[2]
         u = uniform_rows(R, groups * gs, n, key, v.device).view_as(t)
-        q = k + (u < p).to(k.dtype)
+        q = k + (u * gap < d).to(k.dtype)
     else:
-        q = k + (p >= 0.5).to(k.dtype)
+        q = k + (d + d >= gap).to(k.dtype)
     q = torch.where(bad[..., None], torch.zeros_like(q), q)
     n8 = -(-n // 8) * 8
     codes = q.view(R, -1)[:, :n8].clone()

@@ -32,7 +32,11 @@ per element cost a GPU encoder 8-11 of its 74-151 instructions per element; ``t`
 from ``x / scale`` by at most about an ulp. Every implementation computes exactly this.
 
 Learned-levels rows (``codec.levels``) put the ``2^b`` fp32 levels in front of the same
-sections (``levels_wire_bytes``); their scale is the group's range, not range / qmax.
+sections (``levels_wire_bytes``); their scale is the group's range, not range / qmax. They take
+``t`` with the same reciprocal (a zero scale taken as 1), clamped to the table's domain, find
+the last level ``L[k] <= t`` among ``L[0 .. 2^b - 2]``, and send ``k + 1`` with probability
+``d / gap`` (``d = t - L[k]``, ``gap = L[k + 1] - L[k]``) without dividing: ``u * gap < d``, or
+``d + d >= gap`` with nearest rounding.
 """
 
 from __future__ import annotations
