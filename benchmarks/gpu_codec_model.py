@@ -73,11 +73,14 @@ _GROUPED = {"quantize 4b g2048 sym stoch x-ref (qWD)":
                 "quantize_segments 4b g2048 x-ref (9 segments)",
             "dequantize 4b g2048 += fp32 (qWD)":
                 "dequantize_segments 4b g2048 += fp32 (9 segments)"}
-#: rows added to the bandwidth table after a GPU run, priced at the nearest row that run has
 #: the encoder's row with its rows reordered (the gradient's first hop), where the table has one
 _REORDERED = {"quantize 8b g128 sym stoch +H32":
               "quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)"}
+#: 2-bit learned levels (``lowbit``'s weights), a row since 2026-12-06
+_LOWBIT_LEVELS = "quantize_levels 2b g2048 sym stoch (lowbit)"
+#: rows added to the bandwidth table after a GPU run, priced at the nearest row that run has
 _STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32",
+             _LOWBIT_LEVELS: "quantize_levels 4b g1024 asym stoch",
              **{grouped: one_row for one_row, grouped in _GROUPED.items()},
              **{reordered: one_row for one_row, reordered in _REORDERED.items()}}
 _PKG = (str(ROOT / "fsdp_qcomm"), str(ROOT / "kernels"))
@@ -182,8 +185,9 @@ def bench_row(kernel: str, a: tuple) -> str:
     if kernel == "reduce_dequantize":
         return "reduce_dequantize k=4 4b g128 +H32^-1"
     if kernel == "quantize_levels":
-        return ("quantize_levels 8b g1024 asym stoch (QSDP)" if a[1].bits == 8 else
-                "quantize_levels 4b g1024 asym stoch")
+        bits = a[1].bits
+        return ("quantize_levels 8b g1024 asym stoch (QSDP)" if bits == 8 else
+                _LOWBIT_LEVELS if bits <= 2 else "quantize_levels 4b g1024 asym stoch")
     if kernel == "dequantize_levels_sum":
         return ("dequantize_levels 4b g1024 += fp32" if len(a) > 4 and a[4] else
                 "dequantize_levels 8b g1024 -> bf16")

@@ -277,6 +277,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
     w4 = QuantSpec(bits=4, group_size=2048)
     q8 = QuantSpec(bits=8, group_size=1024, symmetric=False)
     l4 = QuantSpec(bits=4, group_size=1024, symmetric=False)
+    l2 = QuantSpec(bits=2, group_size=2048)  # lowbit's weights: 2-bit learned qWD
     return [
         quant("quantize 4b g128 sym stoch", s4),
         quant("quantize 8b g128 sym stoch +H32", s8, hadamard=True),
@@ -295,6 +296,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         reduce("reduce_dequantize k=4 4b g128 +H32^-1", 4, s4, hadamard=True),
         levels_quant("quantize_levels 8b g1024 asym stoch (QSDP)", q8),
         levels_quant("quantize_levels 4b g1024 asym stoch", l4),
+        levels_quant("quantize_levels 2b g2048 sym stoch (lowbit)", l2),
         levels_dequant("dequantize_levels 8b g1024 -> bf16", q8, torch.bfloat16),
         levels_dequant("dequantize_levels 4b g1024 += fp32", l4, torch.float32, accumulate=True),
         digest,

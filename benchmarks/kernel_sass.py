@@ -173,6 +173,7 @@ def _cases(C) -> list[Case]:
         # QSDP's learned levels: a table of 2^b fp32 levels in front of each row
         levels_quant("quantize_levels 8b g1024 asym stoch (QSDP)", q(8, False, F32, 1024)),
         levels_quant("quantize_levels 4b g1024 asym stoch", q(4, False, F32, 1024)),
+        levels_quant("quantize_levels 2b g2048 sym stoch (lowbit)", q(2, True, F32, 2048)),
         levels_dequant("dequantize_levels 8b g1024 -> bf16", q(8, False, F32, 1024), "*bf16"),
         levels_dequant("dequantize_levels 4b g1024 += fp32", q(4, False, F32, 1024), acc=True),
     ]
