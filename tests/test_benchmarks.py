@@ -172,6 +172,39 @@ def test_run_store_resumes_splits_and_refuses_other_settings(tmp_path):
         again.load("SDP4Bit", 1, {**row, "replicate": 2})
 
 
+def test_paired_stores_gap_of_one_row_across_two_stores(tmp_path):
+    import paired_stores
+
+    setup = {"steps": 60, "dim": 32}
+    row = {"preset": "lowbit", "overrides": {}}
+
+    def store(name, finals, other=None):
+        st = _seeds.RunStore(tmp_path / name, setup)
+        for seed, v in finals.items():  # last 2 whole-split evaluations: v + 0.1, v - 0.1
+            st.save("lowbit", seed, row, {"val": [[50, 9.0]],
+                                          "val_full": [[40, 9.0], [50, v + 0.1], [60, v - 0.1]]})
+        if other:
+            st.save("other", 1, row, {"val_full": [[60, 1.0]]})
+        return tmp_path / name
+
+    before = store("before", {1: 2.0, 2: 2.5, 3: 4.0}, other=True)
+    after = store("after", {1: 2.02, 2: 2.525, 3: 4.04, 4: 1.0})
+    res = paired_stores.compare(before, after, "lowbit", tail=2)
+    # +1% on each of the 3 seeds both hold (seed 4 only after: listed, not paired)
+    gap = res["gap_pct"]
+    assert gap["n"] == 3 and gap["mean"] == pytest.approx(1.0) and gap["sd"] == pytest.approx(0)
+    assert res["seeds"][4] == {"before": None, "after": 1.0}
+    assert res["summary"].endswith("+1.000% ± 0.000%, [+1.000, +1.000]%, before lower")
+    assert "| 4 | - | 1.00000 |" in paired_stores.report(res, before, after)
+    # the sampled batches when asked; the stores' settings must agree
+    assert paired_stores.compare(before, after, "lowbit", 1, False)["gap_pct"]["mean"] == 0
+    _seeds.RunStore(tmp_path / "long", {**setup, "steps": 90}).save("lowbit", 1, row, {})
+    with pytest.raises(SystemExit, match=r"setups differ in steps \(60 against 90\)"):
+        paired_stores.compare(before, tmp_path / "long", "lowbit")
+    with pytest.raises(SystemExit, match="holds no run of row 'missing'"):
+        paired_stores.compare(before, after, "missing")
+
+
 def test_accuracy_rows_resume_and_table(tmp_path):
     data = tmp_path / "d.txt"
     data.write_text("to be or not to be, that is the question. " * 400)
