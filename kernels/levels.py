@@ -32,6 +32,10 @@ from ..codec.rng import RngKey, check_counter_range
 from ..config import QuantSpec
 from . import _common as C
 
+#: steps of the encoders' search whose candidates (1, 2, 4 for the tile) are picked from levels
+#: loaded once per program, not gathered per element (``_search``)
+_PICKED = tl.constexpr(3)
+
 
 @triton.jit
 def _search(lv_ptr, t, BITS: tl.constexpr, PICKED: tl.constexpr):
@@ -101,7 +105,7 @@ def _encode_level_codes(
         t = tl.minimum(tl.maximum(t, 0.0), 1.0)
     nonfinite = bad[:, None, None] != 0
     t = tl.where(nonfinite, 0.0, t)
-    k, left, right = _search(lv_ptr, t, BITS, 3)
+    k, left, right = _search(lv_ptr, t, BITS, _PICKED)
     d = t - left
     gap = right - left
     if STOCH:
