@@ -654,6 +654,16 @@ def floor_int(t, BIAS: tl.constexpr):
 
 
 @triton.jit
+def group_reciprocal(scale, like):
+    """(f, 1 / (scale * f)) of each group's nonzero ``scale`` [GPB], broadcast against the tile
+    ``like``: an encoder's division by its scale as a multiplication, ``t = (v * f) * r``
+    (``wire.py``, "Encoding"); f = 2^64 below a scale of 2^-64 keeps the reciprocal finite."""
+    f = tl.where(scale < _TINY_SCALE, _TINY_PRESCALE, 1.0)
+    r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * f)
+    return _per_group(f, like), _per_group(r, like)
+
+
+@triton.jit
 def encode_codes(
     v, valid, i, e8, e8_ok, row, numel, row_b, G, scale, mins, bad, k0, k1,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
@@ -666,10 +676,7 @@ def encode_codes(
     A ``flat_group_tile`` passes v, valid, i [GPB, SUB], its ``inside`` as e8_ok and the tile's
     first 8-block as e8 (GS: the group size, for where the codes of its 8-blocks go).
     """
-    # t = (v * f) * (1 / (scale * f)), a reciprocal per group (``wire``, "Encoding")
-    f = tl.where(scale < _TINY_SCALE, _TINY_PRESCALE, 1.0)
-    r = _per_group(tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * f), v)
-    f = _per_group(f, v)
+    f, r = group_reciprocal(scale, v)  # t = (v * f) * r
     if SYM:
         t = (v * f) * r
         lo = -QMAX

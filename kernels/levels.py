@@ -93,10 +93,7 @@ def _encode_level_codes(
     v, valid, i, e8, e8_ok, row, numel, row_b, G, scale, mins, bad, lv_ptr, k0, k1,
     BITS: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr, STOCH: tl.constexpr,
 ):
-    safe = tl.where(scale == 0.0, 1.0, scale)
-    f = tl.where(safe < C._TINY_SCALE, C._TINY_PRESCALE, 1.0)
-    r = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe * f)[:, None, None]
-    f = f[:, None, None]
+    f, r = C.group_reciprocal(tl.where(scale == 0.0, 1.0, scale), v)
     if SYM:
         t = (v * f) * r
         t = tl.minimum(tl.maximum(t, -1.0), 1.0)

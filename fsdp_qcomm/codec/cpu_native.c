@@ -291,6 +291,13 @@ static int group_bounds(const float *x, int64_t len, const spec_t *s, uint8_t *r
     return 1;
 }
 
+/* 1 / (scale * *f), with *f = 2^64 below a scale of 2^-64 (wire.TINY_SCALE), else 1: an encoder
+ * divides by its nonzero scale as t = (x * f) * r (wire.py, "Encoding"). */
+static inline float group_reciprocal(float scale, float *f) {
+    *f = scale < 0x1p-64f ? 0x1p64f : 1.0f;
+    return 1.0f / (scale * *f);
+}
+
 /* Quantize the groups of window [w0, w1) of one row (values v[0, w1 - w0), overwritten) into
  * codes and the row's scale / min section. ctr0: the RNG counter of element w0 (row * n + w0, mod 2^32). */
 static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int64_t w1,
@@ -320,8 +327,8 @@ static void encode_window(float *v, int64_t n, const spec_t *s, int64_t w0, int6
         /* t = (x * f) * (1 / (scale * f)) (x - min for x if asymmetric; f = 2^64 below a
          * scale of 2^-64, else 1: wire.TINY_SCALE), then + u or + 1/2, floor, clamp, code. */
         float *t = x;
-        float f = scale < 0x1p-64f ? 0x1p64f : 1.0f;
-        float r = 1.0f / (scale * f);
+        float f;
+        float r = group_reciprocal(scale, &f);
         if (s->symmetric)
             for (int64_t i = 0; i < len; i++) t[i] = (x[i] * f) * r;
         else
@@ -377,8 +384,8 @@ static void encode_window_levels(float *v, int64_t n, const spec_t *s, const flo
         memcpy(row + 4 * g, &scale, 4);
         if (!s->symmetric) memcpy(row + 4 * (G + g), &mins, 4);
         float safe = scale == 0.0f ? 1.0f : scale;
-        float f = safe < 0x1p-64f ? 0x1p64f : 1.0f;
-        float r = 1.0f / (safe * f);
+        float f;
+        float r = group_reciprocal(safe, &f);
         uint32_t ctr = ctr0 + (uint32_t)(g0 - w0), h = 0;
         for (int64_t i = 0; i < len; i++) {
             float t = ((s->symmetric ? x[i] : x[i] - mins) * f) * r;

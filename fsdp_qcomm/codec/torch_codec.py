@@ -292,6 +292,14 @@ def _encode(src: _Source, spec: QuantSpec, key: Optional[RngKey]) -> torch.Tenso
     return out
 
 
+def _group_reciprocal(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f, 1 / (scale * f)) of each group's nonzero scale: the encoders divide by it as
+    ``t = (x * f) * r`` (``wire.py``, "Encoding"); f = ``TINY_PRESCALE`` below ``TINY_SCALE``
+    (else 1) keeps the reciprocal finite."""
+    f = torch.where(scale < wire.TINY_SCALE, wire.TINY_PRESCALE, 1.0)
+    return f, 1.0 / (scale * f)
+
+
 def _encode_groups(
     g: torch.Tensor, spec: QuantSpec, starts: Optional[torch.Tensor],
     words: Optional[tuple[int, int]], scratch: _Scratch,
@@ -315,12 +323,9 @@ def _encode_groups(
         scale = ((mx - mins) / spec.qmax).to(sdt).to(torch.float32)
     scale.masked_fill_(scale == 0, 1.0)
     t = scratch.get("t", R * nb * gs, torch.float32).view(R, nb, gs)
-    # t = (g * f) * (1 / (scale * f)): a reciprocal per group (wire.py, "Encoding")
-    tiny = scale < wire.TINY_SCALE
-    f = torch.where(tiny, wire.TINY_PRESCALE, 1.0) if bool(tiny.any()) else None
-    recip = 1.0 / (scale if f is None else scale * f)
+    f, recip = _group_reciprocal(scale)  # t = (g * f) * recip
     num = g if mins is None else torch.sub(g, mins[..., None], out=t)
-    if f is not None:
+    if bool((f != 1.0).any()):  # else multiplying by f is exact: skip that pass
         num = torch.mul(num, f[..., None], out=t)
     torch.mul(num, recip[..., None], out=t)
     if starts is not None:
@@ -614,9 +619,8 @@ def level_groups(v: torch.Tensor, spec: QuantSpec):
         mins = mn.to(sdt).to(torch.float32) + 0.0
         scale = (mx - mins).to(sdt).to(torch.float32) + 0.0
         num = g - mins[..., None]
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    f = torch.where(safe < wire.TINY_SCALE, wire.TINY_PRESCALE, 1.0)
-    t = (num * f[..., None]) * (1.0 / (safe * f))[..., None]
+    f, recip = _group_reciprocal(torch.where(scale == 0, torch.ones_like(scale), scale))
+    t = (num * f[..., None]) * recip[..., None]
     lo, hi = wire.levels_domain(spec)
     t = torch.where(bad[..., None], torch.zeros_like(t), t).clamp_(lo, hi)
     return t, scale, mins, bad
