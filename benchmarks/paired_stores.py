@@ -41,20 +41,19 @@ def _args(argv=None) -> argparse.Namespace:
 
 
 def _runs(store: Path, row: str) -> tuple[dict, dict, dict]:
-    """(setup, row definition, {seed: record}) of ``row`` in ``store``."""
-    found = {}
-    for p in sorted((store / "runs").glob("*.json")):
-        got = json.loads(p.read_text())
-        if got["label"] == row:
-            found[int(got["seed"])] = got
-    if not found:
+    """(setup, row definition, {seed: record}) of ``row`` in ``store``, read as
+    ``_seeds.RunStore`` reads it (every run under one setup, a row under one definition)."""
+    files = sorted((store / "runs").glob("*.json"))
+    if not files:
+        raise SystemExit(f"paired_stores: {store / 'runs'} holds no run")
+    setup = json.loads(files[0].read_text())["setup"]
+    try:
+        rows = _seeds.RunStore(store, setup).all()
+    except _seeds.SetupMismatch as e:
+        raise SystemExit(f"paired_stores: {e}") from None
+    if row not in rows:
         raise SystemExit(f"paired_stores: {store / 'runs'} holds no run of row {row!r}")
-    first = next(iter(found.values()))
-    for seed, got in found.items():
-        if got["setup"] != first["setup"] or got["row"] != first["row"]:
-            raise SystemExit(f"paired_stores: {store}: seed {seed} of {row!r} was run under "
-                             "other settings than the row's other seeds")
-    return first["setup"], first["row"], {s: g["record"] for s, g in found.items()}
+    return setup, rows[row]["row"], rows[row]["runs"]
 
 
 def compare(before: Path, after: Path, row: str, tail: int = 3, full: bool = True) -> dict:
