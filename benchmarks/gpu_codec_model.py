@@ -321,42 +321,42 @@ def count_step(shape: LlamaShape, world: int, per_node: int, preset: Optional[st
 
 @contextlib.contextmanager
 def _as_on_cuda(mode: Optional[_Mode] = None, torch_digest: bool = False):
-    """The CUDA path's choices on CPU tensors: shard digests as CUDA takes them (a zeroed sum
-    and one Triton kernel over a group's shards, counted like a codec call and priced at
+    """The CUDA path's choices on CPU tensors: shard digests as CUDA takes them (a zeroed vector
+    and one Triton kernel per element width over every group the agreement asks about
+    (``change_tracker._kernel_plan``), each launch counted like a codec call and priced at
     clone's GB/s; the torch formula for tensors the kernel does not read, or for all with
     ``torch_digest``: what CUDA ran before ``kernels/digest.py``) and gradient reductions
     finished inside their call (the CPU path may defer them to a thread, which the census
     would not see)."""
-    from fsdp_qcomm.kernels.digest import supports
-
-    from fsdp_qcomm.codec._checks import raw_memory_ok
     from fsdp_qcomm.fsdp import change_tracker, reduce_scatter
 
-    digest, defer = change_tracker.shard_digest, reduce_scatter.defer_reason
+    digests, defer = change_tracker.shard_digests, reduce_scatter.defer_reason
 
-    def shard_digest(shards):
-        if torch_digest or not (raw_memory_ok("cpu", *shards)
-                                and supports(shards)):
-            return change_tracker._torch_digest(shards)
+    def shard_digests(groups):
+        plan = None if torch_digest else change_tracker._kernel_plan(groups)
+        if plan is None:
+            return torch.stack([change_tracker._torch_digest(g) for g in groups])
         if mode is None:
-            return digest(shards)
+            return digests(groups)
         mode.inside_codec += 1
         try:
-            out = digest(shards)  # the C loop: the same value
+            out = digests(groups)  # the C loop: the same values
         finally:
             mode.inside_codec -= 1
-        mode.census.add_op(f"{Path(change_tracker.__file__).relative_to(ROOT)}:shard_digest",
-                           "aten.zeros", 8)
-        mode.census.add_codec(f"digest {shards[0].dtype}".replace("torch.", ""), CLONE_ROW,
-                              sum(x.numel() for x in shards), sum(map(_nbytes, shards)))
+        site = f"{Path(change_tracker.__file__).relative_to(ROOT)}:shard_digests"
+        mode.census.add_op(site, "aten.zeros", 8 * len(groups))
+        for tensors, _, _ in plan:  # one launch per element width
+            mode.census.add_codec(f"digest {tensors[0].dtype}".replace("torch.", ""),
+                                  CLONE_ROW, sum(x.numel() for x in tensors),
+                                  sum(map(_nbytes, tensors)))
         return out
 
-    change_tracker.shard_digest = shard_digest
+    change_tracker.shard_digests = shard_digests
     reduce_scatter.defer_reason = lambda *a: "counted as on CUDA"
     try:
         yield
     finally:
-        change_tracker.shard_digest, reduce_scatter.defer_reason = digest, defer
+        change_tracker.shard_digests, reduce_scatter.defer_reason = digests, defer
 
 
 class _NoCodec:

@@ -6,7 +6,7 @@ machines) and times, per rank and step, the exclusive time of each component:
 
 * ``codec``: the wire format's encode/decode entry points (``codec.cpu_native``,
   ``codec.torch_codec``);
-* ``digest``: the change tracker's shard digests (``ChangeTracker.content_changed``);
+* ``digest``: the change tracker's shard digests (``change_tracker.content_changes``);
 * ``agreement``: the agreement round on what changed (``Agreement.agree``, its digests and
   collective excluded);
 * ``consistency``: the cross-rank weight checksums (``consistency_check_every``);
@@ -185,8 +185,8 @@ def _instrument(rpn: int) -> list[str]:
                 found.append("codec")
     ct = mod("fsdp_qcomm.fsdp.change_tracker")
     if ct is not None:
-        if hasattr(getattr(ct, "ChangeTracker", None), "content_changed"):
-            ct.ChangeTracker.content_changed = _wrap(ct.ChangeTracker.content_changed, "digest")
+        if hasattr(ct, "content_changes"):
+            ct.content_changes = _wrap(ct.content_changes, "digest")
             found.append("digest")
         if hasattr(getattr(ct, "Agreement", None), "agree"):
             ct.Agreement.agree = _wrap(ct.Agreement.agree, "agreement")

@@ -195,7 +195,10 @@ def test_shard_digest_in_c_equals_the_torch_formula(dtype):
     """The one-pass C digest gives the torch formula's value: sign-extended raw bits, position
     weights that wrap at the prime across shard boundaries, the int64 sum modulo 2^64 (values
     near 2^62 make it wrap); dtypes the C loop does not read (uint8) take the torch formula."""
-    from fsdp_qcomm.fsdp.change_tracker import _torch_digest, shard_digest
+    from fsdp_qcomm.fsdp.change_tracker import _torch_digest, shard_digests
+
+    def shard_digest(shards):
+        return shard_digests([shards])[0]
 
     g = torch.Generator().manual_seed(11)
     shards = []
@@ -211,6 +214,8 @@ def test_shard_digest_in_c_equals_the_torch_formula(dtype):
     assert got.dtype == torch.int64 and got.shape == () and int(got) == int(want)
     strided = torch.randn(4000, 2, generator=g)[:, 0].to(dtype)  # not contiguous
     assert int(shard_digest([strided])) == int(_torch_digest([strided]))
+    groups = [shards, [], shards[2:], [strided]]  # several groups at once: each from position 0
+    assert shard_digests(groups).tolist() == [int(_torch_digest(g)) for g in groups]
     flipped = [s.clone() for s in shards]  # exchanging two values changes it
     a, b = flipped[0][3].clone(), flipped[0][4].clone()
     if not torch.equal(a, b):

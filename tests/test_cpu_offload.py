@@ -83,7 +83,8 @@ def test_offloaded_shards_train_as_without_offload(preset):
 
 class _Tracker:
     """A stand-in ``ChangeTracker``: FSDP computes on ``device``; its shard's content answer
-    is a CPU tensor when the shard is offloaded, else on ``device``."""
+    (``change_tracker.content_changes``, patched below) is a CPU tensor when the shard is
+    offloaded, else on ``device``."""
 
     def __init__(self, flags: int, changed: bool, offloaded: bool, device: torch.device) -> None:
         self.name, self.device = "m", device
@@ -93,9 +94,6 @@ class _Tracker:
 
     def local_flags(self, backward: bool) -> int:
         return self._flags
-
-    def content_changed(self) -> torch.Tensor:
-        return self._content
 
 
 class _Exchanged(Exception):
@@ -119,14 +117,15 @@ def _agreement_routing(rank: int, world: int) -> dict:
     trackers = [_Tracker(int(Change.STEP), True, True, meta),
                 _Tracker(int(Change.NONE), False, True, meta),
                 _Tracker(int(Change.STEP), True, False, meta)]
-    original = change_tracker._c10d.all_gather_single
+    original = change_tracker._c10d.all_gather_single, change_tracker.content_changes
     change_tracker._c10d.all_gather_single = gather
+    change_tracker.content_changes = lambda ts: [t._content for t in ts]
     try:
         agreement.agree(trackers, "test")
     except _Exchanged:
         pass
     finally:
-        change_tracker._c10d.all_gather_single = original
+        change_tracker._c10d.all_gather_single, change_tracker.content_changes = original
     return seen
 
 

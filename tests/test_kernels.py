@@ -831,11 +831,25 @@ def test_digest_equals_the_torch_formula(dtype):
     for start in (0, lead):
         for _ in range(2):  # the second call reuses the layout's table
             out = torch.zeros((), dtype=torch.int64, device=DEV)
+            positions = [start + sum(sizes[:i]) for i in range(len(sizes))]
             with _through_table(dev):
-                kd.digest_many(dev, out, start)
+                kd.digest_many(dev, out, positions)
             # the torch formula from ``start``: ``start`` leading zeros weigh nothing
             want = _torch_digest([torch.zeros(start % 65521, dtype=dtype), *shards])
             assert out.device.type == DEV and int(out) == int(want), (dtype, start)
+    # slots: each shard into its own value of a vector, from its own position, in one launch
+    out = torch.zeros(3, dtype=torch.int64, device=DEV)
+    with _through_table(dev):
+        kd.digest_many(dev, out, [lead, 7, 0, 65_519], [2, 0, 0, 0])
+
+    def at(x, position):  # x's digest from ``position``: the weights depend on it mod the prime
+        return _torch_digest([torch.zeros(position % 65521, dtype=dtype), x])
+
+    want = torch.stack([at(shards[1], 7) + at(shards[2], 0) + at(shards[3], 65_519),
+                        torch.tensor(0), at(shards[0], lead)])  # int64 sums wrap alike
+    assert out.cpu().tolist() == want.tolist(), dtype
+    with pytest.raises(ValueError, match="one position and one slot"):
+        kd.digest_many(dev[:1], out, [0], [3])
     flipped = shards[0].clone()
     assert flipped[100] != flipped[101]
     flipped[100], flipped[101] = shards[0][101], shards[0][100]
@@ -849,3 +863,28 @@ def test_digest_equals_the_torch_formula(dtype):
     other = torch.int32 if dtype.itemsize == 2 else torch.int16
     with pytest.raises(ValueError, match="one element width"):
         kd.digest_many([_d(shards[0]), _d(torch.zeros(4, dtype=other))], out)
+
+
+@_exact
+def test_digests_of_many_groups_take_one_launch_per_element_width():
+    """The agreement's digests (``change_tracker.shard_digests`` on CUDA): every group of one
+    element width in one launch, each group from position 0 into its own value; groups that
+    mix widths or hold empty tensors too. Each value is the group's torch formula."""
+    from fsdp_qcomm.fsdp import change_tracker as ct
+    kd = importlib.import_module("fsdp_qcomm.kernels.digest")
+
+    g = torch.Generator().manual_seed(12)
+    f32 = [torch.randn(n, generator=g) * 1e3 for n in (70_000, 5, 0, 4_100)]
+    b16 = [(torch.randn(n, generator=g) * 1e3).to(torch.bfloat16) for n in (9_000, 66_000)]
+    groups = [[f32[0], f32[1]], [], [f32[2], f32[3]], [b16[0], f32[1], b16[1]], [f32[1]]]
+    dev = [_d(grp) for grp in groups]
+    plan = ct._kernel_plan(dev)
+    assert [len(tensors) for tensors, _, _ in plan] == [5, 2]  # fp32 once, bf16 once
+    out = torch.zeros(len(groups), dtype=torch.int64, device=DEV)
+    for _ in range(2):  # the second round reuses the layouts' tables
+        out.zero_()
+        for tensors, positions, slots in plan:
+            with _through_table(tensors):
+                kd.digest_many(tensors, out, positions, slots)
+        assert out.cpu().tolist() == [int(ct._torch_digest(grp)) for grp in groups]
+    assert ct._kernel_plan([[_d(torch.zeros(8, 2))[:, 0]]]) is None  # strided: torch formula

@@ -16,7 +16,7 @@ import fsdp_qcomm
 from fsdp_qcomm import QCommConfig, QuantSpec, RngKey
 from fsdp_qcomm.codec import cpu_native, quantize, torch_codec
 from fsdp_qcomm.codec._checks import raw_memory_ok
-from fsdp_qcomm.fsdp.change_tracker import _torch_digest, shard_digest
+from fsdp_qcomm.fsdp.change_tracker import _torch_digest, shard_digests
 from fsdp_qcomm.testing import run_ranks
 
 SPEC = QuantSpec(bits=4, group_size=32)
@@ -75,7 +75,7 @@ def test_torchao_float8_weight_takes_the_torch_path_with_the_same_value():
     flat = w.detach().reshape(-1)
     assert cpu_native.digest(flat, 0) is None  # C declines it; the torch formula runs
     inner = w._tensor.detach().reshape(-1)
-    assert torch.equal(shard_digest([flat]), _torch_digest([inner]))
+    assert torch.equal(shard_digests([[flat]])[0], _torch_digest([inner]))
     # the codec too: the torch implementation, the same bytes as for the plain values
     rows = w.detach().reshape(2, -1)
     plain_rows = w._tensor.detach().reshape(2, -1)

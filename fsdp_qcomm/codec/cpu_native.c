@@ -581,7 +581,7 @@ int fq_decode_levels_sum(const uint8_t *const *chunks, const int64_t *chunk_stri
     return decode_sum(chunks, chunk_strides, k, rows, n, n, &s, 0, accumulate, out, out_stride);
 }
 
-/* The change tracker's exact shard digest (fsdp/change_tracker.shard_digest) in one pass:
+/* The change tracker's exact shard digest (fsdp/change_tracker.shard_digests) in one pass:
  * sum over i of (the raw bits of x[i], sign-extended to 64 bits) * ((off + i) % 65521 + 1),
  * modulo 2^64 (unsigned arithmetic wraps as torch's int64 sum does). elem_bytes: 2, 4 or 8.
  * Taken in runs over which the weight does not wrap (w0, w0 + 1, ...): a run adds
