@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 import _provenance  # noqa: E402
+from gpu_kernels_bench import AVG_ROW  # noqa: E402
 from gpu_step_cost import SHAPES, LlamaShape, build_step  # noqa: E402
 
 #: the latest GPU run (the first, the H200's, is results/gpu_check/h200_2026-12-04)
@@ -78,9 +79,12 @@ _REORDERED = {"quantize 8b g128 sym stoch +H32":
               "quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)"}
 #: 2-bit learned levels (``lowbit``'s weights), a row since 2026-12-06
 _LOWBIT_LEVELS = "quantize_levels 2b g2048 sym stoch (lowbit)"
+#: the gradient's last hop with FSDP's AVG in the same pass, a row since 2026-12-06
+_PLAIN_LAST_HOP = "reduce_dequantize k=4 4b g128 +H32^-1"
 #: rows added to the bandwidth table after a GPU run, priced at the nearest row that run has
 _STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32",
              _LOWBIT_LEVELS: "quantize_levels 4b g1024 asym stoch",
+             AVG_ROW: _PLAIN_LAST_HOP,
              **{grouped: one_row for one_row, grouped in _GROUPED.items()},
              **{reordered: one_row for one_row, reordered in _REORDERED.items()}}
 _PKG = (str(ROOT / "fsdp_qcomm"), str(ROOT / "kernels"))
@@ -183,7 +187,7 @@ def bench_row(kernel: str, a: tuple) -> str:
     if kernel == "reduce_requantize":
         return "reduce_requantize k=8 8b->4b g128"
     if kernel == "reduce_dequantize":
-        return "reduce_dequantize k=4 4b g128 +H32^-1"
+        return AVG_ROW if len(a) > 5 and a[5] is not None else _PLAIN_LAST_HOP
     if kernel == "quantize_levels":
         bits = a[1].bits
         return ("quantize_levels 8b g1024 asym stoch (QSDP)" if bits == 8 else
@@ -215,7 +219,8 @@ def _label(kernel: str, a: tuple, out: torch.Tensor) -> str:
     k = len(a[0])
     if kernel == "reduce_requantize":
         return f"{kernel} k={k} {spec.bits}b->{a[3].bits}b g{a[3].group_size}"
-    return f"{kernel} k={k} {spec.bits}b g{spec.group_size}{' +H32^-1' if a[3] else ''}"
+    avg = " /W" if len(a) > 5 and a[5] is not None else ""
+    return f"{kernel} k={k} {spec.bits}b g{spec.group_size}{' +H32^-1' if a[3] else ''}{avg}"
 
 
 def _moved(kernel: str, a: tuple, out: torch.Tensor) -> tuple[int, int]:
@@ -404,7 +409,7 @@ class _NoCodec:
         return torch.zeros(seq[0].shape[0], wire.wire_bytes(n, spec_out), dtype=torch.uint8)
 
     @staticmethod
-    def reduce_dequantize(seq, n, spec, hadamard, out):
+    def reduce_dequantize(seq, n, spec, hadamard, out, divide=None):
         return out if out is not None else torch.zeros(seq[0].shape[0], n)
 
     @staticmethod

@@ -139,6 +139,11 @@ def test_reduce_dequantize_matches_torch(hadamard, k):
     cpu_native.reduce_dequantize(chunks, n, spec, hadamard, got[:, 7:])
     torch_codec.reduce_dequantize(chunks, n, spec, hadamard, want[:, 7:])
     _same(got, want)
+    total = torch_codec.reduce_dequantize(chunks, n, spec, hadamard)
+    for dtype in (torch.float32, torch.bfloat16):  # AVG: the sum's quotient, then the cast
+        got = torch.empty(2, n + 7, dtype=dtype)
+        cpu_native.reduce_dequantize(chunks, n, spec, hadamard, got[:, 7:], 3.0)
+        _same(got[:, 7:], (total / 3.0).to(dtype))
 
 
 @needs_native

@@ -1,9 +1,10 @@
 """What ``enable`` refuses or decides before installing anything (issue 22, item 7): a
-``replicate()`` module, learned gradient levels under HSDP, and the reduction op FSDP's own
-all-reduce runs with on the one-rank HSDP group (never AVG off CPU); and what it says of its
+``replicate()`` module, learned gradient levels under HSDP, the reduction op FSDP's own
+all-reduce runs with on the one-rank HSDP group (never AVG off CPU), and who divides a plain
+FSDP module's reduced gradients (the hook, in its last decode); and what it says of its
 decisions through the ``fsdp_qcomm`` logger.
 
-Two launches: 2 gloo ranks (``replicate``, the log), 4 (HSDP 2 x 2).
+Launches: 2 gloo ranks (``replicate``, the log), 4 (HSDP 2 x 2), 3 (the division).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
 from fsdp_qcomm.fsdp import internals
-from fsdp_qcomm.testing import run_ranks
+from fsdp_qcomm.testing import digest, run_ranks
 
 
 def _raises(fn, *args) -> str:
@@ -121,10 +122,48 @@ def _learned_and_ops(rank: int, world: int) -> dict:
     return out
 
 
+def _division(rank: int, world: int) -> dict:
+    """One step of a plain FSDP model (no HSDP) under sdp4bit across 3 nodes of one rank: with
+    FSDP's AVG left to the hook (``enable``'s choice), with SUM forced before ``enable`` (FSDP
+    divides the reduced shard by 3 itself), and with a divide factor (``enable`` forces SUM)."""
+    out = {}
+    for how in ("avg", "forced", "factor"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 40), nn.Linear(40, 3))
+        fully_shard(model[0])
+        fully_shard(model)
+        modules = [m for m in model.modules() if isinstance(m, internals.FSDPModule)]
+        groups = [g for m in modules for g in internals.param_groups(m)]
+        for m in modules:
+            if how == "forced":
+                m.set_force_sum_reduction_for_comms(True)
+            elif how == "factor":
+                m.set_gradient_divide_factor(3.0)
+        handle = fsdp_qcomm.enable(model, QCommConfig.preset("sdp4bit", ranks_per_node=1))
+        out[f"{how}_force_sum"] = [internals.force_sum(g) for g in groups]
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+        model(x).square().sum().backward()
+        out[how] = {k: digest(p.grad.to_local()) for k, p in model.named_parameters()}
+        handle.disable()
+        out[f"{how}_restored"] = [internals.force_sum(g) for g in groups]
+    return out
+
+
 @pytest.fixture(scope="module")
 def checks() -> list[dict]:
     return [run_ranks(_replicated, 2, timeout=300), run_ranks(_learned_and_ops, 4, timeout=300),
-            run_ranks(_logged, 2, timeout=300)]
+            run_ranks(_logged, 2, timeout=300), run_ranks(_division, 3, timeout=300)]
+
+
+def test_the_hook_divides_a_plain_modules_sum_as_fsdp_would(checks):
+    """FSDP's AVG reaches the quantized reduce-scatter, whose last decode divides by the group
+    size in the same pass: the bits FSDP's own division of the sum gives (3 has no exact
+    reciprocal); a divide factor keeps FSDP's forced SUM."""
+    for r in checks[3]:
+        assert r["avg_force_sum"] == [False, False] and r["forced_force_sum"] == [True, True]
+        assert r["factor_force_sum"] == [True, True], r
+        assert r["avg"] == r["forced"] == r["factor"]  # a factor of 3: the same mean
+        assert r["avg_restored"] == [False, False] and r["factor_restored"] == [False, False]
 
 
 def test_replicate_is_refused_with_a_clear_error(checks):

@@ -278,7 +278,14 @@ def _compile_cases():
          "out_ptr": "*bf16", "seg_tab": "*i64", "blk_seg": "*i32"},
          dict(**q4, GS=2048, BLK8=blk8, HADAMARD=False, ACCUMULATE=True, ALIGNED=True), False),
         (m["reduce_dequantize"]._reduce_dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
-         "out_ptr": "*fp32"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, K=3), False),
+         "out_ptr": "*fp32", "divisor": "fp32"},
+         dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, K=3, DIVIDE=0), False),
+        (m["reduce_dequantize"]._reduce_dequantize_kernel, {"data_b": "*u8", "data_s": "*i32",
+         "out_ptr": "*bf16", "divisor": "fp32"},
+         dict(**q4, GS=128, BLK8=blk8, HADAMARD=False, K=2, DIVIDE=2), True),
+        (m["reduce_dequantize"]._reduce_dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
+         "out_ptr": "*fp32", "divisor": "fp32"},
+         dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, K=3, DIVIDE=1), False),
         (m["reduce_requantize"]._reduce_requantize_kernel, {"in_b": "*u8", "in_s": "*i16",
          "out_b": "*u8", "out_s": "*i32"}, dict(I_BITS=5, I_QMAX=31, I_SYM=False, I_SKIND=1,
          I_GS=40, BITS=3, QMAX=3, SYM=True, SKIND=0, **grp(96), STOCH=True, K=3), True),
@@ -720,6 +727,17 @@ def test_reduce_dequantize_same_values(K, k, hadamard):
         K.reduce_dequantize([c.clone() for c in dev], n, spec, hadamard, got)
         torch_codec.reduce_dequantize(chunks, n, spec, hadamard, want)
         _same(got, want)
+    # AVG in the same pass: the sum's IEEE quotient (a group of 3 or 24 has no exact
+    # reciprocal), then the cast, as FSDP's reduced_shard.div_(size) and a copy give it
+    total = torch_codec.reduce_dequantize(chunks, n, spec, hadamard, None)
+    for divide in (3.0, 8.0, 24.0, 0.25, 2.0 ** -126, 2.0 ** 127):
+        _same(K.reduce_dequantize(dev, n, spec, hadamard, None, divide), total / divide)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = torch.empty(3, n, dtype=dtype, device=DEV)
+            K.reduce_dequantize(dev, n, spec, hadamard, got, divide)
+            _same(got, (total / divide).to(dtype))
+            want = torch.empty(3, n, dtype=dtype)
+            _same(got, torch_codec.reduce_dequantize(chunks, n, spec, hadamard, want, divide))
 
 
 @_exact

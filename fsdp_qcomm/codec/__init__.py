@@ -10,6 +10,7 @@ available. All write the same bytes.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -287,12 +288,20 @@ def reduce_dequantize(
     *,
     hadamard: bool = False,
     out: Optional[torch.Tensor] = None,
+    divide: Optional[float] = None,
 ) -> torch.Tensor:
-    """Decode k wire blocks, sum in fp32 (in order), undo the Hadamard once, keep ``n`` values."""
+    """Decode k wire blocks, sum in fp32 (in order), undo the Hadamard once, keep ``n`` values;
+    with ``divide`` (a positive finite number), each value divided by it in fp32 before it is
+    written: a reduce-scatter's AVG in the same pass (the sum's IEEE quotient, as
+    ``sum.div_(divide)`` gives it)."""
+    if divide is not None and not (isinstance(divide, (int, float)) and not isinstance(divide, bool)
+                                   and 0 < divide < math.inf):
+        raise ValueError(f"divide must be a positive finite number (a group size), got {divide!r}")
     m = hadamard_len(n) if hadamard else n
     seq, held, shape = _chunk_rows(chunks, m, spec)
     o = out_rows(out, seq[0].shape[0], n)
-    res = _impl(*held, o).reduce_dequantize(seq, n, spec, hadamard, o)
+    res = _impl(*held, o).reduce_dequantize(seq, n, spec, hadamard, o,
+                                            None if divide is None else float(divide))
     return out if out is not None else res.view(*shape, n)
 
 

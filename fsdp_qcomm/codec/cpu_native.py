@@ -317,12 +317,14 @@ def reduce_dequantize(
     spec: QuantSpec,
     hadamard: bool = False,
     out: Optional[torch.Tensor] = None,
+    divide: Optional[float] = None,
 ) -> torch.Tensor:
     """As ``torch_codec.reduce_dequantize``."""
     if library() is None or not _covers(spec) or not plain(*chunks):
-        return torch_codec.reduce_dequantize(chunks, n, spec, hadamard, out)
+        return torch_codec.reduce_dequantize(chunks, n, spec, hadamard, out, divide)
     m = wire.hadamard_len(n) if hadamard else n
-    return _decode_sum(chunks, m, n, spec, hadamard, out, False)
+    return torch_codec.divided(lambda o: _decode_sum(chunks, m, n, spec, hadamard, o, False),
+                               out, divide)
 
 
 

@@ -8,7 +8,7 @@ fused multiply-adds, sums over received chunks in order 0..k-1) so both give the
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -567,15 +567,33 @@ def reduce_dequantize(
     spec: QuantSpec,
     hadamard: bool = False,
     out: Optional[torch.Tensor] = None,
+    divide: Optional[float] = None,
 ) -> torch.Tensor:
-    """Sum of k decoded wire blocks, inverse Hadamard once, first ``n`` values (final hop)."""
+    """Sum of k decoded wire blocks, inverse Hadamard once, first ``n`` values (final hop),
+    each divided by ``divide`` in fp32 when given (AVG's mean)."""
     m = wire.hadamard_len(n) if hadamard else n
-    if _fused_ok(spec, hadamard, out):
-        return _decode_sum(chunks, m, spec, hadamard=hadamard, n_out=n, out=out)
-    acc = _decode_sum(chunks, m, spec)
-    if hadamard:
-        acc = hadamard32(acc)[:, :n] * (1.0 / 32)
-    return _write(acc, out, False)
+
+    def reduce(o: Optional[torch.Tensor]) -> torch.Tensor:
+        if _fused_ok(spec, hadamard, o):
+            return _decode_sum(chunks, m, spec, hadamard=hadamard, n_out=n, out=o)
+        acc = _decode_sum(chunks, m, spec)
+        if hadamard:
+            acc = hadamard32(acc)[:, :n] * (1.0 / 32)
+        return _write(acc, o, False)
+
+    return divided(reduce, out, divide)
+
+
+def divided(reduce: Callable[[Optional[torch.Tensor]], torch.Tensor],
+            out: Optional[torch.Tensor], divide: Optional[float]) -> torch.Tensor:
+    """``reduce(out)`` (an fp32 sum, written into ``out`` when given), each value then divided
+    by ``divide``: in place in fp32, or before the cast into an ``out`` of another dtype."""
+    if divide is None:
+        return reduce(out)
+    if out is None or out.dtype == torch.float32:
+        return reduce(out).div_(divide)
+    out.copy_(reduce(None).div_(divide))
+    return out
 
 
 def _write(x: torch.Tensor, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:

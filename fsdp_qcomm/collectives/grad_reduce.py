@@ -96,10 +96,22 @@ def premul_sum(factor: Union[float, torch.Tensor]) -> Union[ReduceOp, PremulSum]
     return PremulSum(factor)
 
 
+@dataclass(frozen=True)
+class Divide:
+    """AVG's finish: the fp32 sum divided by the group's size, in place. The last hop's decode
+    can take it in the same pass (``codec.reduce_dequantize(divide=)``)."""
+
+    divisor: int
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.div_(self.divisor)
+
+
 def reduce_op_finisher(op: Union[ReduceOp, "ReduceOp.RedOpType", PremulSum],
                        world: int) -> Finish:
-    """What to apply to the fp32 sum for ``op``: None (SUM), ``/ world`` (AVG) or ``* factor``
-    (PREMUL_SUM). Any other op is an error: min/max/product do not commute with quantization."""
+    """What to apply to the fp32 sum for ``op``: None (SUM), ``Divide(world)`` (AVG) or
+    ``* factor`` (PREMUL_SUM). Any other op is an error: min/max/product do not commute with
+    quantization."""
     if isinstance(op, PremulSum) or op == ReduceOp.PREMUL_SUM:
         try:
             factor = op.factor
@@ -116,7 +128,7 @@ def reduce_op_finisher(op: Union[ReduceOp, "ReduceOp.RedOpType", PremulSum],
     if op == ReduceOp.SUM:
         return None
     if op == ReduceOp.AVG:
-        return lambda t: t.div_(world)
+        return Divide(world)
     raise ValueError(
         f"quantized reduce-scatter supports ReduceOp SUM, AVG and PREMUL_SUM, got {op!r}; "
         "use dist.reduce_scatter_single for other ops"
@@ -403,11 +415,14 @@ def _finish_last_hop(out, pending, spec: QuantSpec, hadamard: bool, finish: Fini
                      learned: bool = False) -> None:
     work, _send, recv, a, b = pending
     work.wait()
+    divide = finish.divisor if isinstance(finish, Divide) else None
     if learned:
         res = _levels.reduce_dequantize_levels(recv, b - a, spec)
-    elif out.dtype == torch.float32:  # sum straight into the output, then apply the op there
-        codec.reduce_dequantize(recv, b - a, spec, hadamard=hadamard, out=out[a:b])
-        if finish is not None:
+    elif out.dtype == torch.float32 or finish is None or divide is not None:
+        # the sum straight into the output, AVG's division in the same pass; another op after
+        codec.reduce_dequantize(recv, b - a, spec, hadamard=hadamard, out=out[a:b],
+                                divide=divide)
+        if finish is not None and divide is None:
             finish(out[a:b])
         return
     else:
@@ -466,5 +481,5 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, order: tuple[int, ...], loc
     return t1, t2
 
 
-__all__ = ["PremulSum", "chunk_spans", "feedback_shapes", "feedback_sites", "premul_sum",
+__all__ = ["Divide", "PremulSum", "chunk_spans", "feedback_shapes", "feedback_sites", "premul_sum",
            "reduce_op_finisher", "reduce_scatter_plain", "reduce_scatter_quantized"]

@@ -13,11 +13,15 @@ Reduction ops. FSDP passes its reduce-scatter AVG by default, and PREMUL_SUM(1/f
 gradient divide factor ``f`` other than the world size is set; gloo rejects PREMUL_SUM
 outright (the quantized reduce-scatter reads its factor back, ``op.factor``, and applies it). With
 ``set_force_sum_reduction_for_comms(True)`` FSDP passes SUM and divides the reduced shard by
-``f`` (default: the data-parallel size) itself, which is the same average. So ``enable`` forces
-SUM on every module that gets the quantized reduce-scatter, and on gloo modules that already
-have such a factor (where FSDP's own reduce-scatter would fail); ``disable`` restores the
-previous setting. With ``grad_overlap`` it does not: FSDP's division would run before a
-deferred reduction wrote its output, so the hook applies AVG / PREMUL_SUM itself.
+``f`` (default: the data-parallel size) itself, which is the same average. A module that gets
+the quantized reduce-scatter keeps FSDP's AVG where FSDP would pass it (no divide factor, no
+HSDP): the hook's last decode divides in the same pass (``codec.reduce_dequantize(divide=)``),
+the same bits as FSDP's division of the sum, without FSDP's pass over the reduced shard (a
+launch per module and step on CUDA). ``enable`` forces SUM on the other modules with the
+quantized reduce-scatter, and on gloo modules that already have such a factor (where FSDP's own
+reduce-scatter would fail); ``disable`` restores the previous setting. With ``grad_overlap`` on
+CPU it forces nothing: FSDP's division would run before a deferred reduction wrote its output,
+so the hook applies AVG / PREMUL_SUM itself.
 
 Node placement and process groups. ``enable`` gathers every rank's host name once and checks
 the node size (``QCommConfig.ranks_per_node``, else ``LOCAL_WORLD_SIZE``, else the host names)
@@ -497,12 +501,14 @@ def enable(model: nn.Module, config: QCommConfig, *,
             i.all_gather.replica_group = replicas
         if plan.reduce_scatter is not None:
             i.reduce_scatter = _build_reduce_scatter(i, plan.reduce_scatter, own, queue)
-            # grad_overlap (CPU process groups): FSDP must not divide the output right after
-            # the call (the reduction may still be running), so it keeps passing AVG /
-            # PREMUL_SUM(1/f) to the hook. Elsewhere forced SUM: FSDP's AVG over the one-rank
-            # HSDP group is documented as unreliable on NCCL.
-            i.force_sum = not (config.grad_overlap
-                               and fsdp.group_device(i.group).type == "cpu")
+            # FSDP's AVG reaches the hook, which divides in its last decode (no divide factor,
+            # no HSDP), and under grad_overlap (CPU process groups) FSDP must not divide the
+            # output right after the call (the reduction may still be running), so it keeps
+            # passing AVG / PREMUL_SUM(1/f) to the hook. Elsewhere forced SUM: FSDP's AVG over
+            # the one-rank HSDP group is documented as unreliable on NCCL.
+            overlap = config.grad_overlap and fsdp.group_device(i.group).type == "cpu"
+            avg = fsdp.gradient_divide_factor(i.group) is None and not fsdp.is_hsdp(i.group)
+            i.force_sum = not (overlap or avg)
         elif _needs_sum_for_gloo(i.group):
             i.force_sum = True
             stats.note(
