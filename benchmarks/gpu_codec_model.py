@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 import _provenance  # noqa: E402
-from gpu_kernels_bench import AVG_ROW  # noqa: E402
+from gpu_kernels_bench import AVG_ROW, BF16_ROWS  # noqa: E402
 from gpu_step_cost import SHAPES, LlamaShape, build_step  # noqa: E402
 
 #: the latest GPU run (the first, the H200's, is results/gpu_check/h200_2026-12-04)
@@ -85,6 +85,7 @@ _PLAIN_LAST_HOP = "reduce_dequantize k=4 4b g128 +H32^-1"
 _STAND_IN = {"quantize 4b g128 sym stoch +H32": "quantize 8b g128 sym stoch +H32",
              _LOWBIT_LEVELS: "quantize_levels 4b g1024 asym stoch",
              AVG_ROW: _PLAIN_LAST_HOP,
+             **{bf16: fp32 for fp32, bf16 in BF16_ROWS.items()},
              **{grouped: one_row for one_row, grouped in _GROUPED.items()},
              **{reordered: one_row for one_row, reordered in _REORDERED.items()}}
 _PKG = (str(ROOT / "fsdp_qcomm"), str(ROOT / "kernels"))
@@ -292,6 +293,9 @@ class _Recorder:
             row = bench_row(name, args)
             if kernel.endswith("_segments"):
                 row = _GROUPED.get(row, row)
+                values = a[0] if kernel == "quantize_segments" else a[4]
+                if values is not None and values.dtype == torch.bfloat16:
+                    row = BF16_ROWS.get(row, row)
             elif kernel == "quantize_ordered":
                 row = _REORDERED.get(row, row)
             self._mode.census.add_codec(label, row, elements, nbytes)

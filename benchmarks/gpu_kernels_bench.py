@@ -37,6 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.7
 #: the gradient's last hop as training runs it under FSDP's AVG: the division in the same pass
 AVG_ROW = "reduce_dequantize k=4 4b g128 +H32^-1 /4 (AVG)"
+#: qWD's grouped rows in bf16, as training with bf16 parameters runs them, by their fp32 row
+BF16_ROWS = {"quantize_segments 4b g2048 x-ref (9 segments)":
+             "quantize_segments 4b g2048 x-ref bf16 (9 segments)",
+             "dequantize_segments 4b g2048 += fp32 (9 segments)":
+             "dequantize_segments 4b g2048 += bf16 (9 segments)"}
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _provenance  # noqa: E402
 
@@ -152,15 +157,15 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         base = n // parts // align * align
         return [base] * (parts - 1) + [n - base * (parts - 1)]
 
-    def dequant_segments(name, spec, parts, align=8):
+    def dequant_segments(name, spec, parts, align=8, dtype=torch.float32):
         # A weight shard of ``parts`` parameters, each encoded on its own (qWD's rows), decoded
-        # and added into fp32 in one launch; the torch codec decodes segment by segment.
+        # and added into ``dtype`` in one launch; the torch codec decodes segment by segment.
         def make(rows, n, dev, check):
             segs = shard(n, parts, align)
             data = torch.cat([encode(values(rows, m, dev, check and j == 1, j), spec,
                                      key.fold(j), False, check) for j, m in enumerate(segs)], 1)
             return {"data": data, "segs": tuple(segs),
-                    "out": values(rows, n, dev, False, 1)}
+                    "out": values(rows, n, dev, False, 1).to(dtype)}
 
         def run(impl, d):
             # into d["out"] itself, as ``dequant`` does: a copy here would be timed with it
@@ -172,14 +177,14 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         return Case(name, make, run,
                     moved=lambda d, out: nbytes(d["data"]) + 2 * nbytes(out))
 
-    def quant_segments(name, spec, parts):
-        # qWD's send: a shard of ``parts`` parameters, each encoded on its own against the
-        # reference, in one launch; the torch codec encodes segment by segment.
+    def quant_segments(name, spec, parts, dtype=torch.float32):
+        # qWD's send: a shard of ``parts`` parameters in ``dtype``, each encoded on its own
+        # against the reference, in one launch; the torch codec encodes segment by segment.
         def make(rows, n, dev, check):
             x = values(1, rows * n, dev, check, 0)[0]
             segs = shard(x.numel(), parts, 8)
-            return {"x": x, "ref": x + 0.01 * values(1, x.numel(), dev, False, 1)[0],
-                    "segs": tuple(segs)}
+            ref = x + 0.01 * values(1, x.numel(), dev, False, 1)[0]
+            return {"x": x.to(dtype), "ref": ref.to(dtype), "segs": tuple(segs)}
 
         def run(impl, d):
             if hasattr(impl, "quantize_segments"):
@@ -289,8 +294,12 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", w4, ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q8, dtype=torch.bfloat16),
         quant_segments("quantize_segments 4b g2048 x-ref (9 segments)", w4, 9),
+        quant_segments(BF16_ROWS["quantize_segments 4b g2048 x-ref (9 segments)"], w4, 9,
+                       torch.bfloat16),
         dequant("dequantize 4b g2048 += fp32 (qWD)", w4, torch.float32, accumulate=True),
         dequant_segments("dequantize_segments 4b g2048 += fp32 (9 segments)", w4, 9),
+        dequant_segments(BF16_ROWS["dequantize_segments 4b g2048 += fp32 (9 segments)"], w4, 9,
+                         dtype=torch.bfloat16),
         dequant_segments("dequantize_segments 4b g2048 += fp32 (9 odd segments)", w4, 9, 1),
         dequant("dequantize 8b g1024 asym -> bf16", q8, torch.bfloat16),
         dequant("dequantize 8b g128 +H32^-1 -> fp32", s8, hadamard=True),

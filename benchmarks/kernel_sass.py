@@ -151,11 +151,11 @@ def _cases(C) -> list[Case]:
         segments("dequantize_segments 4b g2048 += fp32 (9 odd segments)", "dequantize",
                  q(4, True, F32, 2048), False),
         # qWD as training runs it: bf16 weights, shards of whole 8-blocks or not
-        segments("quantize_segments 4b g2048 x-ref bf16 (no GPU row)", "quantize",
+        segments("quantize_segments 4b g2048 x-ref bf16 (9 segments)", "quantize",
                  q(4, True, F32, 2048), True, "*bf16"),
         segments("quantize_segments 4b g2048 x-ref bf16, odd (no GPU row)", "quantize",
                  q(4, True, F32, 2048), False, "*bf16"),
-        segments("dequantize_segments 4b g2048 += bf16 (no GPU row)", "dequantize",
+        segments("dequantize_segments 4b g2048 += bf16 (9 segments)", "dequantize",
                  q(4, True, F32, 2048), True, "*bf16"),
         segments("dequantize_segments 4b g2048 += bf16, odd (no GPU row)", "dequantize",
                  q(4, True, F32, 2048), False, "*bf16"),
