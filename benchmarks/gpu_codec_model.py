@@ -232,7 +232,9 @@ def _moved(kernel: str, a: tuple, out: torch.Tensor) -> tuple[int, int]:
     if kernel in ("dequantize", "dequantize_segments"):
         data, o, acc = a[0], a[4], a[5]
         res = o if o is not None else out
-        return res.numel(), _nbytes(data) + _nbytes(res) * (2 if acc else 1)
+        base = a[6][1] if len(a) > 6 and a[6] is not None else None  # its row, written twice
+        return res.numel(), (_nbytes(data) + _nbytes(res) * (2 if acc else 1)
+                             + (_nbytes(base) if base is not None else 0))
     seq = a[0]
     res = out if isinstance(out, torch.Tensor) else a[-1]
     acc = kernel == "dequantize_levels_sum" and len(a) > 4 and a[4]
@@ -251,11 +253,17 @@ class _Recorder:
     def __init__(self, impl, mode: _Mode) -> None:
         self._impl, self._mode = impl, mode
 
-    def _segments(self, rows, segs, spec, hadamard, out, accumulate):
-        """The CPU implementations' loop of ``codec.dequantize_segments`` (a kernel on CUDA)."""
+    def _segments(self, rows, segs, spec, hadamard, out, accumulate, row_base=None):
+        """The CPU implementations' loop of ``codec.dequantize_segments`` (a kernel on CUDA,
+        which adds ``row_base``'s row to its base in the same pass: copies here)."""
         from fsdp_qcomm.codec import _each_segment
 
-        return _each_segment(self._impl, rows, segs, spec, hadamard, out, accumulate)
+        if row_base is not None:
+            out[row_base[0]].copy_(row_base[1])
+        _each_segment(self._impl, rows, segs, spec, hadamard, out, accumulate)
+        if row_base is not None:
+            row_base[1].copy_(out[row_base[0]])
+        return out
 
     def _quantize_segments(self, x, segs, spec, key, key_salt, ref, hadamard, out):
         """The CPU implementations' loop of ``codec.quantize_segments`` (a kernel on CUDA)."""
@@ -403,7 +411,7 @@ class _NoCodec:
         return out if out is not None else torch.zeros(rows.shape[0], n)
 
     @staticmethod
-    def dequantize_segments(rows, segs, spec, hadamard, out, accumulate):
+    def dequantize_segments(rows, segs, spec, hadamard, out, accumulate, row_base=None):
         return out
 
     @staticmethod

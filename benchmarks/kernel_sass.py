@@ -108,7 +108,7 @@ def _cases(C) -> list[Case]:
                     {"data_b": "*u8", "data_s": words(spec), "out_ptr": out},
                     dict(**spec, BLK8=C.TILE // 8, HADAMARD=had, ACCUMULATE=acc), C.TILE)
 
-    def segments(name, kernel, spec, aligned, x="*fp32"):
+    def segments(name, kernel, spec, aligned, x="*fp32", base=False):
         ptrs = {"seg_tab": "*i64", "blk_seg": "*i32"}
         if kernel == "quantize":
             t, tile = tiling(spec["GS"])
@@ -118,9 +118,10 @@ def _cases(C) -> list[Case]:
                         dict(**spec, **t, STOCH=True, HAS_REF=True, HADAMARD=False,
                              FLAT=flat_tile(spec["BITS"], False), ALIGNED=aligned), tile)
         return Case(name, "dequantize", "_dequantize_segments_kernel",
-                    {"data_b": "*u8", "data_s": words(spec), "out_ptr": x, **ptrs},
+                    {"data_b": "*u8", "data_s": words(spec), "out_ptr": x, "base_ptr": x,
+                     **ptrs},
                     dict(**spec, BLK8=C.TILE // 8, HADAMARD=False, ACCUMULATE=True,
-                         ALIGNED=aligned), C.TILE)
+                         ALIGNED=aligned, BASE=base), C.TILE)
 
     def levels_quant(name, spec):
         t, tile = tiling(spec["GS"])
@@ -157,6 +158,8 @@ def _cases(C) -> list[Case]:
                  q(4, True, F32, 2048), False, "*bf16"),
         segments("dequantize_segments 4b g2048 += bf16 (9 segments)", "dequantize",
                  q(4, True, F32, 2048), True, "*bf16"),
+        segments("dequantize_segments 4b g2048 += bf16 (9 segments), own row into its reference",
+                 "dequantize", q(4, True, F32, 2048), True, "*bf16", base=True),
         segments("dequantize_segments 4b g2048 += bf16, odd (no GPU row)", "dequantize",
                  q(4, True, F32, 2048), False, "*bf16"),
         dequant("dequantize 8b g1024 asym -> bf16", q(8, False, BF16, 1024), out="*bf16"),

@@ -282,30 +282,36 @@ def flat_group_tile(x_row, r_row, g0, G, n, m, GPB: tl.constexpr, GS: tl.constex
 
 
 @triton.jit
-def write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE: tl.constexpr):
+def write_values(out_ptr, row64, out_stride, e8, v, n, ACCUMULATE: tl.constexpr, base=None):
     """Write (``ACCUMULATE``: add) the values v [B, 8] of the 8-blocks e8 [B] into output row
-    ``row64`` (any float dtype), the first ``n`` elements only. A thread holds whole 8-blocks
-    (``load_codes8``); an fp32 block is 32 bytes, twice what one store moves, so it goes out
-    as two halves of 4 from the thread, where one [B, 8] store would have Triton convert the
-    tile through shared memory, with a barrier, to give each thread 16 bytes."""
+    ``row64`` (any float dtype), the first ``n`` elements only. ``base`` (a row of the output's
+    dtype; with ``ACCUMULATE``): the values are added to it instead of to the output row, and
+    both take the sums. A thread holds whole 8-blocks (``load_codes8``); an fp32 block is 32
+    bytes, twice what one store moves, so it goes out as two halves of 4 from the thread, where
+    one [B, 8] store would have Triton convert the tile through shared memory, with a barrier,
+    to give each thread 16 bytes."""
     o = out_ptr + row64 * out_stride
+    b = o if base is None else base
     if out_ptr.dtype.element_ty == tl.float32:
         B: tl.constexpr = v.shape[0]
         lo, hi = tl.split(tl.permute(tl.reshape(v, [B, 2, 4]), [0, 2, 1]))
         i = e8[:, None] * 8 + tl.arange(0, 4)[None, :]
-        _write_block(o + i, lo, i < n, ACCUMULATE)
-        _write_block(o + i + 4, hi, i + 4 < n, ACCUMULATE)
+        _write_block(o + i, lo, i < n, ACCUMULATE, b + i, base is not None)
+        _write_block(o + i + 4, hi, i + 4 < n, ACCUMULATE, b + i + 4, base is not None)
     else:
         i = e8[:, None] * 8 + tl.arange(0, 8)[None, :]
-        _write_block(o + i, v, i < n, ACCUMULATE)
+        _write_block(o + i, v, i < n, ACCUMULATE, b + i, base is not None)
 
 
 @triton.jit
-def _write_block(o, v, mask, ACCUMULATE: tl.constexpr):
-    """Store (or add into) one tile of output values."""
+def _write_block(o, v, mask, ACCUMULATE: tl.constexpr, b, BOTH: tl.constexpr):
+    """Store (or add into) one tile of output values; ``b``: where the values to add to are
+    (``o`` itself, or with ``BOTH`` another row, which then takes the sums too)."""
     if ACCUMULATE:
-        v = load_f32(o, mask) + v
+        v = load_f32(b, mask) + v
     store_f32(o, v, mask)
+    if BOTH:
+        store_f32(b, v, mask)
 
 
 # ---- device side: RNG -------------------------------------------------------------------------

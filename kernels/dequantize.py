@@ -41,14 +41,15 @@ def _dequantize_kernel(
 
 @triton.jit
 def _dequantize_segments_kernel(
-    data_b, data_s, out_ptr, seg_tab, blk_seg, W, WS, out_stride, nblk,
+    data_b, data_s, out_ptr, seg_tab, blk_seg, W, WS, out_stride, nblk, base_ptr, base_row,
     BITS: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.constexpr,
     GS: tl.constexpr, BLK8: tl.constexpr, HADAMARD: tl.constexpr, ACCUMULATE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, BASE: tl.constexpr,
 ):
     """``_dequantize_kernel`` on segment ``blk_seg[blk]`` of the row: its first block, values,
     encoded length, wire offset, output offset and groups are ``seg_tab[segment, 0:6]``
-    (``ALIGNED``: as in ``quantize._quantize_segments_kernel``)."""
+    (``ALIGNED``: as in ``quantize._quantize_segments_kernel``). ``BASE``: row ``base_row``
+    adds into ``base_ptr`` (one row) instead of its own output row, and both take the sums."""
     row, blk, row64 = C.row_block(nblk)
     t = seg_tab + tl.load(blk_seg + blk).to(tl.int64) * 6
     n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
@@ -61,7 +62,13 @@ def _dequantize_segments_kernel(
     if HADAMARD:
         v = C.hadamard_blocks(v, BLK8 // 4)
         v = v * (1.0 / 32)
-    C.write_values(out_ptr + off, row64, out_stride, e8, v, n, ACCUMULATE)
+    if BASE:
+        if row == base_row:
+            C.write_values(out_ptr + off, row64, out_stride, e8, v, n, ACCUMULATE, base_ptr + off)
+        else:
+            C.write_values(out_ptr + off, row64, out_stride, e8, v, n, ACCUMULATE)
+    else:
+        C.write_values(out_ptr + off, row64, out_stride, e8, v, n, ACCUMULATE)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -92,9 +99,12 @@ def dequantize_segments(
     hadamard: bool,
     out: torch.Tensor,
     accumulate: bool,
+    row_base: Optional[tuple[int, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Rows of back-to-back wire rows of ``segments`` values each -> written (or added) into
-    ``out`` [R, sum(segments)]: ``dequantize`` of each segment into its columns, one launch."""
+    ``out`` [R, sum(segments)]: ``dequantize`` of each segment into its columns, one launch.
+    ``row_base`` ``(r, base)`` (with ``accumulate``): row ``r`` adds into the flat ``base``
+    instead of into ``out[r]``, and both take the sums (``codec.dequantize_segments``)."""
     R = data.shape[0]
     blk8 = C.TILE // 8
     tab, blk_seg, nblk, width, aligned, done = _segment_table(tuple(segments), spec, hadamard,
@@ -104,9 +114,13 @@ def dequantize_segments(
                          f"{spec} take {width}")
     if R == 0 or nblk == 0:
         return out
-    if out.stride(-1) != 1:  # the kernel writes unit-stride rows
+    if out.stride(-1) != 1 or (row_base is not None and row_base[1].stride(-1) != 1):
+        # the kernel writes unit-stride rows
         o = out.contiguous()
-        dequantize_segments(data, segments, spec, hadamard, o, accumulate)
+        b = None if row_base is None else (row_base[0], row_base[1].contiguous())
+        dequantize_segments(data, segments, spec, hadamard, o, accumulate, b)
+        if b is not None and b[1] is not row_base[1]:
+            row_base[1].copy_(b[1])
         return out.copy_(o)
     data = C.aligned_rows(data, spec)
     lay = C.RowLayout.of(max(segments), spec)  # constexprs only: they do not depend on n
@@ -114,9 +128,10 @@ def dequantize_segments(
     with C.on_device(data):
         _dequantize_segments_kernel[(R * nblk,)](
             data, C.scale_view(data, spec), out, tab, blk_seg, width,
-            width // spec.torch_scale_dtype.itemsize, out.stride(0), nblk, **lay.constexprs(),
-            BLK8=blk8, HADAMARD=hadamard, ACCUMULATE=accumulate, ALIGNED=aligned,
-            **C.launch_opts(C.TILE),
+            width // spec.torch_scale_dtype.itemsize, out.stride(0), nblk,
+            out if row_base is None else row_base[1], -1 if row_base is None else row_base[0],
+            **lay.constexprs(), BLK8=blk8, HADAMARD=hadamard, ACCUMULATE=accumulate,
+            ALIGNED=aligned, BASE=row_base is not None, **C.launch_opts(C.TILE),
         )
     return out
 

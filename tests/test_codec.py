@@ -352,6 +352,24 @@ def test_dequantize_segments_is_dequantize_per_segment():
             assert codec.dequantize_segments(data, segs, spec, out=got, hadamard=hadamard,
                                              accumulate=accumulate) is got
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        # row_base: row 1 adds to a base of its own, which takes the sums too
+        mine = torch.randn(sum(segs)).to(torch.bfloat16)
+        got = base.clone()
+        got[1] = torch.randn(sum(segs))  # what FSDP wrote over the slot: not read
+        want = base.clone()
+        want[1] = mine
+        codec.dequantize_segments(data, segs, spec, out=want, hadamard=hadamard, accumulate=True)
+        codec.dequantize_segments(data, segs, spec, out=got, hadamard=hadamard, accumulate=True,
+                                  row_base=(1, mine))
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(mine.view(torch.int16), want[1].view(torch.int16))
+    for bad, what in (((3, mine), "an int in"), ((0, mine[1:]), "flat"),
+                      ((0, mine.float()), "flat")):
+        with pytest.raises(ValueError, match=what):
+            codec.dequantize_segments(data, segs, spec, out=got, hadamard=True, accumulate=True,
+                                      row_base=bad)
+    with pytest.raises(ValueError, match="accumulate=True"):
+        codec.dequantize_segments(data, segs, spec, out=got, hadamard=True, row_base=(0, mine))
     with pytest.raises(ValueError, match="bytes but segments"):
         codec.dequantize_segments(data[:, 4:], segs, spec, out=got, hadamard=True)
     with pytest.raises(ValueError, match=">= 0"):

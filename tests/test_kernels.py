@@ -275,8 +275,13 @@ def _compile_cases():
         (m["dequantize"]._dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
          "out_ptr": "*bf16"}, dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, ACCUMULATE=True), False),
         (m["dequantize"]._dequantize_segments_kernel, {"data_b": "*u8", "data_s": "*i32",
-         "out_ptr": "*bf16", "seg_tab": "*i64", "blk_seg": "*i32"},
-         dict(**q4, GS=2048, BLK8=blk8, HADAMARD=False, ACCUMULATE=True, ALIGNED=True), False),
+         "out_ptr": "*bf16", "seg_tab": "*i64", "blk_seg": "*i32", "base_ptr": "*bf16"},
+         dict(**q4, GS=2048, BLK8=blk8, HADAMARD=False, ACCUMULATE=True, ALIGNED=True,
+              BASE=True), False),
+        (m["dequantize"]._dequantize_segments_kernel, {"data_b": "*u8", "data_s": "*i16",
+         "out_ptr": "*fp32", "seg_tab": "*i64", "blk_seg": "*i32", "base_ptr": "*fp32"},
+         dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, ACCUMULATE=False, ALIGNED=False,
+              BASE=False), False),
         (m["reduce_dequantize"]._reduce_dequantize_kernel, {"data_b": "*u8", "data_s": "*i16",
          "out_ptr": "*fp32", "divisor": "fp32"},
          dict(**q5, GS=96, BLK8=blk8, HADAMARD=True, K=3, DIVIDE=0), False),
@@ -646,18 +651,31 @@ def test_dequantize_segments_same_values(K, hadamard, segs):
              for k, n in enumerate(segs)]
     data = torch.cat(parts, 1)
     N = sum(segs)
+
+    def reference(out, accumulate):  # the torch codec, segment by segment
+        off = 0
+        for n, p in zip(segs, parts):
+            if n:
+                torch_codec.dequantize(p, n, spec, hadamard, out[:, off:off + n], accumulate)
+            off += n
+
     for dtype in (torch.float32, torch.bfloat16):
         for accumulate in (False, True):
             base = _data(3, N + 5, dtype, seed=9, specials=False)
             want, got = base.clone(), _d(base.clone())
-            off = 0
-            for n, p in zip(segs, parts):
-                if n:
-                    torch_codec.dequantize(p, n, spec, hadamard, want[:, 5 + off:5 + off + n],
-                                           accumulate)
-                off += n
+            reference(want[:, 5:], accumulate)
             K.dequantize_segments(_d(data), segs, spec, hadamard, got[:, 5:], accumulate)
             _same(got, want)
+        # row_base: row 1 adds to a base row of its own (not to what its slot holds), and both
+        # take the sums, as the codec's copies before and after give them
+        mine = _data(1, N, dtype, seed=10, specials=False)[0]
+        want = base.clone()
+        want[1, 5:] = mine
+        reference(want[:, 5:], True)
+        got, own = _d(base.clone()), _d(mine.clone())
+        K.dequantize_segments(_d(data), segs, spec, hadamard, got[:, 5:], True, (1, own))
+        _same(got, want)
+        _same(own, want[1, 5:])
     wide = torch.zeros(N, 3)
     strided = _d(wide).t()  # columns of a transposed buffer: not unit-stride rows
     K.dequantize_segments(_d(data), segs, spec, hadamard, strided, False)

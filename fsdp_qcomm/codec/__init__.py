@@ -221,12 +221,20 @@ def dequantize_segments(
     out: torch.Tensor,
     hadamard: bool = False,
     accumulate: bool = False,
+    row_base: Optional[tuple[int, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Decode rows of back-to-back wire rows, one per segment of ``segments[k]`` values (each
     encoded on its own, as ``quantize`` of that segment), into the columns of ``out``
     ``[..., sum(segments)]`` (``accumulate`` adds). One kernel launch on CUDA, where a launch
     per segment would cost the host more than the GPU; elsewhere a ``dequantize`` per
-    segment."""
+    segment.
+
+    ``row_base`` ``(r, base)``, with ``accumulate``: row ``r`` of the 2-D ``out`` adds its
+    values to ``base`` (flat, ``sum(segments)`` values of ``out``'s dtype and device) instead
+    of to what ``out[r]`` holds, and ``out[r]`` and ``base`` both take the sums. qWD keeps the
+    reference of its own shard beside the gather buffer, whose own slot FSDP overwrites with
+    the new weights: this adds to it and updates it in the same pass (on CUDA; elsewhere by
+    copies, the same values)."""
     segs = tuple(int(n) for n in segments)
     if any(n < 0 for n in segs):
         raise ValueError(f"segment lengths must be >= 0, got {list(segs)}")
@@ -239,13 +247,31 @@ def dequantize_segments(
     rows = wire_rows(data, sum(widths), "data",
                      lambda: f"segments of {list(segs)} values under {spec}")
     o = out_rows(out, rows.shape[0], sum(segs), accumulate)
-    impl = _impl(rows, o)
+    if row_base is not None:
+        _check_row_base(row_base, out, o, accumulate)
+    impl = _impl(rows, o, None if row_base is None else row_base[1])
     fused = getattr(impl, "dequantize_segments", None)
     if fused is not None:
-        fused(rows, segs, spec, hadamard, o, accumulate)
-    else:
-        _each_segment(impl, rows, segs, spec, hadamard, o, accumulate)
+        fused(rows, segs, spec, hadamard, o, accumulate, row_base)
+        return out
+    if row_base is not None:
+        o[row_base[0]].copy_(row_base[1])
+    _each_segment(impl, rows, segs, spec, hadamard, o, accumulate)
+    if row_base is not None:
+        row_base[1].copy_(o[row_base[0]])
     return out
+
+
+def _check_row_base(row_base: tuple[int, torch.Tensor], out: torch.Tensor, o: torch.Tensor,
+                    accumulate: bool) -> None:
+    r, base = row_base
+    if not accumulate or out.dim() != 2:
+        raise ValueError("row_base= needs accumulate=True and a 2-D out (one row per wire row)")
+    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < o.shape[0]:
+        raise ValueError(f"row_base's row must be an int in [0, {o.shape[0]}), got {r!r}")
+    if base.shape != (o.shape[1],) or base.dtype != o.dtype or base.device != o.device:
+        raise ValueError(f"row_base's tensor must be flat [{o.shape[1]}] {o.dtype} on {o.device}"
+                         f" (a row of out); got {tuple(base.shape)} {base.dtype} on {base.device}")
 
 
 def _each_segment(impl, rows: torch.Tensor, segments: Sequence[int], spec: QuantSpec,

@@ -237,13 +237,17 @@ def decode_shards(
     accumulate: bool = False,
     learned: bool = False,
     hadamard: bool = False,
+    row_base: Optional[tuple[int, torch.Tensor]] = None,
 ) -> None:
     """Decode ``data[world, W]`` (one wire buffer per rank) into ``out[world, n]`` (or add);
-    ``learned``: the rows are learned-levels rows; ``hadamard``: rotated rows."""
+    ``learned``: the rows are learned-levels rows; ``hadamard``: rotated rows; ``row_base``:
+    as ``codec.dequantize_segments``'s (one row adds into a base of its own)."""
     if not learned:
         dequantize_segments(data, segments, spec, out=out, accumulate=accumulate,
-                            hadamard=hadamard)
+                            hadamard=hadamard, row_base=row_base)
         return
+    if row_base is not None:
+        out[row_base[0]].copy_(row_base[1])
     off = woff = 0
     for n in segments:
         w = _row_bytes(n, spec, learned, hadamard)
@@ -253,6 +257,8 @@ def decode_shards(
             )
         off += n
         woff += w
+    if row_base is not None:
+        row_base[1].copy_(out[row_base[0]])
 
 
 def _check_float(t: torch.Tensor, what: str) -> None:
@@ -501,16 +507,17 @@ class QwdAllGather(KeptWeights):
 
         wire = encode_shard(input, self.segments, self.spec, key, ref=self.own_ref,
                             levels=levels, hadamard=self.hadamard)
-        own.copy_(self.own_ref)  # the input may have been written into this slot
         gathered = torch.empty(self.world * wire.numel(), dtype=torch.uint8, device=wire.device)
 
         def finish_diff() -> None:
+            # the own slot may hold the input (FSDP's copy-in): the own row adds to own_ref
+            # instead, and both take the new reference, in the decode's pass
             decode_shards(
                 gathered.view(self.world, -1), self.segments, self.spec,
                 self.ref.view(self.world, self.numel), accumulate=True,
                 learned=levels is not None, hadamard=self.hadamard,
+                row_base=(self.rank, self.own_ref),
             )
-            self.own_ref.copy_(own)
             if on_done is not None:
                 on_done(GatherOutcome("qwd_diff", wire.numel(), gathered.numel(), self.numel, base))
 
