@@ -17,7 +17,7 @@ Three things stop stock torchtitan on a machine without an accelerator, and a fo
 2. torchtitan sets FSDP's gradient divide factor to 1.0 (its loss is already divided by the
    global token count), which FSDP2 turns into ``ReduceOp.PREMUL_SUM(1.0)``; gloo rejects
    PREMUL_SUM. ``fsdp_qcomm.enable`` (called by ``install_qcomm``) already switches such gloo
-   modules, and every module with a quantized reduce-scatter, to
+   modules, and every module with a quantized reduce-scatter and a divide factor, to
    ``set_force_sum_reduction_for_comms(True)``: FSDP then passes ``ReduceOp.SUM`` and divides
    by the factor 1.0, the same sum PREMUL_SUM(1.0) computes. Nothing here repeats that.
 

@@ -42,8 +42,8 @@ def install_qcomm(
     or storages; each qWD all-gather builds its reference on its first gather (full
     precision), which comes after initialization (and after a checkpoint load, which counts as
     a change outside the optimizer). ``enable`` also forces FSDP's SUM reduction where it is
-    needed (every module with a quantized reduce-scatter, and gloo modules with torchtitan's
-    divide factor 1.0), so nothing here touches that setting.
+    needed (modules with a quantized reduce-scatter and torchtitan's divide factor 1.0, and
+    gloo modules with that factor), so nothing here touches that setting.
     """
     from fsdp_qcomm import enable
 
