@@ -350,9 +350,11 @@ def _as_on_cuda(mode: Optional[_Mode] = None, torch_digest: bool = False):
     digests, defer = change_tracker.shard_digests, reduce_scatter.defer_reason
 
     def shard_digests(groups):
-        plan = None if torch_digest else change_tracker._kernel_plan(groups)
-        if plan is None:
+        plan, rest = ([], []) if torch_digest else change_tracker._kernel_plan(groups)
+        if not plan:
             return torch.stack([change_tracker._torch_digest(g) for g in groups])
+        for x, position, _ in rest:  # CUDA's torch formula for what the kernel does not read
+            change_tracker._torch_digest([x], position)
         if mode is None:
             return digests(groups)
         mode.inside_codec += 1

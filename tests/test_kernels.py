@@ -905,22 +905,21 @@ def test_digest_equals_the_torch_formula(dtype):
 def test_digests_of_many_groups_take_one_launch_per_element_width():
     """The agreement's digests (``change_tracker.shard_digests`` on CUDA): every group of one
     element width in one launch, each group from position 0 into its own value; groups that
-    mix widths or hold empty tensors too. Each value is the group's torch formula."""
+    mix widths, hold empty tensors or a tensor the kernel does not read (the torch formula from
+    its position) too. Each value is the group's torch formula."""
     from fsdp_qcomm.fsdp import change_tracker as ct
-    kd = importlib.import_module("fsdp_qcomm.kernels.digest")
 
     g = torch.Generator().manual_seed(12)
     f32 = [torch.randn(n, generator=g) * 1e3 for n in (70_000, 5, 0, 4_100)]
     b16 = [(torch.randn(n, generator=g) * 1e3).to(torch.bfloat16) for n in (9_000, 66_000)]
-    groups = [[f32[0], f32[1]], [], [f32[2], f32[3]], [b16[0], f32[1], b16[1]], [f32[1]]]
+    strided = (torch.randn(900, 2, generator=g) * 1e3)[:, 0]  # the kernel does not read it
+    groups = [[f32[0], f32[1]], [], [f32[2], f32[3]], [b16[0], f32[1], b16[1]], [f32[1]],
+              [f32[1], strided, f32[3]]]
     dev = [_d(grp) for grp in groups]
-    plan = ct._kernel_plan(dev)
-    assert [len(tensors) for tensors, _, _ in plan] == [5, 2]  # fp32 once, bf16 once
-    out = torch.zeros(len(groups), dtype=torch.int64, device=DEV)
+    plan, rest = ct._kernel_plan(dev)
+    assert [len(tensors) for tensors, _, _ in plan] == [7, 2]  # fp32 once, bf16 once
+    assert [(position, slot) for _, position, slot in rest] == [(5, 5)]  # the torch formula
     for _ in range(2):  # the second round reuses the layouts' tables
-        out.zero_()
-        for tensors, positions, slots in plan:
-            with _through_table(tensors):
-                kd.digest_many(tensors, out, positions, slots)
-        assert out.cpu().tolist() == [int(ct._torch_digest(grp)) for grp in groups]
-    assert ct._kernel_plan([[_d(torch.zeros(8, 2))[:, 0]]]) is None  # strided: torch formula
+        with _through_table([x for tensors, _, _ in plan for x in tensors]):
+            got = ct._kernel_digests(len(groups), plan, rest, torch.device(DEV))
+        assert got.cpu().tolist() == [int(ct._torch_digest(grp)) for grp in groups]

@@ -132,14 +132,23 @@ def shard_digests(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     device = shards[0].device if shards else torch.device("cpu")
     if device.type == "cpu":
         return torch.tensor([_cpu_digest(g) for g in groups], dtype=torch.int64)
-    plan = _kernel_plan(groups) if device.type == "cuda" else None
-    if plan is None:
-        return torch.stack([_torch_digest(g) for g in groups])
+    if device.type == "cuda":
+        plan, rest = _kernel_plan(groups)
+        if plan:
+            return _kernel_digests(len(groups), plan, rest, device)
+    return torch.stack([_torch_digest(g) for g in groups])
+
+
+def _kernel_digests(count: int, plan: list[tuple], rest: list[tuple],
+                    device: torch.device) -> torch.Tensor:
+    """``count`` digests from ``_kernel_plan``'s launches, and the torch formula for the rest."""
     from ..kernels.digest import digest_many
 
-    out = torch.zeros(len(groups), dtype=torch.int64, device=device)
+    out = torch.zeros(count, dtype=torch.int64, device=device)
     for tensors, positions, slots in plan:
         digest_many(tensors, out, positions, slots)
+    for x, position, slot in rest:
+        out[slot:slot + 1] += _torch_digest([x], position)
     return out
 
 
@@ -158,38 +167,39 @@ def _cpu_digest(shards: Sequence[torch.Tensor]) -> int:
     return total - (1 << 64) if total >> 63 else total
 
 
-def _kernel_plan(groups: Sequence[Sequence[torch.Tensor]]) -> Optional[list[tuple]]:
-    """The Triton launches that digest ``groups`` (``kernels.digest.digest_many``): one
-    ``(tensors, positions, slots)`` per element width (FSDP groups of one dtype take one launch
-    for all), or None where the kernel cannot read every tensor (no triton, a layout it does
-    not take)."""
-    shards = [x for g in groups for x in g]
-    if not shards or not raw_memory_ok(shards[0].device.type, *shards):
-        return None
+def _kernel_plan(groups: Sequence[Sequence[torch.Tensor]]) -> tuple[list[tuple], list[tuple]]:
+    """How to digest ``groups`` with the Triton kernel (``kernels.digest.digest_many``): one
+    launch ``(tensors, positions, slots)`` per element width (FSDP groups of one dtype take one
+    launch for all), and the ``(tensor, position, slot)`` the kernel cannot read (a tensor
+    subclass, another layout), for the torch formula; every tensor there without triton."""
     try:  # imported lazily: triton is only needed on GPUs
         from ..kernels.digest import supports
     except ImportError:  # no triton (a preset that quantizes nothing): the torch formula
-        return None
+        supports = None
     by_width: dict[int, tuple[list, list, list]] = {}
+    rest = []
     for k, g in enumerate(groups):
         off = 0
         for x in g:
-            x = x.detach()
-            if not supports([x]):
-                return None
             if x.numel():
-                tensors, positions, slots = by_width.setdefault(x.element_size(), ([], [], []))
-                tensors.append(x)
-                positions.append(off)
-                slots.append(k)
+                if supports is not None and raw_memory_ok(x.device.type, x) \
+                        and supports([x.detach()]):
+                    tensors, positions, slots = by_width.setdefault(x.element_size(),
+                                                                    ([], [], []))
+                    tensors.append(x.detach())
+                    positions.append(off)
+                    slots.append(k)
+                else:
+                    rest.append((x, off, k))
             off += x.numel()
-    return list(by_width.values())
+    return list(by_width.values()), rest
 
 
-def _torch_digest(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+def _torch_digest(shards: Sequence[torch.Tensor], start: int = 0) -> torch.Tensor:
+    """The digest's formula in torch operations, the shards back to back from ``start``."""
     device = shards[0].device if shards else torch.device("cpu")
     total = torch.zeros((), dtype=torch.int64, device=device)
-    off = 0
+    off = start
     for x in shards:
         n = x.numel()
         if n == 0:
