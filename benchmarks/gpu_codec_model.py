@@ -531,7 +531,11 @@ def price(base: Census, enabled: Census, scale: float, bandwidth: dict) -> dict:
             + sum(s["launches"] for s in sites) + n1 - n0}
 
 
-def _measured(gpu_check: dict, target: str, world: int, per_node: int) -> Optional[dict]:
+def _measured(gpu_check: dict, target: str, world: int, per_node: int,
+              preset: str) -> Optional[dict]:
+    """The GPU run's ``step_cost`` row for this shape and layout: it measures sdp4bit only."""
+    if preset != "sdp4bit":
+        return None
     for r in gpu_check["steps"].get("step_cost", {}).get("result", {}).get("rows", []):
         if (r["shape"]["name"], r["world"], r["ranks_per_node"]) == (target, world, per_node):
             return {"fsdp2_ms": r["fsdp2"]["ms"], "enabled_ms": r["enabled"]["ms"],
@@ -625,7 +629,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if Path(a.gpu_check).resolve().is_relative_to(ROOT) else a.gpu_check,
         "clone_gbps": bandwidth["clone_gbps"],
         "priced": price(base, enabled, scale, bandwidth),
-        "measured": _measured(gpu_check, a.target, world, per_node),
+        "measured": _measured(gpu_check, a.target, world, per_node, a.preset),
         "host_ms": host_ms(shape, world, per_node, a.preset, a.host_steps,
                            torch_digest=a.torch_digest) if a.host_steps else None,
         "count_s": time.perf_counter() - t0,
