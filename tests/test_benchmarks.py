@@ -625,6 +625,32 @@ def test_gpu_codec_model_counts_bytes_of_copies_views_and_in_place_ops():
     assert abs(big - m.SHAPES["1B"].params) < 1e-3 * big  # padding is small at this size
 
 
+def test_gpu_codec_model_one_rank_per_node_step_adds_no_pass_beside_the_codec():
+    """At one rank per node (qWD's full reference), what ``enable`` adds to a step beyond its
+    codec kernels: no FSDP-side pass (AVG is divided in the last hop's decode), no copies around
+    qWD's own row (its decode updates the kept reference), the agreement's digests in one
+    launch; only the backward re-gather's restore of the own slot copies."""
+    import gpu_codec_model as m
+
+    shape = m.SHAPES["tiny"]
+    base, _ = m.count_step(shape, 2, 1, None, warmup=1)
+    enabled, _ = m.count_step(shape, 2, 1, "sdp4bit", warmup=1)
+
+    def launches(c, where):
+        return {(site, op): v[2] for (site, op), v in c.ops.items() if where(site) and v[2]}
+
+    fsdp = lambda site: site == m._OTHER  # noqa: E731
+    assert launches(enabled, fsdp) == launches(base, fsdp)
+    glue = launches(enabled, lambda site: site != m._OTHER)
+    copies = {k: v for k, v in glue.items() if k[1] == "aten.copy_"}
+    assert list(copies) == [("fsdp_qcomm/collectives/weight_gather.py:reuse", "aten.copy_")]
+    assert copies[next(iter(copies))] == shape.layers  # the backward re-gathers (not the root)
+    calls = {k: v[0] for (k, _), v in enabled.codec.items()}
+    assert calls["digest float32"] == 1
+    decode = next(k for k in calls if k.startswith("dequantize_segments"))
+    assert calls[decode] == shape.layers + 1
+
+
 def test_gpu_codec_model_counts_each_kernel_once_per_step_and_prices_it():
     import gpu_codec_model as m
 
