@@ -256,13 +256,10 @@ class _Recorder:
     def _segments(self, rows, segs, spec, hadamard, out, accumulate, row_base=None):
         """The CPU implementations' loop of ``codec.dequantize_segments`` (a kernel on CUDA,
         which adds ``row_base``'s row to its base in the same pass: copies here)."""
-        from fsdp_qcomm.codec import _each_segment
+        from fsdp_qcomm.codec import _each_segment, _through_row_base
 
-        if row_base is not None:
-            out[row_base[0]].copy_(row_base[1])
-        _each_segment(self._impl, rows, segs, spec, hadamard, out, accumulate)
-        if row_base is not None:
-            row_base[1].copy_(out[row_base[0]])
+        _through_row_base(out, row_base, lambda: _each_segment(self._impl, rows, segs, spec,
+                                                               hadamard, out, accumulate))
         return out
 
     def _quantize_segments(self, x, segs, spec, key, key_salt, ref, hadamard, out):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -253,13 +253,22 @@ def dequantize_segments(
     fused = getattr(impl, "dequantize_segments", None)
     if fused is not None:
         fused(rows, segs, spec, hadamard, o, accumulate, row_base)
-        return out
-    if row_base is not None:
-        o[row_base[0]].copy_(row_base[1])
-    _each_segment(impl, rows, segs, spec, hadamard, o, accumulate)
-    if row_base is not None:
-        row_base[1].copy_(o[row_base[0]])
+    else:
+        _through_row_base(o, row_base,
+                          lambda: _each_segment(impl, rows, segs, spec, hadamard, o, accumulate))
     return out
+
+
+def _through_row_base(out: torch.Tensor, row_base: Optional[tuple[int, torch.Tensor]],
+                      decode: Callable[[], object]) -> None:
+    """``decode()``, a decode that adds into the 2-D ``out``, with ``row_base`` ``(r, base)``
+    as ``dequantize_segments`` takes it, by copies: ``base`` into ``out[r]`` before, the sums
+    back into ``base`` after (what a kernel does in its pass)."""
+    if row_base is not None:
+        out[row_base[0]].copy_(row_base[1])
+    decode()
+    if row_base is not None:
+        row_base[1].copy_(out[row_base[0]])
 
 
 def _check_row_base(row_base: tuple[int, torch.Tensor], out: torch.Tensor, o: torch.Tensor,

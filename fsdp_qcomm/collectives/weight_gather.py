@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..codec import (
     FLOAT_DTYPES,
     RngKey,
+    _through_row_base,
     dequantize_segments,
     hadamard_len,
     quantize_segments,
@@ -246,19 +247,18 @@ def decode_shards(
         dequantize_segments(data, segments, spec, out=out, accumulate=accumulate,
                             hadamard=hadamard, row_base=row_base)
         return
-    if row_base is not None:
-        out[row_base[0]].copy_(row_base[1])
-    off = woff = 0
-    for n in segments:
-        w = _row_bytes(n, spec, learned, hadamard)
-        if n:
-            dequantize_levels(
-                data[:, woff:woff + w], n, spec, out=out[:, off:off + n], accumulate=accumulate
-            )
-        off += n
-        woff += w
-    if row_base is not None:
-        row_base[1].copy_(out[row_base[0]])
+
+    def each_segment() -> None:
+        off = woff = 0
+        for n in segments:
+            w = _row_bytes(n, spec, learned, hadamard)
+            if n:
+                dequantize_levels(data[:, woff:woff + w], n, spec, out=out[:, off:off + n],
+                                  accumulate=accumulate)
+            off += n
+            woff += w
+
+    _through_row_base(out, row_base, each_segment)
 
 
 def _check_float(t: torch.Tensor, what: str) -> None:

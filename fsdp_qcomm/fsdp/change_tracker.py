@@ -182,11 +182,11 @@ def _kernel_plan(groups: Sequence[Sequence[torch.Tensor]]) -> tuple[list[tuple],
         off = 0
         for x in g:
             if x.numel():
-                if supports is not None and raw_memory_ok(x.device.type, x) \
-                        and supports([x.detach()]):
-                    tensors, positions, slots = by_width.setdefault(x.element_size(),
+                d = x.detach()
+                if supports is not None and raw_memory_ok(d.device.type, d) and supports([d]):
+                    tensors, positions, slots = by_width.setdefault(d.element_size(),
                                                                     ([], [], []))
-                    tensors.append(x.detach())
+                    tensors.append(d)
                     positions.append(off)
                     slots.append(k)
                 else:
