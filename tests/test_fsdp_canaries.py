@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 
 import pytest
 import torch
@@ -242,9 +243,12 @@ class RecordingReduceScatter(ReduceScatter):
         self.pg = param_group
         self.replicate = replicate  # HSDP: the replica group whose sequence number to note
         self.calls: list[dict] = []
+        self.allocs: list[tuple] = []
         self.output_ptr = None
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        # what fsdp_qcomm's allocate reads: the gradients of an input allocation, else None
+        self.allocs.append((math.prod(size), str(dtype), str(internals.reduce_input_grads_dtype())))
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, *args, **kwargs):
@@ -420,6 +424,7 @@ def _flat_run(rank: int, world: int) -> dict:
     res["ag_calls"] = list(ag.calls)
     res["ag_allocs"] = len(ag.allocs)
     res["rs_avg"] = list(rs.calls)
+    res["rs_allocs"] = list(rs.allocs)
     res["grads_avg"] = _close(_full_grads(model), _reference_grads(ref, ranks))
     res["post_acc"] = [(pid == id(p), had, d == digest(p.grad.to_local()))
                        for (pid, had, d), p in zip(hook_log, params)] \
@@ -539,6 +544,16 @@ def _flat_run(rank: int, world: int) -> dict:
                                 for fp in internals.fsdp_params(gm)],
     }
 
+    # bf16 parameters, fp32 reduction: what the reduce-scatter's allocate sees
+    torch.manual_seed(1)
+    bfm = nn.Sequential(nn.Linear(D, H), nn.Linear(H, D))
+    fully_shard(bfm, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                               reduce_dtype=torch.float32))
+    rsb = RecordingReduceScatter(_group(bfm))
+    bfm.set_custom_reduce_scatter(rsb)
+    bfm(torch.randn(4, D)).float().square().mean().backward()
+    res["bf16_fp32_allocs"] = list(rsb.allocs)
+
     # coalesced all-gathers (not FSDP2's: c10d's), each into its own block of one buffer
     blocks = torch.zeros(3, world, 2)
     with _c10d.coalesced(dist.group.WORLD):
@@ -636,6 +651,17 @@ def test_reduce_scatter_rows_go_to_ranks(flat):
         assert r["grads_avg"], moved(
             "gives rank j row j of input.view(world, m) (gradients differ from an unsharded "
             "reference when the hook reduces rows that way)", "collectives/grad_reduce.py")
+
+
+@pytest.mark.parametrize("case, grads", [("rs_allocs", "torch.float32"),
+                                         ("bf16_fp32_allocs", "torch.bfloat16")])
+def test_reduce_scatter_allocates_the_input_for_the_gradients_then_the_output(flat, case, grads):
+    for r in flat:
+        (n_in, dt_in, g_in), (n_out, dt_out, g_out) = r[case]
+        assert (n_in, dt_in, g_in, dt_out, g_out) == (2 * n_out, "torch.float32", grads,
+                                                      "torch.float32", "None"), moved(
+            "allocates a reduce-scatter's input (its gradients and group size in the frame) "
+            "before its output, in reduce_dtype", "fsdp/reduce_scatter.py allocate")
 
 
 def test_reduce_scatter_op_is_avg_by_default(flat):

@@ -32,7 +32,7 @@ from fsdp_qcomm.collectives.topology import (
 from fsdp_qcomm.fsdp import internals as fsdp_internals
 from fsdp_qcomm.fsdp.reduce_scatter import QuantizedReduceScatter
 from fsdp_qcomm.stats import CommStats
-from fsdp_qcomm.testing import run_ranks
+from fsdp_qcomm.testing import digest, run_ranks
 
 # ---- schemes under test -------------------------------------------------------------------
 SCHEMES = {
@@ -43,6 +43,8 @@ SCHEMES = {
     "tlq_hs": dict(grad_scheme="two_level", grad_hadamard=True),
     "zeropp": dict(grad_scheme="two_level", grad_intra_bits=4),
 }
+#: the bf16 cast, which the FSDP runs below train with too (not a quantizer: no error bound)
+CAST = {"bf16": dict(grad_scheme="bf16")}
 # Upper bounds on the relative L2 error against reduce_scatter_single (SUM, fp32), 4 ranks as
 # 2 nodes x 2, m = 1000 values per rank, fixed keys. Measured (see the commit message):
 # gaussian  one_level8 0.0091, one_level4 0.166, one_level4_hs 0.163, tlq 0.169, tlq_hs 0.167,
@@ -69,7 +71,7 @@ M = 1000  # values per rank: not a multiple of 32, 128 or the group size
 
 
 def _cfg(scheme: str, **kw) -> QCommConfig:
-    return QCommConfig(**{**SCHEMES[scheme], **kw})
+    return QCommConfig(**{**(SCHEMES.get(scheme) or CAST[scheme]), **kw})
 
 
 def _inputs(rank: int, world: int, m: int, kind: str) -> torch.Tensor:
@@ -580,8 +582,10 @@ class _RecordingHook(QuantizedReduceScatter):
     def __init__(self, *args):
         super().__init__(*args)
         self.ops: list[str] = []
+        self.dtypes: set[tuple[str, str]] = set()  # (input, output) dtypes FSDP handed over
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.dtypes.add((str(input_tensor.dtype), str(output_tensor.dtype)))
         if op == ReduceOp.PREMUL_SUM:
             readable = fsdp_internals.readable_reduce_op(op, self.param_group)
             self.ops.append(f"PREMUL_SUM({float(readable.factor)})")
@@ -591,17 +595,18 @@ class _RecordingHook(QuantizedReduceScatter):
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
-def _model():
-    from torch.distributed.fsdp import fully_shard
+def _model(mp=None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 61), torch.nn.Tanh(),
         torch.nn.Linear(61, 5),
     )
+    mp = mp or MixedPrecisionPolicy()
     for i in (0, 2, 4):
-        fully_shard(model[i])
-    fully_shard(model)
+        fully_shard(model[i], mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     return model
 
 
@@ -615,10 +620,11 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ w1) @ w2 + 0.05 * torch.randn(32, 5, generator=g)
 
 
-def _train(rank: int, scheme, steps: int, divide_factor=None, force_sum=False) -> dict:
+def _train(rank: int, scheme, steps: int, divide_factor=None, force_sum=False,
+           mp=None) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
-    model = _model()
+    model = _model(mp)
     stats = CommStats()
     hooks = []
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -647,7 +653,35 @@ def _train(rank: int, scheme, steps: int, divide_factor=None, force_sum=False) -
         opt.zero_grad()
     params = torch.cat([p.detach().to_local().reshape(-1) for p in model.parameters()])
     ops = sorted({o for h in hooks for o in h.ops})
-    return dict(losses=losses, grads0=grads0, params=params, stats=stats.snapshot(), ops=ops)
+    dtypes = sorted({d for h in hooks for d in h.dtypes})
+    return dict(losses=losses, grads0=grads0, params=params, stats=stats.snapshot(), ops=ops,
+                dtypes=dtypes)
+
+
+def _narrow_inputs(rank: int) -> dict:
+    """bf16 parameters with fp32 reduction, the way GPU users train: the hooks' inputs as FSDP
+    allocates them through the hook (the bf16 gradients) and widened to fp32 (FSDP's own
+    choice, with ``reduce_scatter._input_dtype`` turned off), for a quantized scheme and the
+    bf16 cast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_qcomm.fsdp import reduce_scatter
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    own = reduce_scatter._input_dtype
+    out = {}
+    for scheme in ("tlq_hs", "bf16"):
+        for narrow in (True, False):
+            if not narrow:
+                reduce_scatter._input_dtype = lambda grads: torch.float32
+            try:
+                r = _train(rank, scheme, 3, mp=mp)
+            finally:
+                reduce_scatter._input_dtype = own
+            out[scheme, narrow] = dict(losses=r["losses"], dtypes=r["dtypes"],
+                                       stats=r["stats"], grads0=digest(r["grads0"]),
+                                       params=digest(r["params"]))
+    return out
 
 
 def _fsdp(rank: int, world: int) -> dict:
@@ -668,6 +702,8 @@ def _fsdp(rank: int, world: int) -> dict:
     res["premul"] = (p["ops"], _err_parts(p["grads0"] / world, base_g))
     s = _train(rank, "tlq", 1, force_sum=True)
     res["force_sum"] = (s["ops"], _err_parts(s["grads0"], base_g))
+    res["fp32_dtypes"] = runs["tlq"]["dtypes"]
+    res["narrow"] = _narrow_inputs(rank)
     return res
 
 
@@ -715,6 +751,22 @@ def test_fsdp_divide_factor_and_forced_sum(fsdp):
     ops, _ = fsdp[0]["force_sum"]
     assert ops == ["SUM"]  # FSDP then divides by the world size itself
     assert _rel([r["force_sum"][1] for r in fsdp]) < BOUNDS[("gauss", "tlq")]
+
+
+@pytest.mark.parametrize("scheme", ["tlq_hs", "bf16"])
+def test_fsdp_hands_the_hook_bf16_gradients_with_the_same_bits(fsdp, scheme):
+    # bf16 parameters, fp32 reduction: the input holds the gradients in bf16 (half the bytes of
+    # FSDP's fp32 copy-in, which the encoder reads as the same fp32 values): the same losses,
+    # reduced shards, bytes and baseline as with FSDP's fp32 input, on every rank
+    for r in fsdp:
+        narrow, wide = r["narrow"][scheme, True], r["narrow"][scheme, False]
+        assert narrow["dtypes"] == [("torch.bfloat16", "torch.float32")]
+        assert wide["dtypes"] == [("torch.float32", "torch.float32")]
+        assert (narrow["losses"], narrow["grads0"], narrow["params"]) == (
+            wide["losses"], wide["grads0"], wide["params"])
+        assert narrow["stats"] == wide["stats"]
+    # fp32 parameters keep FSDP's fp32 input
+    assert fsdp[0]["fp32_dtypes"] == [("torch.float32", "torch.float32")]
 
 
 # ---- the launcher itself --------------------------------------------------------------------

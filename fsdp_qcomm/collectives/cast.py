@@ -118,7 +118,7 @@ def reduce_scatter_cast(
         remote = world - 1 if lay is None else lay.remote_peers
         kind = "grad_inter" if lay is None or lay.num_nodes > 1 else "grad_intra"
         stats.record(kind, sent_bytes=send.numel(), recv_bytes=recv.numel(),
-                     elements=world * m, baseline_bytes=input.numel() * input.element_size(),
+                     elements=world * m, baseline_bytes=input.numel() * output.element_size(),
                      cross_node_bytes=send.numel() * remote // world)
 
 

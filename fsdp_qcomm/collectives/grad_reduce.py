@@ -49,8 +49,10 @@ group sits on one node, else ``"grad_inter"`` (also when node placement is unkno
 ``sent_bytes`` / ``recv_bytes``: bytes of the send / receive buffers handed to
 ``all_to_all_single`` (all rows, the row for oneself included); ``elements``: logical values those
 rows carry (before Hadamard padding); ``baseline_bytes``: what ``reduce_scatter_single`` would
-have been passed (``input.numel() * input.element_size()``), recorded on every kind, so do not
-add baselines across kinds.
+have been passed in the reduce dtype, the output's (``input.numel() * output.element_size()``:
+the input may hold 16-bit gradients where FSDP asked for float32,
+``fsdp.reduce_scatter._input_dtype``), recorded on every kind, so do not add baselines across
+kinds.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ def reduce_scatter_quantized(
     hadamard = config.grad_hadamard
     spans = _spans(config, world, m)
     out = output.view(-1)
-    baseline = input.numel() * input.element_size()
+    baseline = input.numel() * output.element_size()  # in the reduce dtype
 
     if config.grad_scheme == "two_level":
         topo = topology or node_topology(group, config.ranks_per_node)

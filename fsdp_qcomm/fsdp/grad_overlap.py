@@ -123,12 +123,14 @@ def _output_read_late(param_group: Any, dtype: torch.dtype) -> str:
 
 
 def defer_reason(
-    param_group: Any, input_tensor: torch.Tensor, op: Union[ReduceOp, "ReduceOp.RedOpType"]
+    param_group: Any, output_tensor: torch.Tensor, op: Union[ReduceOp, "ReduceOp.RedOpType"]
 ) -> str:
     """Why this reduce-scatter must finish before its call returns, or "" when FSDP2 leaves the
-    output unread until backward ends, so the reduction may finish later. Reads FSDP's private
-    param-group state through ``internals`` (verified by ``enable``; a read that fails raises)."""
-    if input_tensor.device.type != "cpu":
+    output unread until backward ends, so the reduction may finish later. ``output_tensor``:
+    the reduced shard, in FSDP's reduce dtype (the input may hold the gradients' own dtype,
+    ``reduce_scatter._input_dtype``). Reads FSDP's private param-group state through
+    ``internals`` (verified by ``enable``; a read that fails raises)."""
+    if output_tensor.device.type != "cpu":
         return "not a CPU process group (CUDA overlaps on FSDP's own streams)"
     if param_group is None:
         return "no FSDP parameter group known"
@@ -140,7 +142,7 @@ def defer_reason(
         return "FSDP adds a partial reduction to the output right away"
     if fsdp.all_reduce_hook(param_group) is not None:
         return "an all-reduce hook reads the output right away"
-    return _output_read_late(param_group, input_tensor.dtype)
+    return _output_read_late(param_group, output_tensor.dtype)
 
 
 def replica_defer_reason(param_group: Any, tensor: torch.Tensor) -> str:
@@ -154,9 +156,9 @@ def replica_defer_reason(param_group: Any, tensor: torch.Tensor) -> str:
     return _output_read_late(param_group, tensor.dtype)
 
 
-def deferrable(param_group: Any, input_tensor: torch.Tensor,
+def deferrable(param_group: Any, output_tensor: torch.Tensor,
                op: Union[ReduceOp, "ReduceOp.RedOpType"]) -> bool:
-    return not defer_reason(param_group, input_tensor, op)
+    return not defer_reason(param_group, output_tensor, op)
 
 
 def replica_deferrable(param_group: Any, tensor: torch.Tensor) -> bool:

@@ -440,6 +440,40 @@ def reduction_params(group: ParamGroup, numel: int) -> Optional[list[int]]:
 _REDUCE_FRAME_DEPTH = 6  # hook -> (a wrapper or two) -> foreach_reduce
 
 
+def reduce_input_grads_dtype() -> Optional[torch.dtype]:
+    """The one dtype of the gradients FSDP will copy into the buffer a reduce-scatter hook's
+    ``allocate`` is being asked for right now, when that buffer is the input of a reduce-scatter
+    FSDP will hand the hook; None otherwise (the output buffer, a one-rank group, gradients of
+    several dtypes, or a caller other than ``foreach_reduce``). Call it from inside
+    ``allocate``, on the thread FSDP called it on.
+
+    How FSDP2 (``_fsdp_collectives.foreach_reduce``, torch 2.11 to 2.15) uses the hook: it
+    allocates the input (``world_size * m`` values in ``reduce_dtype``) and copies the gradients
+    in (``chunk_cat``, casting), then allocates the output (``m``) and calls the hook with both
+    when ``world_size > 1``; with ``reduce_dtype`` float32 or bfloat16 it neither divides nor
+    otherwise writes the input, and it reads the input only through the hook. The locals of its
+    frame say which allocation this is (``reduce_scatter_input`` is not bound yet for the
+    input), the group's size (``world_size``) and the gradients (``unsharded_grads``)."""
+    code = _foreach_reduce_code()
+    frame = sys._getframe(1)
+    for _ in range(_REDUCE_FRAME_DEPTH):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            break
+        frame = frame.f_back
+    else:
+        return None
+    local = frame.f_locals
+    grads, world = local.get("unsharded_grads"), local.get("world_size")
+    if "reduce_scatter_input" in local or not isinstance(world, int) or world < 2:
+        return None
+    if not isinstance(grads, list) or not all(isinstance(g, torch.Tensor) for g in grads):
+        return None
+    dtypes = {g.dtype for g in grads}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def _foreach_reduce_code() -> Any:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
@@ -642,6 +676,7 @@ __all__ = [
     "post_divide_factor",
     "reduce_grads",
     "readable_reduce_op",
+    "reduce_input_grads_dtype",
     "reduce_scatter_group",
     "reduction_params",
     "replicate_group",

@@ -38,6 +38,21 @@ from .internals import ReduceScatter
 from .residual_state import ScaleSource, call_feedback
 from .tp_peers import PeerSync
 
+#: the gradient schemes whose reductions read their input as float32 values (the codec, or
+#: the bf16 cast), whatever its float dtype: everything but FSDP's own reduce-scatter
+_READS_INPUT_AS_FP32 = ("one_level", "two_level", "bf16")
+
+
+def _input_dtype(grads: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype of a reduce-scatter input FSDP asks for in float32 (``reduce_dtype``): the
+    gradients' own, when they are 16-bit floats. FSDP's copy-in would widen them exactly and the
+    reduction would read the same values back, so the input holds the same values in half the
+    bytes: with bf16 parameters and fp32 reduction the copy-in writes 2 bytes per gradient
+    value instead of 4 and the encoder reads 2 instead of 4, the same bits on the wire and in
+    the reduced shard. float32 otherwise, or when FSDP's frame does not say
+    (``internals.reduce_input_grads_dtype``)."""
+    return grads if grads in (torch.bfloat16, torch.float16) else torch.float32
+
 
 @dataclass(frozen=True)
 class PreparedGroup:
@@ -104,6 +119,10 @@ class QuantizedReduceScatter(ReduceScatter):
     def allocate(
         self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
+        """FSDP's buffers; the input in the gradients' own 16-bit dtype where FSDP asks for
+        float32 (``_input_dtype``)."""
+        if dtype == torch.float32 and self.config.grad_scheme in _READS_INPUT_AS_FP32:
+            dtype = _input_dtype(fsdp.reduce_input_grads_dtype())
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
@@ -140,7 +159,7 @@ class QuantizedReduceScatter(ReduceScatter):
                 own, own_topology = private_group(group), None
                 if self.config.grad_scheme == "two_level":
                     own_topology = node_topology(own, self.config.ranks_per_node)
-            why = defer_reason(self.param_group, input_tensor, op)
+            why = defer_reason(self.param_group, output_tensor, op)
             if self.peer_sync is not None:
                 why = why or "TP-replicated gradients are averaged over TP peers right after"
             if why:
