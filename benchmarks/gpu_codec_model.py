@@ -298,11 +298,12 @@ class _Recorder:
             row = bench_row(name, args)
             if kernel.endswith("_segments"):
                 row = _GROUPED.get(row, row)
-                values = a[0] if kernel == "quantize_segments" else a[4]
-                if values is not None and values.dtype == torch.bfloat16:
-                    row = BF16_ROWS.get(row, row)
             elif kernel == "quantize_ordered":
                 row = _REORDERED.get(row, row)
+            values = a[4] if kernel == "dequantize_segments" else (
+                a[0] if kernel.startswith("quantize") else None)
+            if values is not None and values.dtype == torch.bfloat16:
+                row = BF16_ROWS.get(row, row)
             self._mode.census.add_codec(label, row, elements, nbytes)
             return out
 
@@ -496,7 +497,8 @@ def price(base: Census, enabled: Census, scale: float, bandwidth: dict) -> dict:
     rows[CLONE_ROW] = clone
     kernels = []
     for (kernel, row), (calls, elems, nbytes) in sorted(enabled.codec.items()):
-        row = row if row in rows else _STAND_IN.get(row, row)
+        while row not in rows and row in _STAND_IN:  # a stand-in may have one itself
+            row = _STAND_IN[row]
         kernels.append({"kernel": kernel, "row": row, "calls": calls,
                         "elements": elems * scale, "gbytes": nbytes * scale / 1e9,
                         "ms": nbytes * scale / rows[row] * 1e3, "gbps": rows[row] / 1e9})

@@ -37,11 +37,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.7
 #: the gradient's last hop as training runs it under FSDP's AVG: the division in the same pass
 AVG_ROW = "reduce_dequantize k=4 4b g128 +H32^-1 /4 (AVG)"
-#: qWD's grouped rows in bf16, as training with bf16 parameters runs them, by their fp32 row
+#: rows in bf16, as training with bf16 parameters runs them, by their fp32 row: qWD's grouped
+#: rows, and the gradient encoders, which read FSDP's bf16 gradients since the reduce-scatter
+#: input holds them in their own dtype (``fsdp.reduce_scatter._input_dtype``)
+_HOP1 = "quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)"
 BF16_ROWS = {"quantize_segments 4b g2048 x-ref (9 segments)":
              "quantize_segments 4b g2048 x-ref bf16 (9 segments)",
              "dequantize_segments 4b g2048 += fp32 (9 segments)":
-             "dequantize_segments 4b g2048 += bf16 (9 segments)"}
+             "dequantize_segments 4b g2048 += bf16 (9 segments)",
+             "quantize 4b g128 sym stoch +H32": "quantize 4b g128 sym stoch +H32 bf16 in",
+             _HOP1: f"{_HOP1}, bf16 in"}
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _provenance  # noqa: E402
 
@@ -120,11 +125,12 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
             moved=lambda d, out: nbytes(d["x"]) + (nbytes(d["ref"]) if ref else 0) + nbytes(out),
         )
 
-    def quant_ordered(name, spec, hadamard=False):
+    def quant_ordered(name, spec, hadamard=False, dtype=torch.float32):
         # The gradient's first hop: rows encoded in its send order (here reversed), one launch;
         # the torch codec encodes them in order, then gathers the rows.
         def make(rows, n, dev, check):
-            return {"x": values(rows, n, dev, check, 0), "order": tuple(reversed(range(rows)))}
+            return {"x": values(rows, n, dev, check, 0).to(dtype),
+                    "order": tuple(reversed(range(rows)))}
 
         def run(impl, d):
             if hasattr(impl, "quantize_ordered"):
@@ -289,8 +295,9 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         quant("quantize 4b g128 sym stoch", s4),
         quant("quantize 8b g128 sym stoch +H32", s8, hadamard=True),
         quant("quantize 4b g128 sym stoch +H32", s4, hadamard=True),
-        quant_ordered("quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)", s8,
-                      hadamard=True),
+        quant(BF16_ROWS["quantize 4b g128 sym stoch +H32"], s4, torch.bfloat16, hadamard=True),
+        quant_ordered(_HOP1, s8, hadamard=True),
+        quant_ordered(BF16_ROWS[_HOP1], s8, hadamard=True, dtype=torch.bfloat16),
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", w4, ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q8, dtype=torch.bfloat16),
         quant_segments("quantize_segments 4b g2048 x-ref (9 segments)", w4, 9),

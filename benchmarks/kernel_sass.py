@@ -142,6 +142,11 @@ def _cases(C) -> list[Case]:
         quant("quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)",
               q(8, True, F32, 128), had=True, ordered=True),
         quant("quantize 4b g128 sym stoch +H32", q(4, True, F32, 128), had=True),
+        # the gradient encoders as they read FSDP's bf16 gradients
+        quant("quantize 4b g128 sym stoch +H32 bf16 in", q(4, True, F32, 128), x="*bf16",
+              had=True),
+        quant("quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1), bf16 in",
+              q(8, True, F32, 128), x="*bf16", had=True, ordered=True),
         quant("quantize 4b g2048 sym stoch x-ref (qWD)", q(4, True, F32, 2048), ref=True),
         quant("quantize 8b g1024 asym stoch bf16 in", q(8, False, BF16, 1024), x="*bf16"),
         segments("quantize_segments 4b g2048 x-ref (9 segments)", "quantize",

@@ -67,8 +67,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert bench["interpret"] and all(c["check"] == "ok" for c in bench["cases"])
     tiles = steps["tiles"]["result"]["x_clone"]
     assert list(tiles) == ["1024", "2048", "4096"]
-    # the dry run's kernels: the 4-bit encoder, without and with the Hadamard rotation
-    want = ["quantize 4b g128 sym stoch", "quantize 4b g128 sym stoch +H32"]
+    # the dry run's kernels: the 4-bit encoder, without and with the Hadamard rotation, and
+    # with it on bf16 gradients (what the hooks hand it with bf16 parameters)
+    want = ["quantize 4b g128 sym stoch", "quantize 4b g128 sym stoch +H32",
+            "quantize 4b g128 sym stoch +H32 bf16 in"]
     assert all(list(t) == want for t in tiles.values()), tiles
     one = steps["fsdp_one_rank"]["result"]["presets"]
     # every named preset, QSDP's learned levels and sdp4bit on CPU-offloaded shards

@@ -475,9 +475,11 @@ def test_quantize_difference_and_hadamard(K, gs, ref, hadamard):
 def test_quantize_ordered_is_quantize_then_index_select(K, gs, hadamard):
     # Rows in another order (the gradient's first hop), a subset, repeats, none; a column slice
     # of a wider buffer, as the hop encodes a span of it. Each row keeps its own random numbers.
+    # Its input in training is FSDP's bf16 gradients (``reduce_scatter._input_dtype``).
     spec = _spec(8 if hadamard else 4, True, "stochastic", SCALE_DTYPES[gs % 3], gs)
-    x = _data(6, 230, torch.float32, seed=gs)[:, 11:211]
-    r = _data(6, 230, torch.float32, seed=gs + 1, specials=False)[:, 11:211]
+    dtype = torch.bfloat16 if hadamard else torch.float32
+    x = _data(6, 230, dtype, seed=gs)[:, 11:211]
+    r = _data(6, 230, dtype, seed=gs + 1, specials=False)[:, 11:211]
     for ref in (None, r):
         want = torch_codec.quantize(x, spec, KEY, ref, hadamard)
         for order in ((0, 3, 1, 4, 2, 5), (5, 5, 0), ()):
