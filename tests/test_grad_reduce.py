@@ -571,6 +571,32 @@ def test_hook_rejects_bad_construction():
     assert buf.shape == (12,) and buf.dtype == torch.bfloat16
 
 
+def test_hook_narrows_only_the_input_and_refuses_it_as_the_output(monkeypatch):
+    cpu = torch.device("cpu")
+    hook = QuantizedReduceScatter(_cfg("tlq"), CommStats(), 0)
+    # outside FSDP's foreach_reduce nothing says what the gradients are: fp32 as asked
+    assert hook.allocate((8,), dtype=torch.float32, device=cpu).dtype == torch.float32
+    for grads, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                        (torch.float32, torch.float32), (None, torch.float32)):
+        monkeypatch.setattr(fsdp_internals, "reduce_input_grads_dtype", lambda g=grads: g)
+        assert hook.allocate((8,), dtype=torch.float32, device=cpu).dtype == want
+        # FSDP's reduce dtype other than fp32 is left alone
+        assert hook.allocate((8,), dtype=torch.bfloat16, device=cpu).dtype == torch.bfloat16
+    plain = QuantizedReduceScatter(QCommConfig(), CommStats(), 0)  # FSDP's own reduce-scatter
+    monkeypatch.setattr(fsdp_internals, "reduce_input_grads_dtype", lambda: torch.bfloat16)
+    assert plain.allocate((8,), dtype=torch.float32, device=cpu).dtype == torch.float32
+    # a torch that allocated the output first would get the narrowed buffer as the output
+    first = hook.allocate((8,), dtype=torch.float32, device=cpu)
+    with pytest.raises(fsdp_internals.FSDPInternalsChanged, match="allocated first"):
+        hook(first, torch.zeros(16), None, ReduceOp.AVG)
+    # a buffer FSDP asked for in bf16 (its reduce dtype) is not one the hook narrowed
+    hook = QuantizedReduceScatter(_cfg("tlq"), CommStats(), 0)
+    asked = hook.allocate((8,), dtype=torch.bfloat16, device=cpu)
+    with pytest.raises(Exception) as err:  # past the guard: no process group here
+        hook(asked, torch.zeros(16, dtype=torch.bfloat16), None, ReduceOp.AVG)
+    assert not isinstance(err.value, fsdp_internals.FSDPInternalsChanged)
+
+
 # ---- FSDP2: the hook on every module of a small model ---------------------------------------
 TRAIN_SCHEMES = ("one_level8", "tlq", "tlq_hs")
 TRAIN_STEPS = 50

@@ -12,6 +12,7 @@ hook's return value, so the call finishes before returning, except with
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional, Sequence, Union
@@ -115,15 +116,20 @@ class QuantizedReduceScatter(ReduceScatter):
         self.levels = None
         if config.grad_levels == "learned":
             self.levels = LevelSync(config.grad_inter_spec(), config.levels_refresh_every)
+        self._narrowed: Optional[weakref.ref] = None  # the last input ``allocate`` narrowed
 
     def allocate(
         self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """FSDP's buffers; the input in the gradients' own 16-bit dtype where FSDP asks for
         float32 (``_input_dtype``)."""
+        asked = dtype
         if dtype == torch.float32 and self.config.grad_scheme in _READS_INPUT_AS_FP32:
             dtype = _input_dtype(fsdp.reduce_input_grads_dtype())
-        return torch.empty(*size, dtype=dtype, device=device)
+        buf = torch.empty(*size, dtype=dtype, device=device)
+        if dtype != asked:
+            self._narrowed = weakref.ref(buf)
+        return buf
 
     def __call__(
         self,
@@ -135,6 +141,11 @@ class QuantizedReduceScatter(ReduceScatter):
     ) -> None:
         if self.replica is not None:
             self.replica.check_installed()
+        if self._narrowed is not None and self._narrowed() is output_tensor:
+            # every rank's FSDP took the same path here, so every rank raises
+            raise fsdp.changed("foreach_reduce handed the reduce-scatter hook, as its output, "
+                               "the buffer it allocated first (fsdp_qcomm allocates that one "
+                               "as the input, in the gradients' 16-bit dtype)")
         if self.param_group is not None:
             op = fsdp.readable_reduce_op(op, self.param_group)
         key = RngKey(self.config.seed, self.call_count, dist.get_rank(), self.bucket)
