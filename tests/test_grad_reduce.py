@@ -647,7 +647,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(rank: int, scheme, steps: int, divide_factor=None, force_sum=False,
-           mp=None) -> dict:
+           mp=None, accumulate=False) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     model = _model(mp)
@@ -667,8 +667,14 @@ def _train(rank: int, scheme, steps: int, divide_factor=None, force_sum=False,
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses, grads0 = [], None
     for step in range(steps):
+        if accumulate:  # a micro-batch without gradient sync first: FSDP keeps its gradients
+            model.set_requires_gradient_sync(False)
+            x, y = _batch(rank, 1000 + step)
+            torch.nn.functional.mse_loss(model(x).float(), y).backward()
+            model.set_requires_gradient_sync(True)
         x, y = _batch(rank, step)
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        # .float(): bf16 outputs (mixed precision) take fp32 targets on torch 2.11 too
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
         if step == 0:
             grads0 = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
@@ -707,6 +713,8 @@ def _narrow_inputs(rank: int) -> dict:
             out[scheme, narrow] = dict(losses=r["losses"], dtypes=r["dtypes"],
                                        stats=r["stats"], grads0=digest(r["grads0"]),
                                        params=digest(r["params"]))
+    # gradients accumulated without sync: FSDP keeps them in the reduce dtype (fp32 sums)
+    out["accumulated"] = _train(rank, "tlq_hs", 1, mp=mp, accumulate=True)["dtypes"]
     return out
 
 
@@ -791,8 +799,10 @@ def test_fsdp_hands_the_hook_bf16_gradients_with_the_same_bits(fsdp, scheme):
         assert (narrow["losses"], narrow["grads0"], narrow["params"]) == (
             wide["losses"], wide["grads0"], wide["params"])
         assert narrow["stats"] == wide["stats"]
-    # fp32 parameters keep FSDP's fp32 input
+    # fp32 parameters keep FSDP's fp32 input, and so do gradients accumulated in fp32 by
+    # FSDP under set_requires_gradient_sync(False), which are no longer bf16 values
     assert fsdp[0]["fp32_dtypes"] == [("torch.float32", "torch.float32")]
+    assert fsdp[0]["narrow"]["accumulated"] == [("torch.float32", "torch.float32")]
 
 
 # ---- the launcher itself --------------------------------------------------------------------
