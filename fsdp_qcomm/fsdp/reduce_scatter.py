@@ -1,7 +1,8 @@
 """FSDP2's reduce-scatter replaced by the quantized one (``collectives.grad_reduce``).
 
 FSDP2 hands its reduce-scatter hook the flat gradient buffer ``input_tensor`` (``world * m``
-values in ``reduce_dtype``; row ``j`` of ``input_tensor.view(world, m)`` belongs to rank ``j``),
+values in ``reduce_dtype``, or in the gradients' own 16-bit dtype where the hook's ``allocate``
+kept it, ``_input_dtype``; row ``j`` of ``input_tensor.view(world, m)`` belongs to rank ``j``),
 the output shard, the shard process group and the reduce op: ``AVG`` by default, ``SUM`` after
 ``set_force_sum_reduction_for_comms(True)``, ``PREMUL_SUM(1 / factor)`` after
 ``set_gradient_divide_factor(factor)`` (all three are handled, gloo included). FSDP ignores the
