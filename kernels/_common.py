@@ -197,6 +197,18 @@ def row_block(nblk):
 
 
 @triton.jit
+def segment_sizes(t):
+    """(first block, values, encoded length, groups) of the segment whose table row starts at
+    ``t`` (columns 0, 1, 2 and 5 of the grouped kernels' int64 tables), as int32: they fit
+    (``check_row_len``), and int64 values would make every per-element index and mask of the
+    segment 64-bit (the grouped decode-and-add into fp32 on sm_90, triton 3.6: 22.0 -> 20.2
+    instructions per element, 32 -> 26 registers, ``benchmarks/kernel_sass.py``). The value
+    and wire offsets stay int64: they are added to the base pointers once."""
+    return (tl.load(t).to(tl.int32), tl.load(t + 1).to(tl.int32), tl.load(t + 2).to(tl.int32),
+            tl.load(t + 5).to(tl.int32))
+
+
+@triton.jit
 def segment_hints(n, m, off, woff, ALIGNED: tl.constexpr):
     """A segment's length n (encoded length m), value offset and wire offset, loaded from a
     table, with the alignment the host checked (``aligned_segment``) made visible to Triton

@@ -52,11 +52,11 @@ def _dequantize_segments_kernel(
     adds into ``base_ptr`` (one row) instead of its own output row, and both take the sums."""
     row, blk, row64 = C.row_block(nblk)
     t = seg_tab + tl.load(blk_seg + blk).to(tl.int64) * 6
-    n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
+    first, n, m, G = C.segment_sizes(t)
     woff, off = tl.load(t + 3), tl.load(t + 4)
     n, m, off, woff = C.segment_hints(n, m, off, woff, ALIGNED)
     SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    e8 = (blk - tl.load(t)) * BLK8 + tl.arange(0, BLK8)
+    e8 = (blk - first) * BLK8 + tl.arange(0, BLK8)
     v = C.decode8(data_b + row64 * W + woff, data_s + row64 * WS + woff // SBYTES, e8,
                   e8 * 8 < m, G, BITS, QMAX, SYM, SKIND, GS)
     if HADAMARD:

@@ -130,7 +130,7 @@ def _quantize_segments_kernel(
     of 8 (``C.aligned_segment``)."""
     pid = tl.program_id(0)
     t = seg_tab + tl.load(blk_seg + pid).to(tl.int64) * 7
-    n, m, G = tl.load(t + 1), tl.load(t + 2), tl.load(t + 5)
+    first, n, m, G = C.segment_sizes(t)
     xoff, woff = tl.load(t + 3), tl.load(t + 4)
     n, m, xoff, woff = C.segment_hints(n, m, xoff, woff, ALIGNED)
     k0 = 0
@@ -142,7 +142,7 @@ def _quantize_segments_kernel(
         k0 = (h & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
         k1 = (h >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
     SBYTES: tl.constexpr = 4 if SKIND == 0 else 2
-    g0 = (pid - tl.load(t)) * GPB
+    g0 = (pid - first) * GPB
     _encode_groups(x_ptr + xoff, r_ptr + xoff, out_b + woff, out_s + woff // SBYTES, g0, n, m,
                    G, 0, k0, k1, BITS, QMAX, SYM, SKIND, GS, GS_P2, GPB, SUB, STOCH, HAS_REF,
                    HADAMARD, FLAT)
