@@ -248,7 +248,8 @@ class RecordingReduceScatter(ReduceScatter):
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
         # what fsdp_qcomm's allocate reads: the gradients of an input allocation, else None
-        self.allocs.append((math.prod(size), str(dtype), str(internals.reduce_input_grads_dtype())))
+        found, grads = internals.reduce_allocation()
+        self.allocs.append((math.prod(size), str(dtype), found, str(grads)))
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, *args, **kwargs):
@@ -657,9 +658,9 @@ def test_reduce_scatter_rows_go_to_ranks(flat):
                                          ("bf16_fp32_allocs", "torch.bfloat16")])
 def test_reduce_scatter_allocates_the_input_for_the_gradients_then_the_output(flat, case, grads):
     for r in flat:
-        (n_in, dt_in, g_in), (n_out, dt_out, g_out) = r[case]
-        assert (n_in, dt_in, g_in, dt_out, g_out) == (2 * n_out, "torch.float32", grads,
-                                                      "torch.float32", "None"), moved(
+        (n_in, dt_in, f_in, g_in), (n_out, dt_out, f_out, g_out) = r[case]
+        assert (n_in, dt_in, f_in, g_in, dt_out, f_out, g_out) == (
+            2 * n_out, "torch.float32", True, grads, "torch.float32", True, "None"), moved(
             "allocates a reduce-scatter's input (its gradients and group size in the frame) "
             "before its output, in reduce_dtype", "fsdp/reduce_scatter.py allocate")
 

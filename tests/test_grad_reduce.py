@@ -574,16 +574,20 @@ def test_hook_rejects_bad_construction():
 def test_hook_narrows_only_the_input_and_refuses_it_as_the_output(monkeypatch):
     cpu = torch.device("cpu")
     hook = QuantizedReduceScatter(_cfg("tlq"), CommStats(), 0)
-    # outside FSDP's foreach_reduce nothing says what the gradients are: fp32 as asked
+    # outside FSDP's foreach_reduce nothing says what the gradients are: fp32 as asked, and
+    # the handle's notes say why (a torch whose FSDP allocates elsewhere loses only speed)
     assert hook.allocate((8,), dtype=torch.float32, device=cpu).dtype == torch.float32
+    assert any("not called from FSDP's foreach_reduce" in n for n in hook.stats.notes)
+    hook = QuantizedReduceScatter(_cfg("tlq"), CommStats(), 0)
     for grads, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                         (torch.float32, torch.float32), (None, torch.float32)):
-        monkeypatch.setattr(fsdp_internals, "reduce_input_grads_dtype", lambda g=grads: g)
+        monkeypatch.setattr(fsdp_internals, "reduce_allocation", lambda g=grads: (True, g))
         assert hook.allocate((8,), dtype=torch.float32, device=cpu).dtype == want
         # FSDP's reduce dtype other than fp32 is left alone
         assert hook.allocate((8,), dtype=torch.bfloat16, device=cpu).dtype == torch.bfloat16
+    assert not hook.stats.notes
     plain = QuantizedReduceScatter(QCommConfig(), CommStats(), 0)  # FSDP's own reduce-scatter
-    monkeypatch.setattr(fsdp_internals, "reduce_input_grads_dtype", lambda: torch.bfloat16)
+    monkeypatch.setattr(fsdp_internals, "reduce_allocation", lambda: (True, torch.bfloat16))
     assert plain.allocate((8,), dtype=torch.float32, device=cpu).dtype == torch.float32
     # a torch that allocated the output first would get the narrowed buffer as the output
     first = hook.allocate((8,), dtype=torch.float32, device=cpu)

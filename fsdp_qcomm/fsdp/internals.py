@@ -440,12 +440,12 @@ def reduction_params(group: ParamGroup, numel: int) -> Optional[list[int]]:
 _REDUCE_FRAME_DEPTH = 6  # hook -> (a wrapper or two) -> foreach_reduce
 
 
-def reduce_input_grads_dtype() -> Optional[torch.dtype]:
-    """The one dtype of the gradients FSDP will copy into the buffer a reduce-scatter hook's
-    ``allocate`` is being asked for right now, when that buffer is the input of a reduce-scatter
-    FSDP will hand the hook; None otherwise (the output buffer, a one-rank group, gradients of
-    several dtypes, or a caller other than ``foreach_reduce``). Call it from inside
-    ``allocate``, on the thread FSDP called it on.
+def reduce_allocation() -> tuple[bool, Optional[torch.dtype]]:
+    """(whether FSDP's ``foreach_reduce`` is the caller, the one dtype of the gradients it will
+    copy into this buffer), for the buffer a reduce-scatter hook's ``allocate`` is being asked
+    for right now. The dtype is given only when the buffer is the input of a reduce-scatter FSDP
+    will hand the hook; None otherwise (the output buffer, a one-rank group, gradients of
+    several dtypes). Call it from inside ``allocate``, on the thread FSDP called it on.
 
     How FSDP2 (``_fsdp_collectives.foreach_reduce``, torch 2.11 to 2.15) uses the hook: it
     allocates the input (``world_size * m`` values in ``reduce_dtype``) and copies the gradients
@@ -458,20 +458,20 @@ def reduce_input_grads_dtype() -> Optional[torch.dtype]:
     frame = sys._getframe(1)
     for _ in range(_REDUCE_FRAME_DEPTH):
         if frame is None:
-            return None
+            return False, None
         if frame.f_code is code:
             break
         frame = frame.f_back
     else:
-        return None
+        return False, None
     local = frame.f_locals
     grads, world = local.get("unsharded_grads"), local.get("world_size")
     if "reduce_scatter_input" in local or not isinstance(world, int) or world < 2:
-        return None
+        return True, None
     if not isinstance(grads, list) or not all(isinstance(g, torch.Tensor) for g in grads):
-        return None
+        return True, None
     dtypes = {g.dtype for g in grads}
-    return dtypes.pop() if len(dtypes) == 1 else None
+    return True, (dtypes.pop() if len(dtypes) == 1 else None)
 
 
 def _foreach_reduce_code() -> Any:
@@ -676,7 +676,7 @@ __all__ = [
     "post_divide_factor",
     "reduce_grads",
     "readable_reduce_op",
-    "reduce_input_grads_dtype",
+    "reduce_allocation",
     "reduce_scatter_group",
     "reduction_params",
     "replicate_group",

@@ -52,7 +52,7 @@ def _input_dtype(grads: Optional[torch.dtype]) -> torch.dtype:
     bytes: with bf16 parameters and fp32 reduction the copy-in writes 2 bytes per gradient
     value instead of 4 and the encoder reads 2 instead of 4, the same bits on the wire and in
     the reduced shard. float32 otherwise, or when FSDP's frame does not say
-    (``internals.reduce_input_grads_dtype``)."""
+    (``internals.reduce_allocation``)."""
     return grads if grads in (torch.bfloat16, torch.float16) else torch.float32
 
 
@@ -126,7 +126,12 @@ class QuantizedReduceScatter(ReduceScatter):
         float32 (``_input_dtype``)."""
         asked = dtype
         if dtype == torch.float32 and self.config.grad_scheme in _READS_INPUT_AS_FP32:
-            dtype = _input_dtype(fsdp.reduce_input_grads_dtype())
+            from_fsdp, grads = fsdp.reduce_allocation()
+            if not from_fsdp:
+                self.stats.note("reduce-scatter: allocate() was not called from FSDP's "
+                                f"foreach_reduce (torch {torch.__version__}), so gradient "
+                                "inputs stay float32 (2 more bytes per value copied and read)")
+            dtype = _input_dtype(grads)
         buf = torch.empty(*size, dtype=dtype, device=device)
         if dtype != asked:
             self._narrowed = weakref.ref(buf)
