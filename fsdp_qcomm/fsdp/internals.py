@@ -422,14 +422,9 @@ def reduction_params(group: ParamGroup, numel: int) -> Optional[list[int]]:
     ``verify_torch`` fail; ``tests/test_error_feedback.py`` pins the behaviour.
     """
     fps = list(group.fsdp_params)
-    code = _foreach_reduce_code()
-    frame = sys._getframe(1)
-    for _ in range(_REDUCE_FRAME_DEPTH):
-        if frame is None:
-            break
-        if frame.f_code is code:
-            return _param_indices(fps, frame.f_locals.get("fsdp_params"), numel)
-        frame = frame.f_back
+    frame = _foreach_reduce_frame(sys._getframe(1))
+    if frame is not None:
+        return _param_indices(fps, frame.f_locals.get("fsdp_params"), numel)
     if numel != sum(padded_shard_numel(fp) for fp in fps):
         return None
     if torch_minor() >= (2, 15) and len({sharded_grad_dtype(fp) for fp in fps}) > 1:
@@ -438,6 +433,17 @@ def reduction_params(group: ParamGroup, numel: int) -> Optional[list[int]]:
 
 
 _REDUCE_FRAME_DEPTH = 6  # hook -> (a wrapper or two) -> foreach_reduce
+
+
+def _foreach_reduce_frame(frame: Any) -> Any:
+    """The frame of FSDP's ``foreach_reduce`` at or above ``frame`` (a hook's), within
+    ``_REDUCE_FRAME_DEPTH`` frames; None when the hook was called some other way."""
+    code = _foreach_reduce_code()
+    for _ in range(_REDUCE_FRAME_DEPTH):
+        if frame is None or frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
 
 
 def reduce_allocation() -> tuple[bool, Optional[torch.dtype]]:
@@ -454,15 +460,8 @@ def reduce_allocation() -> tuple[bool, Optional[torch.dtype]]:
     otherwise writes the input, and it reads the input only through the hook. The locals of its
     frame say which allocation this is (``reduce_scatter_input`` is not bound yet for the
     input), the group's size (``world_size``) and the gradients (``unsharded_grads``)."""
-    code = _foreach_reduce_code()
-    frame = sys._getframe(1)
-    for _ in range(_REDUCE_FRAME_DEPTH):
-        if frame is None:
-            return False, None
-        if frame.f_code is code:
-            break
-        frame = frame.f_back
-    else:
+    frame = _foreach_reduce_frame(sys._getframe(1))
+    if frame is None:
         return False, None
     local = frame.f_locals
     grads, world = local.get("unsharded_grads"), local.get("world_size")
