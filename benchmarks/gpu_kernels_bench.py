@@ -47,6 +47,19 @@ BF16_ROWS = {"quantize_segments 4b g2048 x-ref (9 segments)":
              "dequantize_segments 4b g2048 += bf16 (9 segments)",
              "quantize 4b g128 sym stoch +H32": "quantize 4b g128 sym stoch +H32 bf16 in",
              _HOP1: f"{_HOP1}, bf16 in"}
+#: rows that take one thing out of a slow kernel, so a single GPU run says where its time goes:
+#: {diagnostic row: (the row it differs from, what it leaves out)}; each writes as many values
+#: as that row, so the time it saves is what it leaves out. They have no goal, and the tile
+#: sweep skips them (``--no-diagnostics``).
+DIAGNOSTICS = {
+    "dequantize_segments 4b g2048 += fp32 (1 segment)":
+        ("dequantize_segments 4b g2048 += fp32 (9 segments)",
+         "8 of the 9 segments; the grouped launch's table lookups stay"),
+    "quantize 4b g128 sym nearest":
+        ("quantize 4b g128 sym stoch", "stochastic rounding's random numbers"),
+    "reduce_requantize k=1 8b->4b g128":
+        ("reduce_requantize k=8 8b->4b g128", "7 of the 8 chunks' loads and decodes"),
+}
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _provenance  # noqa: E402
 
@@ -63,6 +76,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--tile", type=int, default=0,
                    help="elements per program (a power of 2 >= 256; default: the kernels' own)")
     p.add_argument("--strict", action="store_true", help="exit 1 if a kernel is below target")
+    p.add_argument("--no-diagnostics", action="store_true",
+                   help="leave out the rows that isolate one cost of another (DIAGNOSTICS)")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke test under the Triton interpreter (small sizes)")
     p.add_argument("--json", default="", help="also write the table to this JSON file")
@@ -89,6 +104,11 @@ class Case:
     run: Callable  # (impl, inputs) -> tensor
     moved: Callable  # (inputs, result) -> bytes the kernel must read and write
     timed: bool = True
+
+    @property
+    def diagnostic(self) -> bool:
+        """A row that isolates one cost of another (``DIAGNOSTICS``): no goal, no tile sweep."""
+        return self.name in DIAGNOSTICS
 
 
 def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
@@ -203,9 +223,11 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         return Case(name, make, run,
                     moved=lambda d, out: nbytes(d["x"]) + nbytes(d["ref"]) + nbytes(out))
 
-    def reduce(name, k, spec, spec_out=None, hadamard=False, divide=None):
+    def reduce(name, k, spec, spec_out=None, hadamard=False, divide=None, like=None):
         def make(rows, n, dev, check):
-            n = max(8, n // k)  # k chunks hold the input's elements together
+            # k chunks hold the input's elements together (``like``: a row of that many
+            # chunks, so that a diagnostic row has its output's size)
+            n = max(8, n // (like or k))
             blocks = [encode(values(rows, n, dev, check and j == 1, j), spec, key.fold(j),
                              hadamard, check) for j in range(k)]
             return {"chunks": torch.stack(blocks), "n": n}
@@ -286,6 +308,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
     )
 
     s4 = QuantSpec(bits=4, group_size=128)
+    s4n = QuantSpec(bits=4, group_size=128, rounding="nearest")
     s8 = QuantSpec(bits=8, group_size=128)
     w4 = QuantSpec(bits=4, group_size=2048)
     q8 = QuantSpec(bits=8, group_size=1024, symmetric=False)
@@ -293,6 +316,7 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
     l2 = QuantSpec(bits=2, group_size=2048)  # lowbit's weights: 2-bit learned qWD
     return [
         quant("quantize 4b g128 sym stoch", s4),
+        quant("quantize 4b g128 sym nearest", s4n),
         quant("quantize 8b g128 sym stoch +H32", s8, hadamard=True),
         quant("quantize 4b g128 sym stoch +H32", s4, hadamard=True),
         quant(BF16_ROWS["quantize 4b g128 sym stoch +H32"], s4, torch.bfloat16, hadamard=True),
@@ -308,9 +332,11 @@ def _cases(torch, QuantSpec, RngKey, torch_codec, codec) -> list[Case]:
         dequant_segments(BF16_ROWS["dequantize_segments 4b g2048 += fp32 (9 segments)"], w4, 9,
                          dtype=torch.bfloat16),
         dequant_segments("dequantize_segments 4b g2048 += fp32 (9 odd segments)", w4, 9, 1),
+        dequant_segments("dequantize_segments 4b g2048 += fp32 (1 segment)", w4, 1),
         dequant("dequantize 8b g1024 asym -> bf16", q8, torch.bfloat16),
         dequant("dequantize 8b g128 +H32^-1 -> fp32", s8, hadamard=True),
         reduce("reduce_requantize k=8 8b->4b g128", 8, s8, spec_out=s4),
+        reduce("reduce_requantize k=1 8b->4b g128", 1, s8, spec_out=s4, like=8),
         reduce("reduce_dequantize k=4 4b g128 +H32^-1", 4, s4, hadamard=True),
         reduce(AVG_ROW, 4, s4, hadamard=True, divide=4.0),
         levels_quant("quantize_levels 8b g1024 asym stoch (QSDP)", q8),
@@ -447,7 +473,7 @@ def main() -> int:
 
     dev = "cpu" if args.interpret else "cuda"
     cases = [c for c in _cases(torch, QuantSpec, RngKey, torch_codec, codec)
-             if args.only in c.name]
+             if args.only in c.name and not (args.no_diagnostics and c.diagnostic)]
     if dev == "cuda":
         free, total = torch.cuda.mem_get_info()
         # Largest case: x + ref + out (fp32) and an fp32 result, plus headroom.
@@ -486,6 +512,8 @@ def main() -> int:
             failures.append(f"{case.name}: check raised {type(e).__name__}: {e}")
             traceback.print_exc()
         row = {"case": case.name, "check": status}
+        if case.diagnostic:
+            row["diagnostic"] = dict(zip(("against", "leaves_out"), DIAGNOSTICS[case.name]))
         rows_out.append(row)
         if not case.timed:
             print(f"{case.name:44s} {status:>6s}", flush=True)
@@ -498,10 +526,12 @@ def main() -> int:
             ratio = bw / bw_copy
             row.update(ms=t.device * 1e3, gbps=bw / 1e9, x_copy=ratio, host_us=t.host * 1e6,
                        host_bound=t.host_bound)
-            if ratio < TARGET:
+            if ratio < TARGET and not case.diagnostic:
                 slow.append(f"{case.name}: {ratio:.2f}x")
             print(f"{case.name:44s} {status:>6s} {t.device * 1e3:9.3f} {bw / 1e9:8.1f} "
-                  f"{ratio:7.2f} {t.host * 1e6:8.1f}" + ("" if ratio >= TARGET else "  < target")
+                  f"{ratio:7.2f} {t.host * 1e6:8.1f}"
+                  + ("  (diagnostic)" if case.diagnostic else "" if ratio >= TARGET
+                     else "  < target")
                   + ("  (host-bound)" if t.host_bound else ""), flush=True)
             del d, out
         except Exception as e:

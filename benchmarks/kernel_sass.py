@@ -135,9 +135,18 @@ def _cases(C) -> list[Case]:
                     dict(**spec, BLK8=C.TILE // 8, ACCUMULATE=acc), C.TILE)
 
     t128, tile128 = tiling(128)
+
+    def requant(k):
+        return Case(f"reduce_requantize k={k} 8b->4b g128", "reduce_requantize",
+                    "_reduce_requantize_kernel",
+                    {"in_b": "*u8", "in_s": "*i32", "out_b": "*u8", "out_s": "*i32"},
+                    dict(**q(8, True, F32, 128, "I_"), **q(4, True, F32, 128), **t128,
+                         STOCH=True, K=k),
+                    tile128)
+
     return [
         quant("quantize 4b g128 sym stoch", q(4, True, F32, 128)),
-        quant("quantize 4b g128 sym nearest (no GPU row)", q(4, True, F32, 128), stoch=False),
+        quant("quantize 4b g128 sym nearest", q(4, True, F32, 128), stoch=False),
         quant("quantize 8b g128 sym stoch +H32", q(8, True, F32, 128), had=True),
         quant("quantize 8b g128 sym stoch +H32, rows reordered (gradient hop 1)",
               q(8, True, F32, 128), had=True, ordered=True),
@@ -169,12 +178,8 @@ def _cases(C) -> list[Case]:
                  q(4, True, F32, 2048), False, "*bf16"),
         dequant("dequantize 8b g1024 asym -> bf16", q(8, False, BF16, 1024), out="*bf16"),
         dequant("dequantize 8b g128 +H32^-1 -> fp32", q(8, True, F32, 128), had=True),
-        Case("reduce_requantize k=8 8b->4b g128", "reduce_requantize",
-             "_reduce_requantize_kernel",
-             {"in_b": "*u8", "in_s": "*i32", "out_b": "*u8", "out_s": "*i32"},
-             dict(**q(8, True, F32, 128, "I_"), **q(4, True, F32, 128), **t128, STOCH=True,
-                  K=8),
-             tile128),
+        requant(8),
+        requant(1),  # the bandwidth table's diagnostic row: one chunk, the same output
         Case("reduce_dequantize k=4 4b g128 +H32^-1", "reduce_dequantize",
              "_reduce_dequantize_kernel", {"data_b": "*u8", "data_s": "*i32", "out_ptr": "*fp32"},
              dict(**q(4, True, F32, 128), BLK8=C.TILE // 8, HADAMARD=True, K=4, DIVIDE=0),

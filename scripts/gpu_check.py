@@ -19,7 +19,8 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    the three scale dtypes and odd lengths (NaN/Inf/-0 groups included);
 5. ``bandwidth``: ``benchmarks/gpu_kernels_bench.py`` at 64M elements: each kernel's device
    time against ``torch.clone`` and the device's peak (goal >= 70% of clone for
-   quantize/dequantize), and the host time of a call;
+   quantize/dequantize), the host time of a call, and the share of a slow kernel's time that
+   each diagnostic row leaves out (random numbers, segment switches, chunks);
 6. ``fsdp_hooks``: every preset's hooks inside FSDP2 on CUDA: two ranks of the ``fake``
    backend, kernels on FSDP's streams, stats against the wire format, no host sync after the
    first step (``torch.cuda.set_sync_debug_mode("error")``), an asynchronous unshard waited on
@@ -35,7 +36,7 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
 9. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors, in up to 4 processes;
 10. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
    per program (their own: 4096 for the encoders, 2048 for the rest), for tuning: x clone per
-   kernel and tile.
+   kernel and tile (diagnostic rows left out).
 
 Results go to ``$OUT`` when it is set (the device tool brings that folder back), else
 ``--out`` (default ``results/gpu_check/``): ``gpu_check.json`` (every step, rewritten as each
@@ -382,9 +383,9 @@ def step_bandwidth(ctx: dict) -> dict:
         if "gbps" in row and peak:
             row["x_peak"] = row["gbps"] / peak
         kind = row["case"].split(" ", 1)[0]
-        if "x_copy" in row and kind in ("quantize", "quantize_segments", "dequantize",
-                                        "dequantize_segments", "quantize_levels",
-                                        "dequantize_levels"):
+        if "x_copy" in row and "diagnostic" not in row and kind in (
+                "quantize", "quantize_segments", "dequantize", "dequantize_segments",
+                "quantize_levels", "dequantize_levels"):
             row["goal_met"] = row["x_copy"] >= GOAL
             if not row["goal_met"]:
                 below.append(f"{row['case']}: {row['x_copy']:.2f}x")
@@ -392,7 +393,22 @@ def step_bandwidth(ctx: dict) -> dict:
     res["clone_x_peak"] = res["clone_gbps"] / peak if peak else None
     res["goal"] = f">= {GOAL}x clone for quantize/dequantize kernels"
     res["goal_missed"] = below
+    res["diagnostics"] = _diagnostics(res["cases"])
     return res
+
+
+def _diagnostics(cases: list) -> list:
+    """Each diagnostic row (``gpu_kernels_bench.DIAGNOSTICS``) against the row it takes one cost
+    out of: both write as many values, so ``1 - its time / that row's`` is that cost's share."""
+    ms = {row["case"]: row["ms"] for row in cases if "ms" in row}
+    out = []
+    for row in cases:
+        d = row.get("diagnostic")
+        if d and row["case"] in ms and d["against"] in ms:
+            out.append({"case": row["case"], "ms": ms[row["case"]], "against": d["against"],
+                        "against_ms": ms[d["against"]], "leaves_out": d["leaves_out"],
+                        "share": 1 - ms[row["case"]] / ms[d["against"]]})
+    return out
 
 
 #: elements per program tried, each for every kernel (their own: ``kernels/_common.py``
@@ -408,7 +424,7 @@ def step_tiles(ctx: dict) -> dict:
     out: dict = {}
     for k, tile in enumerate(TILES):
         left = ctx["limit"] - 5 - (time.perf_counter() - ctx["t0"])
-        res = _kernels_bench(ctx, "--tile", str(tile), iters=10,
+        res = _kernels_bench(ctx, "--tile", str(tile), "--no-diagnostics", iters=10,
                              timeout=left / (len(TILES) - k))
         out[str(tile)] = {row["case"]: row["x_copy"] for row in res["cases"] if "x_copy" in row}
         Path(ctx["partial"]).write_text(json.dumps(out))  # kept if the next tile is cut short
@@ -943,6 +959,12 @@ def _summary(results: dict) -> str:
                     host += " (host-bound)"
                 lines.append(f"| {row['case']} | {row['gbps']:.1f} | {row['x_copy']:.2f}{flag} "
                              f"| {xp} | {host} |")
+    if bench.get("diagnostics"):
+        lines += ["", "## Where slow kernels' time goes (diagnostic rows: one cost left out)", "",
+                  "| row | ms | against | ms | left out | its share of that row's time |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {d['case']} | {d['ms']:.3f} | {d['against']} | {d['against_ms']:.3f} "
+                  f"| {d['leaves_out']} | {100 * d['share']:.0f}% |" for d in bench["diagnostics"]]
     tiles = (results["steps"].get("tiles", {}).get("result") or {}).get("x_clone") or {}
     if tiles:
         cols = {f"TILE {k}": tiles[k] for k in sorted(tiles, key=int)}

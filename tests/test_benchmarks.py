@@ -611,6 +611,26 @@ def test_gpu_kernels_bench_times_the_device_work_without_the_host_time(monkeypat
     assert b._SLEEP_RATE[0] == pytest.approx(1.7e9, rel=1e-6)
 
 
+def test_gpu_kernels_bench_diagnostic_rows_write_what_their_rows_write():
+    """Each diagnostic row and the row it is held against are cases, and write the same number
+    of bytes from inputs of the same values (the torch codec on the CPU), so the share of time
+    a diagnostic saves is the cost it leaves out; ``--no-diagnostics`` leaves them out."""
+    import gpu_kernels_bench as b
+
+    from fsdp_qcomm import QuantSpec, codec
+    from fsdp_qcomm.codec import RngKey, torch_codec
+
+    cases = {c.name: c for c in b._cases(torch, QuantSpec, RngKey, torch_codec, codec)}
+    assert {n for n, c in cases.items() if c.diagnostic} == set(b.DIAGNOSTICS)
+    for name, (against, _) in b.DIAGNOSTICS.items():
+        assert against in cases and not cases[against].diagnostic
+        outs = []
+        for c in (cases[name], cases[against]):
+            d = c.make(2, 4096, "cpu", True)  # True: inputs encoded by the torch codec
+            outs.append(c.run(torch_codec, d))
+        assert outs[0].shape == outs[1].shape and outs[0].dtype == outs[1].dtype, name
+
+
 # ---- gpu_codec_model: the codec's GPU work counted on the CPU ---------------------------------
 def test_gpu_codec_model_counts_bytes_of_copies_views_and_in_place_ops():
     import gpu_codec_model as m

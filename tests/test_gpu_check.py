@@ -65,6 +65,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert steps["exactness_sweep"]["result"]["comparisons"] == 12
     bench = steps["bandwidth"]["result"]
     assert bench["interpret"] and all(c["check"] == "ok" for c in bench["cases"])
+    # the diagnostic row of the dry run's kernels: the 4-bit encoder without random numbers,
+    # held against the encoder, with no goal of its own
+    diag = [c for c in bench["cases"] if "diagnostic" in c]
+    assert [c["case"] for c in diag] == ["quantize 4b g128 sym nearest"]
+    assert "goal_met" not in diag[0]
+    (d,) = bench["diagnostics"]
+    assert d["against"] == "quantize 4b g128 sym stoch"
+    assert d["share"] == 1 - d["ms"] / d["against_ms"]
     tiles = steps["tiles"]["result"]["x_clone"]
     assert list(tiles) == ["1024", "2048", "4096"]
     # the dry run's kernels: the 4-bit encoder, without and with the Hadamard rotation, and
@@ -97,6 +105,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert lay["compiled blocks"]["kinds"]["grad_inter"] > 0
     summary = (out / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
+    assert "| quantize 4b g128 sym nearest |" in summary.split("## Where slow kernels' time")[1]
     assert ("| kernel | TILE 1024 | TILE 2048 | TILE 4096 | own (encoders 4096, others 2048) |"
             in summary)
     assert "== step_cost" in (out / "log.txt").read_text()
