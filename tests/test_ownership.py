@@ -112,3 +112,41 @@ def test_guards_outlive_a_dropped_handle_and_die_with_the_model():
         assert r["collected"] == (True, True), r
         had_thread, still_alive = r["threads"]
         assert had_thread and still_alive == [], r
+
+
+def _ours(hooks: dict) -> int:
+    return sum(getattr(h, "__module__", "") == "fsdp_qcomm.fsdp.session" for h in hooks.values())
+
+
+def _optimizer_hooks(rank, world):
+    from torch.optim import optimizer
+
+    def count():
+        return (_ours(optimizer._global_optimizer_pre_hooks),
+                _ours(optimizer._global_optimizer_post_hooks))
+
+    out = {"before": count()}
+    a, b = _build(hsdp=False), _build(hsdp=False)
+    ha = fsdp_qcomm.enable(a, CFG)
+    hb = fsdp_qcomm.enable(b, CFG)
+    out["two"] = count()
+    ha.disable()
+    out["one left"] = count()
+    _step(b, torch.optim.SGD(b.parameters(), lr=0.1), rank, 0)  # b's session still counts
+    out["b steps"] = hb.stats()["summary"]["steps"]
+    hb.disable()
+    out["none"] = count()
+    hc = fsdp_qcomm.enable(_build(hsdp=False), CFG)
+    out["again"] = count()
+    hc.disable()
+    return out
+
+
+def test_optimizer_step_hooks_live_while_a_session_does():
+    """One pair of process-wide ``torch.optim`` step hooks while any session lives, whatever
+    their number; the last ``disable`` removes them, so nothing of ours runs in a later step;
+    a later ``enable`` registers them again."""
+    for r in run_ranks(_optimizer_hooks, 2):
+        assert r["before"] == (0, 0) and r["none"] == (0, 0), r
+        assert r["two"] == r["one left"] == r["again"] == (1, 1), r
+        assert r["b steps"] == 1, r

@@ -3,8 +3,9 @@
 FSDP2 holds the collectives ``enable`` installs (the all-gather, reduce-scatter and all-reduce
 hook objects of every module), and each of them holds the ``Session``; so the session, and with
 it every guard, lives exactly as long as the model keeps the hooks, whether or not the caller
-kept the ``QCommHandle``. Nothing module-global keeps a session alive: the ``torch.optim`` step
-hooks are registered once per process and reach live sessions through a ``WeakSet``.
+kept the ``QCommHandle``. Nothing module-global keeps a session alive: one pair of
+``torch.optim`` step hooks, registered while any session lives, reaches the live sessions
+through a ``WeakSet``.
 
 Fixed points, the same on every rank:
 
@@ -151,22 +152,27 @@ class Session:
 
 
 class _Dispatch:
-    """The process's one pair of ``torch.optim`` step hooks, registered on first use, passing
-    each step to the live sessions (held weakly: a dropped model takes its session along)."""
+    """The process's one pair of ``torch.optim`` step hooks, registered while a session lives,
+    passing each step to the live sessions (held weakly: a dropped model takes its session
+    along). The last ``disable`` removes them: nothing of ours runs in a step after it."""
 
     def __init__(self) -> None:
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
-        self._registered = False
+        self._handles: list = []
 
     def add(self, session: Session) -> None:
         self._sessions.add(session)
-        if not self._registered:
-            register_optimizer_step_pre_hook(self._call("optimizer_step_pre"))
-            register_optimizer_step_post_hook(self._call("optimizer_step_post"))
-            self._registered = True
+        if not self._handles:
+            self._handles = [
+                register_optimizer_step_pre_hook(self._call("optimizer_step_pre")),
+                register_optimizer_step_post_hook(self._call("optimizer_step_post"))]
 
     def discard(self, session: Session) -> None:
         self._sessions.discard(session)
+        if not self._sessions:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
 
     def _call(self, method: str) -> Callable[[Any, Any, Any], None]:
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
