@@ -57,10 +57,12 @@ def test_gpu_check_dry_run(tmp_path):
         u = r["unverified"]
         assert u["ms"] > 0 and u["codec_share"] == (u["ms"] - r["fsdp2"]["ms"]) / u["ms"]
     prof = steps["step_profile"]["result"]
-    assert list(prof) == ["fsdp2", "sdp4bit"]
-    assert prof["fsdp2"]["profile"]["python_top"] == []  # nothing of ours runs without enable
-    assert any("weight" in f["function"] or "grad" in f["function"]
-               for f in prof["sdp4bit"]["profile"]["python_top"])
+    # one rank per node, then 8 (the two-hop paths)
+    assert list(prof) == ["fsdp2", "sdp4bit", "fsdp2 tiny W=64", "sdp4bit tiny W=64"]
+    for off, on in (("fsdp2", "sdp4bit"), ("fsdp2 tiny W=64", "sdp4bit tiny W=64")):
+        assert prof[off]["profile"]["python_top"] == []  # nothing of ours runs without enable
+        assert any("weight" in f["function"] or "grad" in f["function"]
+                   for f in prof[on]["profile"]["python_top"])
     assert steps["kernel_tests"]["result"]["summary"].startswith("3 passed")
     assert steps["exactness_sweep"]["result"]["comparisons"] == 12
     bench = steps["bandwidth"]["result"]
