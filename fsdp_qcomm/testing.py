@@ -72,6 +72,20 @@ _PRELOAD_IF_LOADED = ("pytest",)
 _IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
 
 
+def _unpicklable(fn: Callable, args: tuple, kwargs: dict) -> Optional[str]:
+    """What of a ``run_ranks`` call does not pickle (the message names it: Python's own words
+    for it change between releases), or None."""
+    parts = [(f"the function {getattr(fn, '__qualname__', fn)!r}", fn),
+             *((f"argument {i}", a) for i, a in enumerate(args)),
+             *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]
+    for name, obj in parts:
+        try:
+            pickle.dumps(obj)
+        except Exception:  # noqa: BLE001 - any failure to pickle is the answer
+            return name
+    return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -269,11 +283,17 @@ def run_ranks(
             )
             p.start()
             procs.append(p)
-    except BaseException:  # an argument that does not pickle, a script without a main guard
+    except BaseException as e:  # an argument that does not pickle, a script without a main guard
         for p in procs:
             p.kill()
             p.join(timeout=10)
         shutil.rmtree(crash_dir, ignore_errors=True)
+        what = _unpicklable(fn, args, kwargs)
+        if what is not None:
+            raise TypeError(
+                f"run_ranks: {what} does not pickle, and each rank receives it pickled: pass a "
+                f"module-level function and arguments that pickle (no lambdas or local "
+                f"objects): {type(e).__name__}: {e}") from e
         raise
     finally:
         for k, v in saved.items():
