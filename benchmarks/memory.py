@@ -43,6 +43,7 @@ Writes ``<out>/{table.md, results.json}`` and records the invocation (``provenan
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -238,6 +239,10 @@ def _measure(rank: int, world: int, a, row: Row, nodes: int, gpus: int) -> dict:
 
     shape = _shape(a)
     out: dict[str, Any] = {}
+    # The previous row's tensors that only the cycle collector frees (Python 3.13 left some to
+    # it) would be freed inside this row's session, and their frees subtracted from its live
+    # bytes: free them first, and this row's own inside its session.
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         model = GPT(shape)
@@ -289,6 +294,7 @@ def _measure(rank: int, world: int, a, row: Row, nodes: int, gpus: int) -> dict:
         if handle is not None:  # free the row's tensors while the session records the frees
             handle.disable()
         del model, opt, params, handle
+        gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
