@@ -74,13 +74,16 @@ _IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
 
 def _unpicklable(fn: Callable, args: tuple, kwargs: dict) -> Optional[str]:
     """What of a ``run_ranks`` call does not pickle (the message names it: Python's own words
-    for it change between releases), or None."""
+    for it change between releases), or None. Pickled as ``Process.start`` pickles it, with
+    multiprocessing's ``ForkingPickler`` and the reductions torch registers there."""
+    from multiprocessing.reduction import ForkingPickler
+
     parts = [(f"the function {getattr(fn, '__qualname__', fn)!r}", fn),
              *((f"argument {i}", a) for i, a in enumerate(args)),
              *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]
     for name, obj in parts:
         try:
-            pickle.dumps(obj)
+            ForkingPickler.dumps(obj)
         except Exception:  # noqa: BLE001 - any failure to pickle is the answer
             return name
     return None

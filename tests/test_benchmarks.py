@@ -614,7 +614,8 @@ def test_gpu_kernels_bench_times_the_device_work_without_the_host_time(monkeypat
 def test_gpu_kernels_bench_diagnostic_rows_write_what_their_rows_write():
     """Each diagnostic row and the row it is held against are cases, and write the same number
     of bytes from inputs of the same values (the torch codec on the CPU), so the share of time
-    a diagnostic saves is the cost it leaves out; ``--no-diagnostics`` leaves them out."""
+    a diagnostic saves is the cost it leaves out. (``--no-diagnostics``, which the tile sweep
+    passes, is checked by the dry run's tile list in ``tests/test_gpu_check.py``.)"""
     import gpu_kernels_bench as b
 
     from fsdp_qcomm import QuantSpec, codec
