@@ -561,6 +561,10 @@ def _flat_run(rank: int, world: int) -> dict:
         for q in range(3):
             _c10d.all_gather_single(blocks[q].view(-1), torch.full((2,), 10.0 * q + rank))
     res["coalesced"] = blocks.tolist()
+    # which groups may coalesce CUDA all-gathers: a gloo group registers gloo for CUDA tensors
+    # too (without a GPU as well), and names it
+    res["coalesces"] = {d: _c10d.coalesces(dist.group.WORLD, torch.device(d))
+                        for d in ("cpu", "cuda")}
     return res
 
 
@@ -757,6 +761,15 @@ def test_coalesced_all_gathers_fill_their_own_outputs(flat):
             f"torch {torch.__version__}'s _coalescing_manager no longer issues all-gathers into "
             "their own outputs: fsdp_qcomm/collectives/_c10d.py coalesced relies on it "
             "(NodeShardedQwd's gather inside the node)")
+
+
+def test_gloo_groups_are_known_not_to_coalesce_cuda_all_gathers(flat):
+    for r in flat:
+        assert r["coalesces"] == {"cpu": True, "cuda": False}, (
+            f"torch {torch.__version__} no longer names a gloo group's CUDA backend 'gloo' "
+            "through ProcessGroup._get_backend(device).name(): fsdp_qcomm/collectives/_c10d.py "
+            "coalesces reads it to keep gloo's coalesced all-gather, which has no CUDA path, "
+            "away from CUDA tensors")
 
 
 def test_sharded_params_stay_in_the_original_dtype(flat):

@@ -28,10 +28,16 @@ SPEC = QuantSpec(bits=4, group_size=16)
 SEGS = (23, 0, 17, 9)  # parameters of odd sizes (and an empty shard of one)
 
 
-def _collective(rank, world, rpn, steps, direct=True):
+def _collective(rank, world, rpn, steps, direct=True, coalesce=True):
     """FSDP-free: the node-sharded and the full reference side by side, fed the same shards
     (``direct=False``: hop 2 through its staging buffer and permuting copy, the path of layouts
-    whose nodes are not consecutive slots)."""
+    whose nodes are not consecutive slots; ``coalesce=False``: hop 2's all-gathers one by one,
+    as on a gloo group with CUDA tensors)."""
+    from fsdp_qcomm.collectives import _c10d
+
+    if not coalesce:
+        _c10d.coalesces = lambda group, device: False  # this rank's process only
+        _c10d.coalesced = None  # and a call would fail
     group = dist.group.WORLD
     n = sum(SEGS)
     topo = node_topology(group, rpn)
@@ -71,9 +77,11 @@ def _collective(rank, world, rpn, steps, direct=True):
     return out
 
 
-@pytest.mark.parametrize("rpn,direct", [(1, True), (2, True), (3, True), (3, False)])
-def test_same_bits_as_the_full_reference_6_ranks(rpn, direct):
-    res = run_ranks(_collective, 6, rpn, 6, direct, timeout=300)
+@pytest.mark.parametrize("rpn,direct,coalesce", [(1, True, True), (2, True, True),
+                                                  (3, True, True), (3, False, True),
+                                                  (3, True, False)])
+def test_same_bits_as_the_full_reference_6_ranks(rpn, direct, coalesce):
+    res = run_ranks(_collective, 6, rpn, 6, direct, coalesce, timeout=300)
     assert len({r["ref"] for r in res}) == 1  # the full reference: identical on every rank
     for r in res:
         if rpn == 1:  # one rank per node: a node's shard is the whole reference

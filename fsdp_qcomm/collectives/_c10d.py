@@ -39,6 +39,22 @@ def coalesced(group: ProcessGroup):
     return _coalescing_manager(group=group)
 
 
+def coalesces(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether ``coalesced`` may group all-gathers of ``device`` tensors on ``group``. Not on
+    gloo with CUDA tensors: gloo's coalesced all-gather (``allgather_into_tensor_coalesced``,
+    what torch issues for coalesced ``all_gather_into_tensor`` calls) has no CUDA path in torch
+    2.11 to 2.15 and hands the device pointers to its host code without an error, where each
+    single all-gather stages CUDA tensors through host memory (``docs/known_issues.md``). True
+    where the group does not say (a torch without ``_get_backend``, a wrapper)."""
+    if device.type == "cpu":
+        return True
+    try:
+        name = group._get_backend(device).name()
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return True
+    return name != "gloo"
+
+
 def carries(group: ProcessGroup, device: torch.device) -> bool:
     """Whether ``group`` has a backend for tensors on ``device``'s type: an NCCL group carries
     no CPU tensor (torch raises "No backend type associated with device type cpu" at the first
@@ -61,5 +77,5 @@ def reduce_scatter_name() -> str:
             else "reduce_scatter_tensor")
 
 
-__all__ = ["all_gather_name", "all_gather_single", "carries", "coalesced", "reduce_scatter_name",
-           "reduce_scatter_single"]
+__all__ = ["all_gather_name", "all_gather_single", "carries", "coalesced", "coalesces",
+           "reduce_scatter_name", "reduce_scatter_single"]

@@ -30,6 +30,7 @@ and return ``None``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
@@ -630,7 +631,8 @@ class NodeShardedQwd:
         rows = output.view(self.world, n)
         received = self.local * self.slices.nbytes
         if self._node_starts is not None:
-            with _c10d.coalesced(self.intra):
+            together = _c10d.coalesces(self.intra, output.device)
+            with _c10d.coalesced(self.intra) if together else contextlib.nullcontext():
                 for q, first in enumerate(self._node_starts):
                     _c10d.all_gather_single(rows[first:first + self.local].view(-1),
                                             self.slices[q], group=self.intra)
