@@ -360,8 +360,9 @@ def run_ranks(
 
 
 def digest(t) -> str:
-    """SHA-1 of a tensor's raw bytes: equal digests mean bit-identical tensors (NaNs included)."""
-    raw = t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    """SHA-1 of a tensor's raw bytes, on any device: equal digests mean bit-identical tensors
+    (NaNs included)."""
+    raw = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
     return hashlib.sha1(raw).hexdigest()
 
 
