@@ -33,8 +33,12 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    (2 x 2), FSDP x tensor parallelism (2 x 2), DiLoCo's outer all-reduce overlapped on its
    side stream (bit-identical to the same schedule in line) and blocks compiled by inductor;
    the quantized collectives reached the hooks, no host sync after the first step;
-9. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors, in up to 4 processes;
-10. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
+9. ``four_ranks``: four processes share the GPU as 2 nodes x 2, gloo moving real bytes between
+   them: sdp4bit's quantized collectives give the bits and byte counts of the same calls on
+   CPU tensors, and FSDP2 with ``enable`` (sdp4bit, qsdp) computes with bit-identical weights
+   on every rank, near FSDP2's own losses;
+10. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors, in up to 4 processes;
+11. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
    per program (their own: 4096 for the encoders, 2048 for the rest), for tuning: x clone per
    kernel and tile (diagnostic rows left out).
 
@@ -53,6 +57,7 @@ Triton interpreter for the kernels, gloo for NCCL (``tests/test_gpu_check.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -881,6 +886,290 @@ def step_layouts(ctx: dict) -> dict:
         dist.destroy_process_group()
 
 
+# ---- four ranks on the one GPU ----------------------------------------------------------------
+_FOUR_M = 3000  # gradient values per rank and row: not a multiple of 128, 32 or 2048
+_FOUR_SEGMENTS = (2000, 0, 517, 1024)  # the weight gather's parameters (an empty one among them)
+# The quantized runs' final loss against FSDP2's, relative: the tiny model trains 6 steps on
+# random labels from one initialization, so its losses differ by the quantization noise alone
+# (2e-4 in the dry run); a gather or reduction that delivers wrong values moves it far more.
+_FOUR_LOSS_GAP = 0.02
+
+
+@contextlib.contextmanager
+def _codec_path(kernels_on_cpu: bool):
+    """The dry run's stand-in for CUDA: the codec sends CPU tensors to the Triton kernels (under
+    the interpreter) instead of the C loops, so the comparison below holds the kernels' path
+    against the CPU's even without a GPU. On a GPU the device decides and nothing is patched."""
+    import fsdp_qcomm.codec as codec
+    from fsdp_qcomm.codec import levels
+
+    own = codec._impl
+    if kernels_on_cpu:
+        from fsdp_qcomm import kernels
+
+        def impl(t, *others):
+            return kernels if codec.raw_memory_ok("cpu", t, *others) else own(t, *others)
+
+        codec._impl = levels._impl = impl
+    try:
+        yield
+    finally:
+        codec._impl = levels._impl = own
+
+
+def _bits_equal(a, b) -> bool:
+    """Bit-identical tensors (NaNs included), wherever they live."""
+    from fsdp_qcomm.testing import digest
+
+    return a.dtype == b.dtype and a.shape == b.shape and digest(a) == digest(b)
+
+
+def _four_ranks_collectives(torch, rank: int, world: int, dev: str, dry_run: bool) -> dict:
+    """Each quantized collective twice with the same inputs and keys, its tensors on ``dev``
+    (the Triton kernels) and on the CPU (the C loops): the outputs must be the same bits, the
+    bytes sent the same counts."""
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    from fsdp_qcomm import QCommConfig, RngKey
+    from fsdp_qcomm.collectives.grad_reduce import reduce_scatter_quantized
+    from fsdp_qcomm.collectives.replica_reduce import all_reduce_quantized
+    from fsdp_qcomm.collectives.topology import node_topology
+    from fsdp_qcomm.collectives.weight_gather import NodeShardedQwd
+    from fsdp_qcomm.stats import CommStats
+
+    cfg = QCommConfig.preset("sdp4bit", ranks_per_node=2, grad_pipeline_chunks=3)
+    sides = (("device", dev), ("cpu", "cpu"))
+    out: dict = {}
+
+    def compare(name: str, run) -> None:
+        """``run(side, device)`` -> (outputs, what was counted), for both sides; an error (a
+        collective the backend refuses raises alike on every rank) is the row's result."""
+        try:
+            (a, sa), (b, sb) = (run(side, d) for side, d in sides)
+        except Exception as e:  # noqa: BLE001 - judged by the step
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            return
+        out[name] = {"bits_equal": all(_bits_equal(x.cpu(), y) for x, y in zip(a, b)),
+                     "bytes_equal": sa == sb}
+
+    g = torch.Generator().manual_seed(100 + rank)
+    # The gradient reduce-scatter: 8 bits inside a node, 4 across, Hadamard, 3 chunks in flight.
+    for dtype, op in ((torch.float32, ReduceOp.AVG), (torch.bfloat16, ReduceOp.SUM)):
+        x = torch.randn(world * _FOUR_M, generator=g).to(dtype)
+
+        def grads(side: str, d: str, x=x, dtype=dtype, op=op):
+            stats, res = CommStats(), torch.empty(_FOUR_M, dtype=dtype, device=d)
+            with _codec_path(dry_run and side == "device"):
+                reduce_scatter_quantized(res, x.to(d), None, cfg, RngKey(5, 1, rank, 0), op=op,
+                                         stats=stats)
+            return [res], stats.snapshot()
+
+        compare(f"grad reduce-scatter {str(dtype)[6:]}", grads)
+    # qWD's weight gather with the node-sharded reference (enable's at 2 nodes x 2), bf16 as
+    # FSDP gathers with bf16 parameters: a full gather, then three of differences, the
+    # device's asynchronous every other step, then a re-gather of unchanged weights.
+    topo = node_topology(dist.group.WORLD, 2)
+    n = sum(_FOUR_SEGMENTS)
+    walk = [torch.randn(n, generator=g)]
+    for _ in range(3):
+        walk.append(walk[-1] + 0.05 * torch.randn(n, generator=g))
+
+    def weights(side: str, d: str):
+        gather = NodeShardedQwd(n, torch.bfloat16, torch.device(d), cfg.weight_spec(),
+                                dist.group.WORLD, topo.layout, topo.intra, topo.inter,
+                                segments=_FOUR_SEGMENTS)
+        outs, seen = [], []
+        with _codec_path(dry_run and side == "device"):
+            for step, w in enumerate(walk):
+                res = torch.empty(world * n, dtype=torch.bfloat16, device=d)
+                work = gather(w.to(torch.bfloat16).to(d), RngKey(7, step, rank, 3), output=res,
+                              full=step == 0, async_op=side == "device" and step % 2 == 1,
+                              on_done=seen.append)
+                if work is not None:
+                    work.wait()
+                outs.append(res)
+            outs.append(torch.empty(world * n, dtype=torch.bfloat16, device=d))
+            gather.reuse("qwd_reuse", output=outs[-1], on_done=seen.append)
+        return outs, seen
+
+    compare("qwd weight gather, node-sharded reference", weights)
+    # HSDP's replica all-reduce across nodes (ranks 0, 2 and 1, 3), 4 bits with Hadamard.
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    t = torch.randn(5000, generator=g)
+
+    def replicas(side: str, d: str):
+        stats, res = CommStats(), t.clone().to(d)
+        with _codec_path(dry_run and side == "device"):
+            all_reduce_quantized(res, pairs[rank % 2], cfg.replica_spec(crosses_nodes=True),
+                                 RngKey(9, 2, rank, 1), hadamard=True, op=ReduceOp.AVG,
+                                 chunks=2, stats=stats)
+        return [res], stats.snapshot()
+
+    compare("replica all-reduce", replicas)
+    return out
+
+
+def _four_ranks_training(torch, rank: int, world: int, dev: str, dry_run: bool) -> dict:
+    """FSDP2 with ``enable()``: the weights every rank computes with are compared across ranks
+    after each step (``ComputeWeights``), the mean loss over ranks kept per step; FSDP2 alone
+    last, as the reference (its own reduce-scatter is gloo's, which may refuse CUDA tensors:
+    then its error is the result)."""
+    import torch.distributed as dist
+
+    import fsdp_qcomm
+    from fsdp_qcomm.testing import ComputeWeights
+
+    d, layers, steps = (24, 2, 3) if dry_run else (256, 4, 6)
+    out: dict = {}
+    for name in ("sdp4bit", "qsdp", "fsdp2"):
+        row: dict = {}
+        try:
+            model = _model(torch, d, layers).to(dev)
+            _shard(torch, model, mixed=dev == "cuda")
+            handle = None
+            if name != "fsdp2":
+                handle = fsdp_qcomm.enable(model, fsdp_qcomm.QCommConfig.preset(
+                    name, ranks_per_node=2))  # one host: the nodes are emulated
+            seen = ComputeWeights(model)
+            batches = _batches(torch, model, dev, steps, rank)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            losses, same = [], []
+            with _codec_path(dry_run and handle is not None):
+                for t in range(steps):
+                    loss = _train(torch, model, batches[t:t + 1], opt)[0][0]
+                    dist.all_reduce(loss)  # the mean over ranks (each trains on its own batch)
+                    losses.append(float(loss) / world)
+                    try:
+                        seen.check_same(f"{name} step {t}")
+                        same.append(True)
+                    except AssertionError:
+                        same.append(False)
+            row.update(losses=losses, same_weights_every_step=all(same))
+            if handle is not None:
+                st = handle.stats()
+                row["kinds"] = {k: v["calls"] for k, v in st.items()
+                                if isinstance(v, dict) and "calls" in v}
+                row["cross_node_bytes"] = st["summary"]["cross_node_bytes"]
+                handle.disable()
+        except Exception as e:  # noqa: BLE001 - on every rank alike: recorded, judged above
+            row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        out[name] = row
+    return out
+
+
+def _four_ranks(rank: int, world: int, dry_run: bool) -> dict:
+    """One rank of ``step_four_ranks``."""
+    import torch
+
+    dev = "cpu" if dry_run else "cuda"
+    if not dry_run:
+        torch.cuda.set_device(0)
+    return {"collectives": _four_ranks_collectives(torch, rank, world, dev, dry_run),
+            "training": _four_ranks_training(torch, rank, world, dev, dry_run)}
+
+
+def _coalesced_probe(rank: int, world: int, dry_run: bool) -> str:
+    """torch alone: three ``all_gather_into_tensor`` calls coalesced by ``_coalescing_manager``
+    on a gloo group, into the blocks of one buffer, on CUDA tensors (``docs/known_issues.md``:
+    gloo's coalesced all-gather has no CUDA path, which fsdp_qcomm's ``_c10d.coalesces`` works
+    around). What the blocks hold afterwards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    dev = "cpu" if dry_run else "cuda"
+    if not dry_run:
+        torch.cuda.set_device(0)
+    blocks = torch.zeros(3, world, 2, device=dev)
+    with _coalescing_manager(group=dist.group.WORLD):
+        for q in range(3):
+            dist.all_gather_into_tensor(blocks[q].view(-1),
+                                        torch.full((2,), 10.0 * q + rank, device=dev))
+    got = blocks.cpu().tolist()
+    want = [[[10.0 * q + r] * 2 for r in range(world)] for q in range(3)]
+    return "the gathered values" if got == want else f"other values: {got}"
+
+
+def _compute_mode() -> str:
+    """The GPU's compute mode (``nvidia-smi``), or why it is unknown: an exclusive mode lets one
+    process at a time hold a CUDA context."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({type(e).__name__})"
+    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() \
+        else f"unknown (nvidia-smi exit {proc.returncode})"
+
+
+def step_four_ranks(ctx: dict) -> dict:
+    """Four processes on the one GPU as 2 nodes x 2, with gloo moving real bytes between them:
+    the other steps' ``fake`` ranks move none, and NCCL refuses two ranks on one GPU. Each
+    quantized collective of sdp4bit (the two-hop gradient reduce-scatter with three chunks in
+    flight, qWD's weight gather with the node-sharded reference, HSDP's replica all-reduce) must
+    give the bits and byte counts of the same call on CPU tensors, on every rank; FSDP2 with
+    ``enable`` (sdp4bit, qsdp; bf16 parameters, fp32 reduction) must compute with bit-identical
+    weights on every rank at every step, with finite losses near FSDP2's own when gloo runs
+    FSDP2's reduce-scatter on CUDA tensors. gloo stages CUDA tensors through host memory on
+    streams of its own, so asynchronous collectives meet the kernels as NCCL's would: ordered
+    only by the streams."""
+    from fsdp_qcomm.testing import run_ranks
+
+    mode = "cpu (dry run)" if ctx["dry_run"] else _compute_mode()
+    if "exclusive" in mode.lower():
+        raise RuntimeError(f"the GPU's compute mode is {mode}: one process at a time")
+    env = {"TRITON_INTERPRET": "1"} if ctx["dry_run"] else {}
+    # the ranks unpickle their function by reference, and a forked rank cannot import this
+    # script as __main__: they get it from this file imported as a module
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    ranks = run_ranks(gpu_check._four_ranks, 4, ctx["dry_run"], env=env,
+                      timeout=max(20.0, ctx["limit"] - 10))
+    out: dict = {"compute_mode": mode, "backend": "gloo", "world": 4, "ranks_per_node": 2,
+                 "collectives": {}, "training": ranks[0]["training"]}
+    try:  # torch's, recorded and not judged: a crash here is the finding
+        probe = run_ranks(gpu_check._coalesced_probe, 2, ctx["dry_run"], env=env, timeout=30)
+        out["gloo_coalesced_all_gather"] = probe[0] if probe[0] == probe[1] else probe
+    except AssertionError as e:
+        out["gloo_coalesced_all_gather"] = f"failed: {str(e)[-600:]}"
+    problems = []
+    for name in ranks[0]["collectives"]:
+        per = [r["collectives"][name] for r in ranks]
+        if any("error" in p for p in per):
+            out["collectives"][name] = row = next(p for p in per if "error" in p)
+            problems.append(f"{name}: {row['error']}")
+            continue
+        row = {k: all(p[k] for p in per) for k in per[0]}
+        out["collectives"][name] = row
+        if not all(row.values()):
+            problems.append(f"{name}: the device's {[k for k, v in row.items() if not v]} "
+                            "differ from the CPU's on some rank")
+    ref = out["training"]["fsdp2"]
+    for name in ("sdp4bit", "qsdp"):
+        rows = [r["training"][name] for r in ranks]
+        row = out["training"][name]
+        if "error" in row:
+            problems.append(f"{name}: {row['error']}")
+            continue
+        row["same_weights_every_step"] = all(r["same_weights_every_step"] for r in rows)
+        if not row["same_weights_every_step"]:
+            problems.append(f"{name}: ranks computed with different weights")
+        if not all(math.isfinite(v) for v in row["losses"]):
+            problems.append(f"{name}: losses {row['losses']}")
+        if not row["cross_node_bytes"] or not row["kinds"].get("weight_allgather"):
+            problems.append(f"{name}: no quantized collective crossed a node ({row['kinds']})")
+        if "losses" in ref:
+            row["final_loss_gap"] = row["losses"][-1] / ref["losses"][-1] - 1
+            if abs(row["final_loss_gap"]) > _FOUR_LOSS_GAP:
+                problems.append(f"{name}: final loss {row['losses'][-1]:.4f} against FSDP2's "
+                                f"{ref['losses'][-1]:.4f}")
+    if problems:
+        raise StepFailed("; ".join(problems), out)
+    return out
+
+
 # In order of value; each with the most seconds it may take (the budget may give it less).
 STEPS = {
     "environment": (step_environment, 60),
@@ -891,6 +1180,7 @@ STEPS = {
     "fsdp_hooks": (step_fsdp_hooks, 100),
     "fsdp_one_rank": (step_fsdp_one_rank, 80),
     "layouts": (step_layouts, 150),
+    "four_ranks": (step_four_ranks, 150),
     "kernel_tests": (step_kernel_tests, 200),
     "tiles": (step_tiles, 100),
 }
@@ -928,6 +1218,14 @@ def _summary_line(name: str, rec: dict) -> str:
         what = "; ".join(f"{row['shape']['name']} W={row['world']}: codec "
                          f"{100 * row['codec_share']:.1f}%{unverified(row)}"
                          for row in r.get("rows", []))
+    elif name == "four_ranks":
+        same = [k for k, v in r.get("collectives", {}).items()
+                if "error" not in v and all(v.values())]
+        what = f"{len(same)} of {len(r.get('collectives', {}))} collectives as on the CPU; " + \
+            "; ".join(f"{k}: " + ("raised" if "error" in v else f"final loss {v['losses'][-1]:.4f}")
+                      for k, v in r.get("training", {}).items())
+        if "gloo_coalesced_all_gather" in r:
+            what += f"; torch's coalesced gloo all-gather gave {r['gloo_coalesced_all_gather']}"
     elif name == "layouts":
         def layout(v: dict) -> str:
             if "error" in v:

@@ -13,7 +13,7 @@ from fsdp_qcomm import QCommConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["environment", "step_cost", "step_profile", "exactness_sweep", "bandwidth", "fsdp_hooks",
-         "fsdp_one_rank", "layouts", "kernel_tests", "tiles"]
+         "fsdp_one_rank", "layouts", "four_ranks", "kernel_tests", "tiles"]
 
 
 def _dry_run(out: Path, *extra: str, env_out: str = "", tmp: Path = None):
@@ -105,6 +105,18 @@ def test_gpu_check_dry_run(tmp_path):
     assert lay["diloco overlap"]["equal_to_in_line"]
     assert lay["diloco overlap"]["outer_allreduce_calls"] == 4
     assert lay["compiled blocks"]["kinds"]["grad_inter"] > 0
+    four = steps["four_ranks"]["result"]
+    # the Triton kernels (the interpreter, standing in for CUDA) against the C loops, through
+    # real collectives between 4 ranks as 2 nodes x 2: the same bits and bytes on every rank
+    assert four["collectives"] == {name: {"bits_equal": True, "bytes_equal": True} for name in (
+        "grad reduce-scatter float32", "grad reduce-scatter bfloat16",
+        "qwd weight gather, node-sharded reference", "replica all-reduce")}
+    for name in ("sdp4bit", "qsdp"):
+        row = four["training"][name]
+        assert row["same_weights_every_step"] and row["cross_node_bytes"] > 0, row
+        assert abs(row["final_loss_gap"]) < 0.02, row
+    assert four["training"]["sdp4bit"]["kinds"]["weight_allgather_intra"] > 0  # hop 2
+    assert four["gloo_coalesced_all_gather"] == "the gathered values"  # CPU tensors: fine
     summary = (out / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
     assert "| quantize 4b g128 sym nearest |" in summary.split("## Where slow kernels' time")[1]
