@@ -13,7 +13,10 @@ killed after ``timeout`` seconds and the error says which ranks never finished. 
 a module-level function (it is pickled by reference). Ranks listed in ``may_exit`` are allowed
 to die without a result (their entry is None): for tests that kill a rank on purpose and check
 what its peers do; ``pg_timeout`` (default ``timeout``) is the process group's own timeout;
-``env`` adds environment variables (for example ``LOCAL_WORLD_SIZE``) in every rank.
+``env`` adds environment variables (for example ``LOCAL_WORLD_SIZE``) in every rank;
+``spawn=True`` starts every rank in a fresh interpreter instead of forking it from the server
+below: what ranks that use CUDA need, since CUDA cannot be used in a process forked from one
+whose imports may have initialized the CUDA driver.
 
 Every gloo group a rank creates (the default group, ``new_group`` subgroups, DeviceMesh groups)
 runs ONE gloo worker thread instead of torch's two: ProcessGroupGloo's two workers update a
@@ -253,10 +256,10 @@ def _died(procs: list, crash_logs: list[str], skip: set[int]) -> dict[int, str]:
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
     may_exit: tuple[int, ...] = (), pg_timeout: Optional[float] = None,
-    env: Optional[dict[str, str]] = None, **kwargs: Any
+    env: Optional[dict[str, str]] = None, spawn: bool = False, **kwargs: Any
 ) -> list:
     fresh = {k: v for k, v in (env or {}).items() if k in _IMPORT_TIME_ENV}
-    if fresh:
+    if fresh or spawn:
         ctx = mp.get_context("spawn")
     else:
         ctx = mp.get_context("forkserver")

@@ -1125,12 +1125,13 @@ def step_four_ranks(ctx: dict) -> dict:
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
 
-    ranks = run_ranks(gpu_check._four_ranks, 4, ctx["dry_run"], env=env,
+    ranks = run_ranks(gpu_check._four_ranks, 4, ctx["dry_run"], env=env, spawn=True,
                       timeout=max(20.0, ctx["limit"] - 10))
     out: dict = {"compute_mode": mode, "backend": "gloo", "world": 4, "ranks_per_node": 2,
                  "collectives": {}, "training": ranks[0]["training"]}
     try:  # torch's, recorded and not judged: a crash here is the finding
-        probe = run_ranks(gpu_check._coalesced_probe, 2, ctx["dry_run"], env=env, timeout=30)
+        probe = run_ranks(gpu_check._coalesced_probe, 2, ctx["dry_run"], env=env, spawn=True,
+                          timeout=40)
         out["gloo_coalesced_all_gather"] = probe[0] if probe[0] == probe[1] else probe
     except AssertionError as e:
         out["gloo_coalesced_all_gather"] = f"failed: {str(e)[-600:]}"
