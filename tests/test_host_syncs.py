@@ -35,7 +35,8 @@ AUDITED += sorted((ROOT / "kernels").glob("*.py"))
 CPU_ONLY = {
     "fsdp_qcomm/codec/cpu_native.py": "the C loops: CPU tensors only",
     "fsdp_qcomm/codec/torch_codec.py": "CPU path and test reference: CUDA runs the kernels",
-    "fsdp_qcomm/fsdp/grad_overlap.py": "CPU process groups only (deferrable() refuses CUDA)",
+    "fsdp_qcomm/fsdp/grad_overlap.py": "CPU process groups only (enable turns grad_overlap "
+                                       "off for GPU modules)",
 }
 # (file, function) -> why the host read there is not on the per-step path.
 ALLOWED = {

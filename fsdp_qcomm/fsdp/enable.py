@@ -314,6 +314,14 @@ class QCommHandle:
         return f"QCommHandle({state}, {len(self._installs)} FSDP modules, {self.config})"
 
 
+def _overlaps_on_a_thread(group: Any) -> bool:
+    """Whether ``grad_overlap`` applies to an FSDP parameter group: on CPU process groups only.
+    On a GPU FSDP2 calls the reduction hooks on its reduce-scatter (all-reduce) stream and
+    reads their output there; the background thread's current stream is another one (the
+    device's default stream), which FSDP's streams never wait for."""
+    return fsdp.group_device(group).type == "cpu"
+
+
 def _plan(i: _Install, run: QCommConfig) -> hop_plan.ModulePlan:
     """``hop_plan.plan_module`` on the node layouts of the module's groups."""
     rpn = run.ranks_per_node
@@ -458,14 +466,24 @@ def enable(model: nn.Module, config: QCommConfig, *,
     placement = resolve_placement(config.ranks_per_node)  # collective: host names, once
     run = config.replace(ranks_per_node=placement.ranks_per_node)
     fsdp.verify_torch()
+    streamed = []  # modules whose reductions FSDP runs on its own CUDA streams
     for i in installs:
         fsdp.verify_group(i.group)
         i.run = run if i.config is config else i.config.replace(
             ranks_per_node=placement.ranks_per_node)
+        if i.run.grad_overlap and not _overlaps_on_a_thread(i.group):
+            i.run = i.run.replace(grad_overlap=False)
+            streamed.append(i.label)
     plans = {i.label: _plan(i, i.run) for i in installs}
     _check_topology(installs, plans)
 
     stats = CommStats()
+    if streamed:
+        stats.note(
+            f"grad_overlap: off for {len(streamed)} FSDP module(s) on GPUs ({streamed[0]}, ...): "
+            "FSDP2 already overlaps their reductions with backward on its reduce-scatter "
+            "stream, and the background thread would run them on another stream"
+        )
     for line in hop_plan.notes(plans):
         stats.note(line)
     hint = hop_plan.nothing_quantized_hint(plans, run)
@@ -482,7 +500,8 @@ def enable(model: nn.Module, config: QCommConfig, *,
                 "numbers, so the check that FSDP's own replica all-reduce runs on fsdp_qcomm's "
                 "one-rank group (not on the replica group, beside the quantized one) is off"
             )
-    queue = ReductionQueue() if config.grad_overlap else None  # this call's reduction thread
+    # this call's reduction thread
+    queue = ReductionQueue() if any(i.run.grad_overlap for i in installs) else None
     agreement_group = _agreement_group(installs)
     # Build everything first (a failing constructor installs nothing), creating every process
     # group now, on every rank in the same order: never lazily inside the first backward.
@@ -506,7 +525,7 @@ def enable(model: nn.Module, config: QCommConfig, *,
             # output right after the call (the reduction may still be running), so it keeps
             # passing AVG / PREMUL_SUM(1/f) to the hook. Elsewhere forced SUM: FSDP's AVG over
             # the one-rank HSDP group is documented as unreliable on NCCL.
-            overlap = config.grad_overlap and fsdp.group_device(i.group).type == "cpu"
+            overlap = i.run.grad_overlap
             avg = fsdp.gradient_divide_factor(i.group) is None and not fsdp.is_hsdp(i.group)
             i.force_sum = not (overlap or avg)
         elif _needs_sum_for_gloo(i.group):
