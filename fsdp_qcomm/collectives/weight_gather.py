@@ -119,12 +119,14 @@ class _DeferredWork(dist.Work):
             self._inner.wait() if timeout == timedelta(0) else self._inner.wait(timeout)
             self._inner = None
             finish, self._finish = self._finish, None
-            finish()
-            now = _current_stream(self._buffers)
-            if now is not None and now != self._stream:
-                for t in self._buffers:
-                    t.record_stream(now)
-            self._buffers = ()
+            try:
+                finish()
+            finally:  # a decode that raised may still have queued kernels that read them
+                now = _current_stream(self._buffers)
+                if now is not None and now != self._stream:
+                    for t in self._buffers:
+                        t.record_stream(now)
+                self._buffers = ()
         return True
 
     def is_completed(self) -> bool:
