@@ -35,8 +35,8 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    the quantized collectives reached the hooks, no host sync after the first step;
 9. ``four_ranks``: four processes share the GPU as 2 nodes x 2, gloo moving real bytes between
    them: sdp4bit's quantized collectives give the bits and byte counts of the same calls on
-   CPU tensors, and FSDP2 with ``enable`` (sdp4bit, qsdp) computes with bit-identical weights
-   on every rank, near FSDP2's own losses;
+   CPU tensors, and FSDP2 with ``enable`` (sdp4bit, qsdp, sdp4bit under HSDP) computes with
+   bit-identical weights on every rank, near FSDP2's own losses;
 10. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors, in up to 4 processes;
 11. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
    per program (their own: 4096 for the encoders, 2048 for the rest), for tuning: x clone per
@@ -1010,27 +1010,37 @@ def _four_ranks_collectives(torch, rank: int, world: int, dev: str, dry_run: boo
     return out
 
 
+# (row, preset or None for FSDP2 alone, HSDP): FSDP2 alone last, as the reference of its mesh
+_FOUR_TRAINING = (("sdp4bit", "sdp4bit", False), ("qsdp", "qsdp", False),
+                  ("sdp4bit hsdp 2x2", "sdp4bit", True), ("fsdp2", None, False),
+                  ("fsdp2 hsdp 2x2", None, True))
+
+
 def _four_ranks_training(torch, rank: int, world: int, dev: str, dry_run: bool) -> dict:
-    """FSDP2 with ``enable()``: the weights every rank computes with are compared across ranks
-    after each step (``ComputeWeights``), the mean loss over ranks kept per step; FSDP2 alone
-    last, as the reference (its own reduce-scatter is gloo's, which may refuse CUDA tensors:
-    then its error is the result)."""
+    """FSDP2 with ``enable()``, over all ranks and as HSDP (shards inside a node, replicas
+    across nodes): the weights every rank computes with are compared across ranks after each
+    step (``ComputeWeights``), the mean loss over ranks kept per step; FSDP2 alone last, as
+    the reference (gloo's reduce-scatter may refuse CUDA tensors: then its error is the
+    result)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp_qcomm
     from fsdp_qcomm.testing import ComputeWeights
 
     d, layers, steps = (24, 2, 3) if dry_run else (256, 4, 6)
     out: dict = {}
-    for name in ("sdp4bit", "qsdp", "fsdp2"):
+    for name, preset, hsdp in _FOUR_TRAINING:
         row: dict = {}
         try:
             model = _model(torch, d, layers).to(dev)
-            _shard(torch, model, mixed=dev == "cuda")
+            mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("replicate", "shard")) \
+                if hsdp else None
+            _shard(torch, model, mixed=dev == "cuda", mesh=mesh)
             handle = None
-            if name != "fsdp2":
+            if preset is not None:
                 handle = fsdp_qcomm.enable(model, fsdp_qcomm.QCommConfig.preset(
-                    name, ranks_per_node=2))  # one host: the nodes are emulated
+                    preset, ranks_per_node=2))  # one host: the nodes are emulated
             seen = ComputeWeights(model)
             batches = _batches(torch, model, dev, steps, rank)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -1109,11 +1119,11 @@ def step_four_ranks(ctx: dict) -> dict:
     quantized collective of sdp4bit (the two-hop gradient reduce-scatter with three chunks in
     flight, qWD's weight gather with the node-sharded reference, HSDP's replica all-reduce) must
     give the bits and byte counts of the same call on CPU tensors, on every rank; FSDP2 with
-    ``enable`` (sdp4bit, qsdp; bf16 parameters, fp32 reduction) must compute with bit-identical
-    weights on every rank at every step, with finite losses near FSDP2's own when gloo runs
-    FSDP2's reduce-scatter on CUDA tensors. gloo stages CUDA tensors through host memory on
-    streams of its own, so asynchronous collectives meet the kernels as NCCL's would: ordered
-    only by the streams."""
+    ``enable`` (sdp4bit and qsdp over all ranks, sdp4bit as HSDP 2 x 2; bf16 parameters, fp32
+    reduction) must compute with bit-identical weights on every rank at every step, with finite
+    losses near FSDP2's own when gloo runs FSDP2's reduce-scatter on CUDA tensors. gloo stages
+    CUDA tensors through host memory on streams of its own, so asynchronous collectives meet
+    the kernels as NCCL's would: ordered only by the streams."""
     from fsdp_qcomm.testing import run_ranks
 
     mode = "cpu (dry run)" if ctx["dry_run"] else _compute_mode()
@@ -1147,8 +1157,10 @@ def step_four_ranks(ctx: dict) -> dict:
         if not all(row.values()):
             problems.append(f"{name}: the device's {[k for k, v in row.items() if not v]} "
                             "differ from the CPU's on some rank")
-    ref = out["training"]["fsdp2"]
-    for name in ("sdp4bit", "qsdp"):
+    for name, preset, hsdp in _FOUR_TRAINING:
+        if preset is None:
+            continue
+        ref = out["training"]["fsdp2 hsdp 2x2" if hsdp else "fsdp2"]
         rows = [r["training"][name] for r in ranks]
         row = out["training"][name]
         if "error" in row:
@@ -1159,7 +1171,8 @@ def step_four_ranks(ctx: dict) -> dict:
             problems.append(f"{name}: ranks computed with different weights")
         if not all(math.isfinite(v) for v in row["losses"]):
             problems.append(f"{name}: losses {row['losses']}")
-        if not row["cross_node_bytes"] or not row["kinds"].get("weight_allgather"):
+        crossing = "grad_replica" if hsdp else "weight_allgather"  # HSDP gathers in a node
+        if not row["cross_node_bytes"] or not row["kinds"].get(crossing):
             problems.append(f"{name}: no quantized collective crossed a node ({row['kinds']})")
         if "losses" in ref:
             row["final_loss_gap"] = row["losses"][-1] / ref["losses"][-1] - 1

@@ -111,11 +111,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert four["collectives"] == {name: {"bits_equal": True, "bytes_equal": True} for name in (
         "grad reduce-scatter float32", "grad reduce-scatter bfloat16",
         "qwd weight gather, node-sharded reference", "replica all-reduce")}
-    for name in ("sdp4bit", "qsdp"):
+    assert list(four["training"]) == ["sdp4bit", "qsdp", "sdp4bit hsdp 2x2", "fsdp2",
+                                      "fsdp2 hsdp 2x2"]
+    for name in ("sdp4bit", "qsdp", "sdp4bit hsdp 2x2"):
         row = four["training"][name]
         assert row["same_weights_every_step"] and row["cross_node_bytes"] > 0, row
         assert abs(row["final_loss_gap"]) < 0.02, row
     assert four["training"]["sdp4bit"]["kinds"]["weight_allgather_intra"] > 0  # hop 2
+    assert four["training"]["sdp4bit hsdp 2x2"]["kinds"]["grad_replica"] > 0
     assert four["gloo_coalesced_all_gather"] == "the gathered values"  # CPU tensors: fine
     summary = (out / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
