@@ -550,6 +550,9 @@ class QuantizedAllGather(AllGather):
         pending, self._pending_ref = self._pending_ref, None
         if aliased:
             input = input.clone()
+        if pending.is_cuda:  # built at load on another stream than FSDP's all-gather one,
+            # which reads it below: its memory must not be reused before that read has run
+            pending.record_stream(torch.cuda.current_stream(pending.device))
         base = q.restore(pending)
         self.modes["qwd_restore"] += 1
         sharded = isinstance(q, NodeShardedQwd)

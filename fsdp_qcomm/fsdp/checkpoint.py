@@ -3,7 +3,8 @@
 ``QCommHandle.state_dict()`` returns one entry, keyed ``"rank<r>_of_<W>"`` (global rank ``r`` of
 a world of ``W`` ranks), that holds this rank's state in plain values only: tensors that own
 their storage (copies, never views of a live buffer), ints, strings and lists. So ``torch.save``,
-``torch.load(weights_only=True)`` and any per-rank checkpointer can hold it::
+``torch.load(map_location="cpu", weights_only=True)`` (without ``map_location`` a GPU run's
+tensors come back on the GPU index that saved them) and any per-rank checkpointer can hold it::
 
     {"rank1_of_4": {
         "version": 2,
