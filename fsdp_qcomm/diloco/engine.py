@@ -73,7 +73,7 @@ class _Pending:
         self.weight = weight
         self.future = future
         self.buf = buf
-        self.resolved = False  # the future holds the summed weight, the buffer the mean
+        self.resolved = False  # waited for once (state_dict): its result is known
 
 
 class DiLoCo:
@@ -219,7 +219,7 @@ class DiLoCo:
         error: Optional[BaseException] = None
         total = 0.0
         try:
-            total = p.future.result() if p.resolved else Overlap.result(p.future)
+            total = Overlap.result(p.future)
         except Exception as e:  # noqa: BLE001 - the replica group decides (torchft: no commit)
             error = e
         frag = self.fragments[p.fragment]
@@ -415,14 +415,13 @@ class DiLoCo:
             )
 
     def _resolve_pending(self) -> None:
-        """Wait for an all-reduce in flight (its result is part of the state)."""
+        """Wait for an all-reduce in flight (its result is part of the state). The future is
+        kept: the merge waits on it again, on the stream current there (a checkpointer may call
+        ``state_dict`` under another one)."""
         p = self._pending
         if p is None or p.resolved:
             return
-        total = Overlap.result(p.future)  # a failed all-reduce raises here
-        done: Future[float] = Future()
-        done.set_result(total)
-        p.future = done
+        Overlap.result(p.future)  # a failed all-reduce raises here
         p.resolved = True
 
     def _pending_capacity(self) -> int:
@@ -441,7 +440,7 @@ class DiLoCo:
             p = self._pending
             pend[:p.buf.numel()] = p.buf
             info = torch.tensor([p.fragment, p.merge_at], dtype=torch.int64)
-            total = torch.tensor(float(p.future.result()), dtype=torch.float64)
+            total = torch.tensor(float(Overlap.result(p.future)), dtype=torch.float64)
         return {
             "meta": json.dumps(self._meta()),
             "counters": torch.tensor([self.inner_steps, self.outer_steps, self.failed_commits],
@@ -507,7 +506,10 @@ class DiLoCo:
         pend = shared.get("pending")
         if pend is not None and int(pend["info"][0]) >= 0:
             frag, merge_at = (int(v) for v in pend["info"].tolist())
-            buf = pend["buf"][:self.fragments[frag].numel].clone()
+            # on this engine's device whatever the checkpointer mapped it to (a per-rank file
+            # read with map_location="cpu"): the merge assigns it as the outer gradient
+            buf = pend["buf"][:self.fragments[frag].numel].to(self.device, torch.float32,
+                                                              copy=True)
             done: Future[float] = Future()
             done.set_result(float(pend["total"]))
             self._pending = _Pending(frag, merge_at, done, buf)

@@ -72,8 +72,15 @@ class Overlap:
         self._stream: Any = None
         self.on_start: Optional[Callable[[int], None]] = None
         if enabled:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcomm-diloco")
-            if device.type == "cuda":
+            cuda = device.type == "cuda"
+            # A new thread's current device is 0: the worker takes the model's for good, or
+            # each stream switch back to device 0's stream would open a context on GPU 0 in
+            # every rank of the node.
+            self._pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="qcomm-diloco",
+                initializer=torch.cuda.set_device if cuda else None,
+                initargs=(device,) if cuda else ())
+            if cuda:
                 self._stream = torch.cuda.Stream(device=device)
 
     def submit(self, fn: Callable[[], Any], t_launch: int) -> "Future[Any]":
@@ -87,7 +94,7 @@ class Overlap:
         ready = None
         if self._stream is not None:  # the pseudo-gradient is written on the main stream
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.device))
         assert self._pool is not None
         return self._pool.submit(self._run, fn, t_launch, ready)
 
@@ -98,18 +105,24 @@ class Overlap:
             return fn()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            out = fn()
+            try:
+                out, error = fn(), None
+            except BaseException as e:  # noqa: BLE001 - re-raised by result(), after its wait
+                out, error = None, e  # (fn may have queued kernels that use the buffers)
             done = torch.cuda.Event()
             done.record(self._stream)
-        return _Done(out, done)
+        return _Done(out, done, self.device, error)
 
     @staticmethod
     def result(fut: "Future[Any]") -> Any:
-        """Wait for ``fut`` (re-raising its exception) and, on CUDA, make the current stream
-        wait for the side stream's work."""
+        """Wait for ``fut`` and, on CUDA, make the current stream of its device wait for the
+        side stream's work, then return its value or re-raise its exception. May be called
+        again: each call makes the stream current then wait."""
         out = fut.result()
         if isinstance(out, _Done):
-            torch.cuda.current_stream().wait_event(out.event)
+            torch.cuda.current_stream(out.device).wait_event(out.event)
+            if out.error is not None:
+                raise out.error
             return out.value
         return out
 
@@ -120,9 +133,12 @@ class Overlap:
 
 
 class _Done:
-    def __init__(self, value: Any, event: Any) -> None:
+    def __init__(self, value: Any, event: Any, device: torch.device,
+                 error: Optional[BaseException] = None) -> None:
         self.value = value
         self.event = event
+        self.device = device
+        self.error = error
 
 
 def in_background() -> bool:
