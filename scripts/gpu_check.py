@@ -35,8 +35,9 @@ from ``--budget``; a step that no longer fits is recorded as skipped:
    the quantized collectives reached the hooks, no host sync after the first step;
 9. ``four_ranks``: four processes share the GPU as 2 nodes x 2, gloo moving real bytes between
    them: sdp4bit's quantized collectives give the bits and byte counts of the same calls on
-   CPU tensors, and FSDP2 with ``enable`` (sdp4bit, qsdp, sdp4bit under HSDP) computes with
-   bit-identical weights on every rank, near FSDP2's own losses;
+   CPU tensors, FSDP2 with ``enable`` (sdp4bit, qsdp, sdp4bit under HSDP) computes with
+   bit-identical weights on every rank, near FSDP2's own losses, and DiLoCo's overlapped outer
+   all-reduce gives the bits of the same schedule run in line;
 10. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA tensors, in up to 4 processes;
 11. ``tiles``: the bandwidth of step 5 again with every kernel at 1024, 2048 and 4096 elements
    per program (their own: 4096 for the encoders, 2048 for the rest), for tuning: x clone per
@@ -1068,6 +1069,38 @@ def _four_ranks_training(torch, rank: int, world: int, dev: str, dry_run: bool) 
     return out
 
 
+def _four_ranks_diloco(torch, rank: int, dev: str, dry_run: bool) -> dict:
+    """DiLoCo over the 2 replicas (one per node), its 4-bit outer all-reduce overlapped on a
+    side stream from its background thread, against the same schedule run in line: the same
+    losses and weights bit for bit, on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
+
+    d, layers = (24, 2) if dry_run else (256, 4)
+    runs = {}
+    for overlap in (False, True):
+        mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _model(torch, d, layers).to(dev)
+        _shard(torch, model, mixed=dev == "cuda", mesh=mesh["shard"])
+        diloco = DiLoCo(model, DiLoCoConfig(sync_every=4, fragments=2, delay=1, overlap=overlap,
+                                            bits=4), replicas=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        with _codec_path(dry_run):
+            for x, y in _batches(torch, model, dev, 8, rank):
+                losses.append(float(_train(torch, model, [(x, y)], opt)[0][0]))
+                diloco.step()
+            diloco.finish()
+        calls = diloco.stats().get("outer_allreduce", {}).get("calls", 0)
+        diloco.close()
+        runs[overlap] = (losses, {n: p.to_local() for n, p in model.named_parameters()}, calls)
+    (line, w_line, _), (over, w_over, calls) = runs[False], runs[True]
+    return {"equal_to_in_line": over == line and all(
+                _bits_equal(w_over[k], w_line[k]) for k in w_line),
+            "outer_allreduce_calls": calls, "final_loss": over[-1]}
+
+
 def _four_ranks(rank: int, world: int, dry_run: bool) -> dict:
     """One rank of ``step_four_ranks``."""
     import torch
@@ -1076,7 +1109,8 @@ def _four_ranks(rank: int, world: int, dry_run: bool) -> dict:
     if not dry_run:
         torch.cuda.set_device(0)
     return {"collectives": _four_ranks_collectives(torch, rank, world, dev, dry_run),
-            "training": _four_ranks_training(torch, rank, world, dev, dry_run)}
+            "training": _four_ranks_training(torch, rank, world, dev, dry_run),
+            "diloco": _four_ranks_diloco(torch, rank, dev, dry_run)}
 
 
 def _coalesced_probe(rank: int, world: int, dry_run: bool) -> str:
@@ -1121,7 +1155,9 @@ def step_four_ranks(ctx: dict) -> dict:
     give the bits and byte counts of the same call on CPU tensors, on every rank; FSDP2 with
     ``enable`` (sdp4bit and qsdp over all ranks, sdp4bit as HSDP 2 x 2; bf16 parameters, fp32
     reduction) must compute with bit-identical weights on every rank at every step, with finite
-    losses near FSDP2's own when gloo runs FSDP2's reduce-scatter on CUDA tensors. gloo stages
+    losses near FSDP2's own when gloo runs FSDP2's reduce-scatter on CUDA tensors; DiLoCo over
+    the two replicas, its outer all-reduce overlapped from its thread on a side stream, must
+    give the bits of the same schedule run in line. gloo stages
     CUDA tensors through host memory on streams of its own, so asynchronous collectives meet
     the kernels as NCCL's would: ordered only by the streams."""
     from fsdp_qcomm.testing import run_ranks
@@ -1179,6 +1215,14 @@ def step_four_ranks(ctx: dict) -> dict:
             if abs(row["final_loss_gap"]) > _FOUR_LOSS_GAP:
                 problems.append(f"{name}: final loss {row['losses'][-1]:.4f} against FSDP2's "
                                 f"{ref['losses'][-1]:.4f}")
+    out["diloco overlap 2x2"] = row = {
+        "equal_to_in_line": all(r["diloco"]["equal_to_in_line"] for r in ranks),
+        "outer_allreduce_calls": ranks[0]["diloco"]["outer_allreduce_calls"],
+        "final_loss": ranks[0]["diloco"]["final_loss"]}
+    if not row["equal_to_in_line"]:
+        problems.append("diloco: the overlapped run differs from the same schedule in line")
+    if not row["outer_allreduce_calls"]:
+        problems.append("diloco: no outer all-reduce ran")
     if problems:
         raise StepFailed("; ".join(problems), out)
     return out
@@ -1238,6 +1282,10 @@ def _summary_line(name: str, rec: dict) -> str:
         what = f"{len(same)} of {len(r.get('collectives', {}))} collectives as on the CPU; " + \
             "; ".join(f"{k}: " + ("raised" if "error" in v else f"final loss {v['losses'][-1]:.4f}")
                       for k, v in r.get("training", {}).items())
+        if "diloco overlap 2x2" in r:
+            dl = r["diloco overlap 2x2"]
+            what += "; diloco overlap " + ("equal to in-line" if dl["equal_to_in_line"]
+                                           else "DIFFERS")
         if "gloo_coalesced_all_gather" in r:
             what += f"; torch's coalesced gloo all-gather gave {r['gloo_coalesced_all_gather']}"
     elif name == "layouts":

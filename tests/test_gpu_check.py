@@ -120,6 +120,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert four["training"]["sdp4bit"]["kinds"]["weight_allgather_intra"] > 0  # hop 2
     assert four["training"]["sdp4bit hsdp 2x2"]["kinds"]["grad_replica"] > 0
     assert four["gloo_coalesced_all_gather"] == "the gathered values"  # CPU tensors: fine
+    assert four["diloco overlap 2x2"]["equal_to_in_line"]
+    assert four["diloco overlap 2x2"]["outer_allreduce_calls"] == 4
     summary = (out / "summary.md").read_text()
     assert all(name in summary for name in STEPS) and "## Step cost" in summary
     assert "| quantize 4b g128 sym nearest |" in summary.split("## Where slow kernels' time")[1]
