@@ -133,7 +133,8 @@ def get_train_spec() -> TrainSpec:
 def register() -> None:
     """Apply the CPU patches, add the datasets and the train spec (idempotent)."""
     if cpu.patch_torchtitan_for_cpu():
-        logger.info("qcomm: no accelerator: torchtitan patched to run on CPU with gloo")
+        logger.info(f"qcomm: {cpu.fallback_reason()}: torchtitan patched to run on CPU with "
+                    "gloo")
     data.register_datasets()
     patch_checkpoint_manager()
     if TRAIN_SPEC_NAME not in train_spec_module._extra_train_specs:

@@ -117,7 +117,7 @@ class QCommTrainer(Trainer):
             cpu.patch_torchtitan_for_cpu()
             swapped = use_dense_attention(config.model_spec.model)
             eager_block_masks()
-            logger.info(f"qcomm: no accelerator: torchtitan runs on CPU with gloo; "
+            logger.info(f"qcomm: {cpu.fallback_reason()}: torchtitan runs on CPU with gloo; "
                         f"{swapped} FlexAttention modules use dense masks")
         data.register_datasets()
         config.hf_assets_path = data.resolve_hf_assets_path(config.hf_assets_path)

@@ -141,6 +141,14 @@ def cpu_fallback_needed() -> bool:
     return _get_available_device_type() is None
 
 
+def fallback_reason() -> str:
+    """Why the CPU fallback is on, for the log: forced (a GPU host may be running a CPU job on
+    purpose, or by a leftover variable) or no accelerator."""
+    if os.environ.get(FORCE_DEVICE_ENV, "").lower() == "cpu":
+        return f"{FORCE_DEVICE_ENV}=cpu"
+    return "no accelerator"
+
+
 class _CopyBackWork(torch.distributed.Work):
     """The ``Work`` of an async ``uneven_all_to_all``: waits, then writes the output list."""
 

@@ -213,6 +213,7 @@ def debug_job_args(
 def run_debug_job(cmd: list[str], dump: Path, vocab_size: int) -> int:
     """Build the offline data, run ``cmd`` (a torchrun command), print the run's summary."""
     from . import data
+    from .cpu import FORCE_DEVICE_ENV
 
     summary_path = dump / SUMMARY_FILE
     if summary_path.exists():
@@ -224,6 +225,9 @@ def run_debug_job(cmd: list[str], dump: Path, vocab_size: int) -> int:
     print("+ " + " ".join(cmd), flush=True)
     t1 = time.perf_counter()
     env = child_env()
+    # the CPU debug job stays on the CPU on a host with GPUs too (4 ranks on fewer GPUs fail in
+    # set_device); FSDP_QCOMM_DEVICE set by the caller wins
+    env.setdefault(FORCE_DEVICE_ENV, "cpu")
     if "--local-ranks-filter" in cmd:  # torchtitan warns unless LOG_RANK names the loss's rank
         env["LOG_RANK"] = cmd[cmd.index("--local-ranks-filter") + 1]
     rc = subprocess.call(cmd, env=env, cwd=str(checkout() or Path.cwd()))

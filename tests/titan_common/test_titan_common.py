@@ -418,7 +418,7 @@ def test_paper_flavor_sizes():
 def test_debug_jobs_keep_out_of_site_packages(tmp_path, monkeypatch):
     """From a checkout a debug job's dump folder is the checkout's outputs/ and torchrun starts
     there; from an installed package (site-packages holds no pyproject.toml or recipes/) both
-    are the working directory's, never site-packages."""
+    are the working directory's, never site-packages. Its ranks stay on the CPU, GPUs or not."""
     from fsdp_qcomm.titan_common import launch
 
     assert launch.checkout() == launch.REPO_ROOT
@@ -433,9 +433,13 @@ def test_debug_jobs_keep_out_of_site_packages(tmp_path, monkeypatch):
     assert launch.default_dump("x") == work / "outputs" / "x"
     seen = {}
     monkeypatch.setattr(data, "ensure_tokenizer", lambda vocab: "tok")
-    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env, cwd: seen.update(cwd=cwd) or 3)
+    monkeypatch.setattr(launch.subprocess, "call",
+                        lambda cmd, env, cwd: seen.update(cwd=cwd, env=env) or 3)
+    monkeypatch.delenv("FSDP_QCOMM_DEVICE", raising=False)
     assert launch.run_debug_job(["torchrun"], work / "outputs" / "x", 8) == 3
     assert seen["cwd"] == str(work)
+    # the CPU debug job on a host with GPUs: its ranks are told to stay on the CPU
+    assert seen["env"]["FSDP_QCOMM_DEVICE"] == "cpu"
 
 
 def test_pipeline_runs_log_and_summarize_the_last_stages_rank():
