@@ -46,6 +46,50 @@ def _replicated(rank: int, world: int) -> dict:
     return out
 
 
+def _replaced_comms(rank: int, world: int) -> dict:
+    """Modules whose collectives already run through something else than FSDP2's defaults."""
+    class Theirs(internals.AllGather):  # someone else's hook: never called here
+        def allocate(self, *a, **k):
+            raise AssertionError("not reached")
+
+        def __call__(self, *a, **k):
+            raise AssertionError("not reached")
+
+    out = {}
+    for name in ("default", "process_group_buffers", "custom"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard(model[0])
+        fully_shard(model)
+        if name == "process_group_buffers":
+            model[0].set_allocate_memory_from_process_group_for_comm(True)
+        elif name == "custom":
+            model[0].set_custom_all_gather(Theirs())
+        before = [type(c).__name__ for g in internals.param_groups(model[0])
+                  for c in internals.installed_comms(g)]
+        cfg = QCommConfig.preset("sdp4bit", ranks_per_node=1)
+        try:
+            fsdp_qcomm.enable(model, cfg).disable()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+        out[f"{name}_kept"] = before == [type(c).__name__ for g in internals.param_groups(
+            model[0]) for c in internals.installed_comms(g)]
+    return out
+
+
+def test_collectives_that_are_not_fsdps_defaults_are_not_replaced():
+    """Installing fsdp_qcomm's collectives over symmetric memory, process-group buffers or
+    another hook would drop them silently: enable refuses, naming the class, and leaves the
+    module as it was."""
+    for r in run_ranks(_replaced_comms, 2, timeout=300):
+        assert r["default"] == "no error" and r["default_kept"]
+        for name, cls in (("process_group_buffers", "ProcessGroupAllocAllGather"),
+                          ("custom", "Theirs")):
+            assert r[name].startswith(f"FSDP module '0' already runs its all-gather through "
+                                      f"{cls}, which fsdp_qcomm would replace"), r[name]
+            assert "module_filter_fn" in r[name] and r[f"{name}_kept"]
+
+
 def _logged(rank: int, world: int) -> dict:
     """The ``fsdp_qcomm`` log of ``enable`` on two ranks of one node, and as two nodes."""
     import logging

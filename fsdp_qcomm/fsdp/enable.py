@@ -334,6 +334,29 @@ def _plan(i: _Install, run: QCommConfig) -> hop_plan.ModulePlan:
     )
 
 
+def _check_replaced_comms(installs: list[_Install],
+                          plans: dict[str, hop_plan.ModulePlan]) -> None:
+    """Refuse to replace a collective that runs through anything but FSDP2's default: enable
+    installs its own all-gather on every group, and its reduce-scatter where one is planned,
+    which would silently drop symmetric memory, process-group buffers or someone else's hook."""
+    for i in installs:
+        all_gather, reduce_scatter = fsdp.installed_comms(i.group)
+        replaced = [("all-gather", all_gather, "all_gather")]
+        if plans[i.label].reduce_scatter is not None:
+            replaced.append(("reduce-scatter", reduce_scatter, "reduce_scatter"))
+        for what, comm, setter in replaced:
+            if not fsdp.is_default_comm(comm):
+                raise ValueError(
+                    f"FSDP module {i.label!r} already runs its {what} through "
+                    f"{type(comm).__name__}, which fsdp_qcomm would replace with its own and "
+                    "so drop: symmetric memory (set_symm_mem_for_comm; torchtitan's "
+                    "--parallelism.enable_fsdp_symm_mem), buffers from the process group "
+                    "(set_allocate_memory_from_process_group_for_comm) or a hook of "
+                    f"set_custom_{setter}. Turn it off on the modules fsdp_qcomm handles, or "
+                    "leave this one out (module_filter_fn)"
+                )
+
+
 def _check_topology(installs: list[_Install], plans: dict[str, hop_plan.ModulePlan]) -> None:
     """Two-level reduction needs every node to hold the same number of the group's ranks; check
     every module's quantized reduce-scatter group now rather than in the first backward."""
@@ -476,6 +499,7 @@ def enable(model: nn.Module, config: QCommConfig, *,
             streamed.append(i.label)
     plans = {i.label: _plan(i, i.run) for i in installs}
     _check_topology(installs, plans)
+    _check_replaced_comms(installs, plans)
 
     stats = CommStats()
     if streamed:

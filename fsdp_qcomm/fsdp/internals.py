@@ -255,6 +255,16 @@ def installed_comms(group: ParamGroup) -> tuple[Any, Any]:
     return group._all_gather_comm, group._reduce_scatter_comm
 
 
+def is_default_comm(comm: Any) -> bool:
+    """Whether an installed comm is FSDP2's own default (``DefaultAllGather`` /
+    ``DefaultReduceScatter``), not a setting that installing another would drop: a custom
+    hook, symmetric memory (``set_symm_mem_for_comm``, torch 2.15) or buffers from the process
+    group (``set_allocate_memory_from_process_group_for_comm``)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    return type(comm) in (collectives.DefaultAllGather, collectives.DefaultReduceScatter)
+
+
 def set_comms(group: ParamGroup, all_gather: Any = None, reduce_scatter: Any = None) -> None:
     """Install a custom all-gather and/or reduce-scatter on this one parameter group (None
     leaves that collective as it is). FSDP2's public ``set_custom_all_gather`` /
