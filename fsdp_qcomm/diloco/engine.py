@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..fsdp.checkpoint import state_name
 from ..stats import CommStats
 from .config import DiLoCoConfig
 from .isolation import isolated_replica_ranks
@@ -593,7 +594,7 @@ def fragment_refs(model: nn.Module, fragments: Optional[Sequence[FragmentSpec]],
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in owners:
                 continue
-            ref = ParamRef(f"{mname}.{pname}".lstrip("."), module, pname)
+            ref = ParamRef(state_name(f"{mname}.{pname}".lstrip(".")), module, pname)
             owners[id(p)] = ref
             order.append(ref)
     if not order:

@@ -232,8 +232,9 @@ class QuantizedAllGather(AllGather):
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _param_names(self) -> list[str]:
-        """Qualified names of the module's parameters from the model root (FSDP's own
-        ``_param_fqn`` is only set at its lazy init, so checkpoint templates could not use it).
+        """Qualified names of the module's parameters from the model root, as checkpoints key
+        them (``checkpoint.state_name``; FSDP's own ``_param_fqn`` is only set at its lazy
+        init, so checkpoint templates could not use it).
         A group shared by several modules (``fully_shard([norm, output])``) names each
         parameter after its own module, so equal local names (two ``weight``) stay apart."""
         if self._names is None:
@@ -246,7 +247,8 @@ class QuantizedAllGather(AllGather):
             names = []
             for k, fp in enumerate(fsdp.fsdp_params(self._pg)):
                 base = where.get(id(fsdp.owning_module(fp)), f"{self.name}[{k}]")
-                names.append(".".join(p for p in (base, fsdp.local_param_name(fp)) if p))
+                names.append(checkpoint.state_name(
+                    ".".join(p for p in (base, fsdp.local_param_name(fp)) if p)))
             if len(set(names)) < len(names):  # never two entries under one name
                 names = [f"{self.name}[{k}].{fsdp.local_param_name(fp)}"
                          for k, fp in enumerate(fsdp.fsdp_params(self._pg))]

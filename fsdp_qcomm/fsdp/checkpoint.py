@@ -82,6 +82,17 @@ NOT_SAVED_FIELDS = ("weight_reuse_unchanged", "weight_reference", "grad_overlap"
                     "bit_budget", "grad_error_feedback_decay")
 
 _KEY = re.compile(r"^rank(\d+)_of_(\d+)$")
+#: module-path segments that wrappers insert (activation checkpointing's ``checkpoint_wrapper``,
+#: ``torch.compile``'s ``OptimizedModule``) and torch's own state-dict names leave out
+_WRAPPER_SEGMENTS = frozenset(("_checkpoint_wrapped_module", "_orig_mod"))
+
+
+def state_name(fqn: str) -> str:
+    """A parameter's name as the checkpoint keys it: without the segments of activation
+    checkpointing and ``torch.compile`` wrappers, as in torch's own state-dict names, so a run
+    resumes after turning either on or off (a common change after running out of memory)."""
+    return ".".join(p for p in fqn.split(".") if p not in _WRAPPER_SEGMENTS)
+
 
 _DROP = ("load the model and optimizer without the fsdp_qcomm state instead (leave the handle "
          "out of dcp.load, or skip fsdp_qcomm's files): the next weight gathers then send full "
@@ -433,7 +444,7 @@ def _check_owner(saved: dict[str, Any], mine: dict[str, Any]) -> None:
         )
 
 
-__all__ = ["CONFIG_FIELDS", "FORMAT", "NOT_SAVED_FIELDS", "CheckpointMismatch",
+__all__ = ["CONFIG_FIELDS", "FORMAT", "NOT_SAVED_FIELDS", "CheckpointMismatch", "state_name",
            "check_gather_state", "gather_state", "handle_state", "load_gather_state",
            "load_handle_state", "owner_record", "parse_rank_key", "rank_key",
            "reference_layout"]
