@@ -60,6 +60,7 @@ from typing import Any, Optional
 import torch
 import tyro
 
+from fsdp_qcomm.collectives.topology import known_ranks_per_node
 from fsdp_qcomm.diloco.config import DiLoCoConfig
 
 from .section import _matches, _type_name
@@ -233,7 +234,9 @@ class ReplicaTokens:
             if self._local is None:
                 raise RuntimeError(f"[{SECTION}] a forward-backward step before start_step: "
                                    "the replica group's token count is unknown")
-            own = self._local.to(device)
+            # from pinned memory without waiting: a pageable copy would sync every step
+            own = (self._local.pin_memory().to(device, non_blocking=True)
+                   if device.type == "cuda" else self._local.to(device))
             if self.group is not None and self.group.size() > 1:
                 torch.distributed.all_reduce(own, group=self.group)
             self._own = own
@@ -301,8 +304,13 @@ class DiLoCoDriver:
             config = self.config
             if for_load and config.init_sync:
                 config = dataclasses.replace(config, init_sync=False)
-            self.engine = DiLoCo(self.model, config, replicas=self.group,
-                                 handle=self._handle(), ranks_per_node=self.ranks_per_node)
+            handle = self._handle()
+            rpn = self.ranks_per_node  # else the placement enable resolved, else torchrun's
+            if rpn is None and handle is not None:
+                rpn = handle.placement.ranks_per_node
+            self.engine = DiLoCo(self.model, config, replicas=self.group, handle=handle,
+                                 ranks_per_node=rpn if rpn is not None
+                                 else known_ranks_per_node(None))
             logger.info(f"[{SECTION}] DiLoCo over {self.engine.replicas.size()} replica groups: "
                         f"{self.engine.schedule.describe()}, outer bits {self.config.bits}, "
                         f"error feedback {self.config.error_feedback}"

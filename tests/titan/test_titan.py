@@ -520,6 +520,21 @@ def test_diloco_two_replicas_of_two_shards(tmp_path):
     check_diloco_summary(read_summary(dump), proc.stdout + proc.stderr, steps=6, outer_steps=3)
 
 
+@pytest.mark.long
+def test_diloco_counts_no_node_crossing_when_the_replicas_share_a_node(tmp_path):
+    """The same layout with all 4 ranks on one node (``--qcomm.ranks_per_node 4``): the outer
+    all-reduce still runs, and the driver counts its bytes as staying inside the node, from
+    the placement the qcomm handle resolved (it used to count every replica peer as remote)."""
+    dump = tmp_path / "out"
+    flags = [*HSDP_FLAGS[:-1], "4"]
+    assert HSDP_FLAGS[-2] == "--qcomm.ranks_per_node"
+    torchrun(REPO_ROOT / "recipes" / "debug_sdp4bit.toml", dump, *short_run(4), *flags,
+             "--diloco.enable", "--diloco.sync_every", "2", nproc=4, timeout=300)
+    last = read_summary(dump)["history"][-1]
+    assert last["diloco/outer_steps"] == 2 and last["diloco/outer_sent_bytes_per_inner_step"] > 0
+    assert last["diloco/outer_cross_node_bytes_per_inner_step"] == 0
+
+
 #: 2 replica groups x 2 shards, an outer sync every 3 steps, a checkpoint every 4: the step-4
 #: checkpoint falls mid-round (one inner step after the merge at 3)
 DILOCO_CKPT_RUN = (*HSDP_FLAGS, "--diloco.enable", "--diloco.sync_every", "3",
