@@ -362,7 +362,7 @@ class Agreement:
         buf.copy_(local)
         out = buf.to(device, non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(device))  # the copy's, whatever is current
         return out
 
     def agree(self, trackers: Sequence[ChangeTracker], where: str) -> list[int]:
