@@ -520,7 +520,11 @@ class DiLoCo:
     def ft_state_dict(self) -> dict[str, Any]:
         """What a healing replica receives: the shared state without residuals (never
         transferred: they are the sender's own errors) and without the replica count (a
-        quorum changes it). Called at a sync point, where nothing is pending."""
+        quorum changes it). Called at a sync point, where nothing is pending, from torchft's
+        quorum thread under its recovery stream, which never waited for the compute stream's
+        last merge: on a GPU the device drains first (heals are rare)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         s = self._shared_state()
         s["meta"] = json.dumps(self._meta(with_replicas=False))
         del s["pending"]
