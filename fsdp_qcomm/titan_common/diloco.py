@@ -288,6 +288,19 @@ class DiLoCoDriver:
         att = getattr(self.model, QCOMM_ATTR, None)
         return getattr(att, "handle", None)
 
+    def _ranks_per_node(self, handle: Any) -> Optional[int]:
+        """For the node-crossing byte counts: this driver's own, else the placement the qcomm
+        handle resolved, else the ``[qcomm]`` section's (set even where no FSDP module got a
+        handle, as under DiLoCo x TP without FSDP), else ``LOCAL_WORLD_SIZE``."""
+        from .comm_stats import ATTACHMENT_ATTR as QCOMM_ATTR
+
+        if self.ranks_per_node is not None:
+            return self.ranks_per_node
+        if handle is not None:
+            return handle.placement.ranks_per_node
+        config = getattr(getattr(self.model, QCOMM_ATTR, None), "config", None)
+        return known_ranks_per_node(getattr(config, "ranks_per_node", None))
+
     def ensure_engine(self, *, for_load: bool = False) -> Any:
         """The ``DiLoCo`` engine, built now if it is not yet. Built at the first optimizer
         step, from the weights training starts with (initialized or loaded), unless a
@@ -305,12 +318,8 @@ class DiLoCoDriver:
             if for_load and config.init_sync:
                 config = dataclasses.replace(config, init_sync=False)
             handle = self._handle()
-            rpn = self.ranks_per_node  # else the placement enable resolved, else torchrun's
-            if rpn is None and handle is not None:
-                rpn = handle.placement.ranks_per_node
             self.engine = DiLoCo(self.model, config, replicas=self.group, handle=handle,
-                                 ranks_per_node=rpn if rpn is not None
-                                 else known_ranks_per_node(None))
+                                 ranks_per_node=self._ranks_per_node(handle))
             logger.info(f"[{SECTION}] DiLoCo over {self.engine.replicas.size()} replica groups: "
                         f"{self.engine.schedule.describe()}, outer bits {self.config.bits}, "
                         f"error feedback {self.config.error_feedback}"
