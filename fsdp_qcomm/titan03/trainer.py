@@ -161,8 +161,10 @@ class QCommTrainer(Trainer):
             if entry is not None:
                 wrap_dcp_load(self.checkpointer, entry)
         self.metrics_processor.run_name = (spec.name, spec.flavor)
-        self.metrics_processor.set_microbatches(
-            self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
+        # FSDP's passes per optimizer step: one per gradient-accumulation step, pipeline or not
+        # (torch's pipeline schedules reduce once per schedule step, and torchtitan keeps the
+        # stages gathered through it: reshard_after_forward is off under pipeline parallelism)
+        self.metrics_processor.set_microbatches(self.gradient_accumulation_steps)
         self.replica_sync = ReplicaSync(self.model_parts, self.gradient_accumulation_steps,
                                         pipelined=self.parallel_dims.pp_enabled)
         self.replica_sync.attach_optimizers(self.optimizers)

@@ -576,8 +576,11 @@ def counted_steps(handles: Iterable[Any]) -> int:
 class QCommRun:
     """What a metrics processor of either torchtitan version keeps about the hooks: figures at
     every logging step, held-out losses, and the summary file rank ``summary_rank`` writes at
-    the end. ``microbatches``: forwards of a model part per training step (gradient
-    accumulation steps times pipeline microbatches), for the FSDP reference. ``summary_rank``:
+    the end. ``microbatches``: FSDP passes per optimizer step, for the FSDP reference: the
+    gradient-accumulation steps (a pipeline schedule reduces once per schedule step and, with
+    torchtitan's ``reshard_after_forward`` off under pipeline parallelism, gathers once too;
+    with it on, a stage gathers about once per pipeline microbatch plus once, which the
+    reference undercounts). ``summary_rank``:
     the rank torchtitan logs metrics on (``metrics_rank``): under pipeline parallelism the first
     of the last stage, which alone holds the loss."""
 

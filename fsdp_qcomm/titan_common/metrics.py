@@ -32,8 +32,9 @@ class QCommMetricsMixin:
         self.qcomm = QCommRun(microbatches, summary_rank=summary_rank)
 
     def set_microbatches(self, microbatches: int) -> None:
-        """Forwards of the first model part per training step (gradient accumulation steps
-        times pipeline microbatches)."""
+        """FSDP passes per optimizer step, for the FSDP reference: the gradient-accumulation
+        steps. Not times the pipeline microbatches: under pipeline parallelism torch's schedule
+        reduces once per schedule step and torchtitan keeps each stage gathered through it."""
         self.qcomm.microbatches = max(1, microbatches)
 
     def qcomm_run_info(self) -> tuple[str, str, str]:
