@@ -79,3 +79,14 @@ def test_a_checkpoint_resumes_with_activation_checkpointing_turned_on_or_off():
     plain = [r[0] for r in run_ranks(_ac_run, 2, False)]
     for ac in (True, False):
         assert run_ranks(_resumed_the_other_way, 2, ac) == plain
+
+
+def test_state_names_leave_out_the_wrapper_segments():
+    """Activation checkpointing's and torch.compile's module segments, wherever they sit; the
+    saved names of older checkpoints go through it too, so they still compare equal."""
+    from fsdp_qcomm.fsdp.checkpoint import state_name
+
+    assert state_name("layers.0._checkpoint_wrapped_module.attn._orig_mod.wq.weight") == \
+        "layers.0.attn.wq.weight"
+    assert state_name("_orig_mod.output.weight") == "output.weight"
+    assert state_name("norm.weight") == "norm.weight"

@@ -78,9 +78,9 @@ def _replaced_comms(rank: int, world: int) -> dict:
 
 
 def test_collectives_that_are_not_fsdps_defaults_are_not_replaced():
-    """Installing fsdp_qcomm's collectives over symmetric memory, process-group buffers or
-    another hook would drop them silently: enable refuses, naming the class, and leaves the
-    module as it was."""
+    """Installing fsdp_qcomm's collectives over process-group buffers or another hook (or
+    symmetric memory, which needs CUDA and is not set here) would drop them silently: enable
+    refuses, naming the class, and leaves the module as it was."""
     for r in run_ranks(_replaced_comms, 2, timeout=300):
         assert r["default"] == "no error" and r["default_kept"]
         for name, cls in (("process_group_buffers", "ProcessGroupAllocAllGather"),

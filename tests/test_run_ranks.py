@@ -106,9 +106,9 @@ def test_groups_share_one_preloaded_server_and_a_failure_names_its_case_only():
     assert {p for p, _ in again} == {p for p, _ in first}  # the same server forked them
 
 
-def test_spawned_ranks_are_fresh_interpreters_of_this_process():
-    """``spawn=True`` (ranks that use CUDA): each rank is a child of the caller, not of the
-    forkserver."""
+def test_spawned_ranks_are_started_by_the_caller_not_the_forkserver():
+    """``spawn=True`` (ranks that use CUDA): each rank is started by the caller itself, not
+    forked from the forkserver (whose imports may have touched the CUDA driver)."""
     import os
 
     assert {ppid for ppid, _ in run_ranks(_pid_and_modules, 2, timeout=120, spawn=True)} == {

@@ -42,8 +42,9 @@ def coalesced(group: ProcessGroup):
 def coalesces(group: ProcessGroup, device: torch.device) -> bool:
     """Whether ``coalesced`` may group all-gathers of ``device`` tensors on ``group``. Not on
     gloo with CUDA tensors: gloo's coalesced all-gather (``allgather_into_tensor_coalesced``,
-    what torch issues for coalesced ``all_gather_into_tensor`` calls) has no CUDA path in torch
-    2.11 to 2.15 and hands the device pointers to its host code without an error, where each
+    what torch issues for coalesced ``all_gather_into_tensor`` calls) has no CUDA path (read in
+    torch's source and in the 2.11 and 2.15 wheels) and hands the device pointers to its host
+    code without an error, where each
     single all-gather stages CUDA tensors through host memory (``docs/known_issues.md``). True
     where the group does not say (a torch without ``_get_backend``, a wrapper)."""
     if device.type == "cpu":

@@ -605,6 +605,7 @@ class NodeShardedQwd:
             [layout.nodes[q][p] for p in range(self.local) for q in range(self.nodes)],
             dtype=torch.long, device=device)
         self._node_starts = _node_blocks(layout)
+        self._coalesce = _c10d.coalesces(intra, self.slices.device)
 
     @property
     def own_ref(self) -> torch.Tensor:
@@ -633,8 +634,7 @@ class NodeShardedQwd:
         rows = output.view(self.world, n)
         received = self.local * self.slices.nbytes
         if self._node_starts is not None:
-            together = _c10d.coalesces(self.intra, output.device)
-            with _c10d.coalesced(self.intra) if together else contextlib.nullcontext():
+            with _c10d.coalesced(self.intra) if self._coalesce else contextlib.nullcontext():
                 for q, first in enumerate(self._node_starts):
                     _c10d.all_gather_single(rows[first:first + self.local].view(-1),
                                             self.slices[q], group=self.intra)

@@ -405,6 +405,9 @@ class DiLoCo:
     def _check_meta(self, saved: str, with_replicas: bool) -> None:
         mine = self._meta(with_replicas)
         theirs = json.loads(saved)
+        if isinstance(theirs.get("fragments"), list):  # names from before state_name kept
+            theirs["fragments"] = [[[state_name(r[0]), *r[1:]] for r in f]  # wrapper segments
+                                   for f in theirs["fragments"]]
         diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
         if diff:
             what = "; ".join(f"{k}: saved {theirs.get(k)!r}, this run {mine.get(k)!r}"
@@ -439,9 +442,11 @@ class DiLoCo:
         total = torch.zeros((), dtype=torch.float64)
         if self._pending is not None:
             p = self._pending
+            # first: this stream waits for the all-reduce (a second state_dict may run under
+            # another stream than the first, which resolved it), then reads its buffer
+            total = torch.tensor(float(Overlap.result(p.future)), dtype=torch.float64)
             pend[:p.buf.numel()] = p.buf
             info = torch.tensor([p.fragment, p.merge_at], dtype=torch.int64)
-            total = torch.tensor(float(Overlap.result(p.future)), dtype=torch.float64)
         return {
             "meta": json.dumps(self._meta()),
             "counters": torch.tensor([self.inner_steps, self.outer_steps, self.failed_commits],

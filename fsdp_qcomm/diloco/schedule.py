@@ -88,7 +88,7 @@ class Overlap:
             fut: Future[Any] = Future()
             try:
                 fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - delivered at the merge, like the thread
+            except Exception as e:  # noqa: BLE001 - delivered at the merge, like the thread
                 fut.set_exception(e)
             return fut
         ready = None
@@ -107,7 +107,7 @@ class Overlap:
             self._stream.wait_event(ready)
             try:
                 out, error = fn(), None
-            except BaseException as e:  # noqa: BLE001 - re-raised by result(), after its wait
+            except Exception as e:  # noqa: BLE001 - re-raised by result(), after its wait
                 out, error = None, e  # (fn may have queued kernels that use the buffers)
             done = torch.cuda.Event()
             done.record(self._stream)
@@ -134,7 +134,7 @@ class Overlap:
 
 class _Done:
     def __init__(self, value: Any, event: Any, device: torch.device,
-                 error: Optional[BaseException] = None) -> None:
+                 error: Optional[Exception] = None) -> None:
         self.value = value
         self.event = event
         self.device = device

@@ -186,6 +186,7 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
     if reference_layout(g) is None or not state.get("reference_valid"):
         return
     ref = _need(state, "reference", g.name)
+    ref = {state_name(k): v for k, v in ref.items()} if isinstance(ref, dict) else ref
     _, segs = reference_layout(g)
     for name, seg in zip(g._param_names(), segs):
         t = ref.get(name) if isinstance(ref, dict) else None
@@ -218,9 +219,10 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
         return
     dtype, segs = layout
     flat = torch.zeros(sum(segs), dtype=dtype, device=device)
+    saved = {state_name(k): v for k, v in state["reference"].items()}
     off = 0
     for name, seg in zip(g._param_names(), segs):
-        flat[off:off + seg].copy_(state["reference"][name])
+        flat[off:off + seg].copy_(saved[name])
         off += seg
     g._pending_ref = flat
     if g._qwd is not None:
@@ -428,7 +430,8 @@ def _check_owner(saved: dict[str, Any], mine: dict[str, Any]) -> None:
             diffs.append(f"FSDP module {label!r}: saved on a mesh of shape {s.get('mesh')} at "
                          f"coordinate {s.get('coordinate')}, now {m['mesh']} at "
                          f"{m['coordinate']}")
-        sparams = [list(x) for x in s.get("params") or []]
+        # saved names through state_name too: a checkpoint from before it kept the segments
+        sparams = [[state_name(x[0]), *x[1:]] if x else list(x) for x in s.get("params") or []]
         if sparams != m["params"]:
             bad = [f"{x[0]} {x[1]}" for x in m["params"] if list(x) not in sparams][:3]
             diffs.append(f"FSDP module {label!r}: saved parameters (name, global shape, local "

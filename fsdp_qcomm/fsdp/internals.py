@@ -258,7 +258,7 @@ def installed_comms(group: ParamGroup) -> tuple[Any, Any]:
 def is_default_comm(comm: Any) -> bool:
     """Whether an installed comm is FSDP2's own default (``DefaultAllGather`` /
     ``DefaultReduceScatter``), not a setting that installing another would drop: a custom
-    hook, symmetric memory (``set_symm_mem_for_comm``, torch 2.15) or buffers from the process
+    hook, symmetric memory (``set_symm_mem_for_comm``) or buffers from the process
     group (``set_allocate_memory_from_process_group_for_comm``)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
