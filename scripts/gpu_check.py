@@ -103,9 +103,9 @@ class StepFailed(RuntimeError):
 
 # ---- helpers ----------------------------------------------------------------------------------
 def _digest(t) -> str:
-    from fsdp_qcomm.testing import digest
+    from fsdp_qcomm.testing import digest  # on any device
 
-    return digest(t.detach().cpu())
+    return digest(t)
 
 
 def _peak_gbps(torch) -> tuple[float | None, str]:
@@ -920,9 +920,15 @@ def _codec_path(kernels_on_cpu: bool):
 
 def _bits_equal(a, b) -> bool:
     """Bit-identical tensors (NaNs included), wherever they live."""
-    from fsdp_qcomm.testing import digest
+    return a.dtype == b.dtype and a.shape == b.shape and _digest(a) == _digest(b)
 
-    return a.dtype == b.dtype and a.shape == b.shape and digest(a) == digest(b)
+
+def _rank_device(torch, dry_run: bool) -> str:
+    """A ``four_ranks`` rank's device: the one GPU (every rank on it), or the CPU."""
+    if dry_run:
+        return "cpu"
+    torch.cuda.set_device(0)
+    return "cuda"
 
 
 def _four_ranks_collectives(torch, rank: int, world: int, dev: str, dry_run: bool) -> dict:
@@ -951,7 +957,7 @@ def _four_ranks_collectives(torch, rank: int, world: int, dev: str, dry_run: boo
         except Exception as e:  # noqa: BLE001 - judged by the step
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             return
-        out[name] = {"bits_equal": all(_bits_equal(x.cpu(), y) for x, y in zip(a, b)),
+        out[name] = {"bits_equal": all(_bits_equal(x, y) for x, y in zip(a, b)),
                      "bytes_equal": sa == sb}
 
     g = torch.Generator().manual_seed(100 + rank)
@@ -1021,8 +1027,10 @@ def _four_ranks_training(torch, rank: int, world: int, dev: str, dry_run: bool) 
     """FSDP2 with ``enable()``, over all ranks and as HSDP (shards inside a node, replicas
     across nodes): the weights every rank computes with are compared across ranks after each
     step (``ComputeWeights``), the mean loss over ranks kept per step; FSDP2 alone last, as
-    the reference (gloo's reduce-scatter may refuse CUDA tensors: then its error is the
-    result)."""
+    the reference. Only the references may fail and still return (gloo's reduce-scatter may
+    refuse CUDA tensors, a check every rank makes alike before sending anything): an error
+    of ours raises, so that ``run_ranks`` stops every rank with its traceback rather than let
+    the others wait in a collective the failed rank left."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -1056,6 +1064,7 @@ def _four_ranks_training(torch, rank: int, world: int, dev: str, dry_run: bool) 
                         same.append(True)
                     except AssertionError:
                         same.append(False)
+            seen.remove()
             row.update(losses=losses, same_weights_every_step=all(same))
             if handle is not None:
                 st = handle.stats()
@@ -1063,8 +1072,10 @@ def _four_ranks_training(torch, rank: int, world: int, dev: str, dry_run: bool) 
                                 if isinstance(v, dict) and "calls" in v}
                 row["cross_node_bytes"] = st["summary"]["cross_node_bytes"]
                 handle.disable()
-        except Exception as e:  # noqa: BLE001 - on every rank alike: recorded, judged above
-            row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        except Exception as e:
+            if preset is not None:
+                raise
+            row["error"] = f"{type(e).__name__}: {str(e)[:500]}"  # judged by the step
         out[name] = row
     return out
 
@@ -1105,9 +1116,7 @@ def _four_ranks(rank: int, world: int, dry_run: bool) -> dict:
     """One rank of ``step_four_ranks``."""
     import torch
 
-    dev = "cpu" if dry_run else "cuda"
-    if not dry_run:
-        torch.cuda.set_device(0)
+    dev = _rank_device(torch, dry_run)
     return {"collectives": _four_ranks_collectives(torch, rank, world, dev, dry_run),
             "training": _four_ranks_training(torch, rank, world, dev, dry_run),
             "diloco": _four_ranks_diloco(torch, rank, dev, dry_run)}
@@ -1122,9 +1131,7 @@ def _coalesced_probe(rank: int, world: int, dry_run: bool) -> str:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _coalescing_manager
 
-    dev = "cpu" if dry_run else "cuda"
-    if not dry_run:
-        torch.cuda.set_device(0)
+    dev = _rank_device(torch, dry_run)
     blocks = torch.zeros(3, world, 2, device=dev)
     with _coalescing_manager(group=dist.group.WORLD):
         for q in range(3):
@@ -1171,16 +1178,18 @@ def step_four_ranks(ctx: dict) -> dict:
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
 
-    ranks = run_ranks(gpu_check._four_ranks, 4, ctx["dry_run"], env=env, spawn=True,
-                      timeout=max(20.0, ctx["limit"] - 10))
-    out: dict = {"compute_mode": mode, "backend": "gloo", "world": 4, "ranks_per_node": 2,
-                 "collectives": {}, "training": ranks[0]["training"]}
+    out: dict = {"compute_mode": mode, "backend": "gloo", "world": 4, "ranks_per_node": 2}
     try:  # torch's, recorded and not judged: a crash here is the finding
         probe = run_ranks(gpu_check._coalesced_probe, 2, ctx["dry_run"], env=env, spawn=True,
-                          timeout=40)
+                          timeout=min(40.0, ctx["limit"] / 4))
         out["gloo_coalesced_all_gather"] = probe[0] if probe[0] == probe[1] else probe
     except AssertionError as e:
         out["gloo_coalesced_all_gather"] = f"failed: {str(e)[-600:]}"
+    Path(ctx["partial"]).write_text(json.dumps(out))  # kept if the ranks are cut short
+    left = ctx["limit"] - (time.perf_counter() - ctx["t0"])
+    ranks = run_ranks(gpu_check._four_ranks, 4, ctx["dry_run"], env=env, spawn=True,
+                      timeout=max(20.0, left - 10))
+    out.update(collectives={}, training=ranks[0]["training"])
     problems = []
     for name in ranks[0]["collectives"]:
         per = [r["collectives"][name] for r in ranks]
@@ -1196,12 +1205,12 @@ def step_four_ranks(ctx: dict) -> dict:
     for name, preset, hsdp in _FOUR_TRAINING:
         if preset is None:
             continue
-        ref = out["training"]["fsdp2 hsdp 2x2" if hsdp else "fsdp2"]
+        ref_name = "fsdp2 hsdp 2x2" if hsdp else "fsdp2"
+        refs = [r["training"][ref_name] for r in ranks]
+        ref = next((r for r in refs if "error" in r), refs[0])  # one that failed, if any did
+        out["training"][ref_name] = ref
         rows = [r["training"][name] for r in ranks]
         row = out["training"][name]
-        if "error" in row:
-            problems.append(f"{name}: {row['error']}")
-            continue
         row["same_weights_every_step"] = all(r["same_weights_every_step"] for r in rows)
         if not row["same_weights_every_step"]:
             problems.append(f"{name}: ranks computed with different weights")
