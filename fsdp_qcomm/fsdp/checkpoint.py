@@ -94,6 +94,12 @@ def state_name(fqn: str) -> str:
     return ".".join(p for p in fqn.split(".") if p not in _WRAPPER_SEGMENTS)
 
 
+def _by_state_name(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved reference's pieces under ``state_name``s: a checkpoint from before it kept the
+    wrapper segments in its keys."""
+    return {state_name(k): v for k, v in saved.items()}
+
+
 _DROP = ("load the model and optimizer without the fsdp_qcomm state instead (leave the handle "
          "out of dcp.load, or skip fsdp_qcomm's files): the next weight gathers then send full "
          "precision and the RNG counters and level tables start afresh, which is correct, only "
@@ -186,7 +192,7 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
     if reference_layout(g) is None or not state.get("reference_valid"):
         return
     ref = _need(state, "reference", g.name)
-    ref = {state_name(k): v for k, v in ref.items()} if isinstance(ref, dict) else ref
+    ref = _by_state_name(ref) if isinstance(ref, dict) else ref
     _, segs = reference_layout(g)
     for name, seg in zip(g._param_names(), segs):
         t = ref.get(name) if isinstance(ref, dict) else None
@@ -219,7 +225,7 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
         return
     dtype, segs = layout
     flat = torch.zeros(sum(segs), dtype=dtype, device=device)
-    saved = {state_name(k): v for k, v in state["reference"].items()}
+    saved = _by_state_name(state["reference"])
     off = 0
     for name, seg in zip(g._param_names(), segs):
         flat[off:off + seg].copy_(saved[name])

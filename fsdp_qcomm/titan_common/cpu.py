@@ -132,9 +132,13 @@ class _CPUDeviceModule:
 CPU_DEVICE_MODULE = _CPUDeviceModule()
 
 
+def _forced() -> bool:
+    return os.environ.get(FORCE_DEVICE_ENV, "").lower() == "cpu"
+
+
 def cpu_fallback_needed() -> bool:
     """True where torchtitan would wrongly pick "cuda" (no accelerator) or CPU is forced."""
-    if os.environ.get(FORCE_DEVICE_ENV, "").lower() == "cpu":
+    if _forced():
         return True
     from torch._utils import _get_available_device_type
 
@@ -144,9 +148,7 @@ def cpu_fallback_needed() -> bool:
 def fallback_reason() -> str:
     """Why the CPU fallback is on, for the log: forced (a GPU host may be running a CPU job on
     purpose, or by a leftover variable) or no accelerator."""
-    if os.environ.get(FORCE_DEVICE_ENV, "").lower() == "cpu":
-        return f"{FORCE_DEVICE_ENV}=cpu"
-    return "no accelerator"
+    return f"{FORCE_DEVICE_ENV}=cpu" if _forced() else "no accelerator"
 
 
 class _CopyBackWork(torch.distributed.Work):

@@ -282,24 +282,24 @@ class DiLoCoDriver:
         self.ranks_per_node = ranks_per_node
         self.engine: Any = None
 
-    def _handle(self) -> Any:
+    def _qcomm(self, what: str) -> Any:
+        """``what`` of the model part's qcomm attachment (``install_qcomm``), None without."""
         from .comm_stats import ATTACHMENT_ATTR as QCOMM_ATTR
 
-        att = getattr(self.model, QCOMM_ATTR, None)
-        return getattr(att, "handle", None)
+        return getattr(getattr(self.model, QCOMM_ATTR, None), what, None)
+
+    def _handle(self) -> Any:
+        return self._qcomm("handle")
 
     def _ranks_per_node(self, handle: Any) -> Optional[int]:
         """For the node-crossing byte counts: this driver's own, else the placement the qcomm
         handle resolved, else the ``[qcomm]`` section's (set even where no FSDP module got a
         handle, as under DiLoCo x TP without FSDP), else ``LOCAL_WORLD_SIZE``."""
-        from .comm_stats import ATTACHMENT_ATTR as QCOMM_ATTR
-
         if self.ranks_per_node is not None:
             return self.ranks_per_node
         if handle is not None:
             return handle.placement.ranks_per_node
-        config = getattr(getattr(self.model, QCOMM_ATTR, None), "config", None)
-        return known_ranks_per_node(getattr(config, "ranks_per_node", None))
+        return known_ranks_per_node(getattr(self._qcomm("config"), "ranks_per_node", None))
 
     def ensure_engine(self, *, for_load: bool = False) -> Any:
         """The ``DiLoCo`` engine, built now if it is not yet. Built at the first optimizer
