@@ -88,6 +88,7 @@ def _train(cfg: QCommConfig, steps: int, micro: int = 1, divide_factor=None, mp=
         "grad_values": grads, "deferred": handle.deferred_reductions,
         "grad_bytes": {k: v["sent_bytes"] for k, v in handle.stats().items()
                        if k.startswith("grad")},
+        "notes": handle.stats()["notes"], "threaded": handle._session.queue is not None,
     }
     handle.disable()
     return out
@@ -207,26 +208,19 @@ def _modules_on_a_gpu(rank, world):
     cfg = QCommConfig.preset("sdp4bit", ranks_per_node=1)
     sync = _train(cfg, 2)
     enable_module._overlaps_on_a_thread = lambda group: False
-    over = _train(dataclasses.replace(cfg, grad_overlap=True), 2)
-    torch.manual_seed(0)
-    model = Net()
-    for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
-    handle = fsdp_qcomm.enable(model, dataclasses.replace(cfg, grad_overlap=True))
-    notes, queue = handle.stats()["notes"], handle._session.queue
-    handle.disable()
-    return sync, over, notes, queue is None
+    return sync, _train(dataclasses.replace(cfg, grad_overlap=True), 2)
 
 
 def test_gpu_modules_reduce_on_fsdps_stream_not_the_thread():
     """On a GPU FSDP2 calls the reduction hooks on its reduce-scatter stream; the background
     thread would run them on its own current stream, which FSDP's never waits for. So enable
     turns grad_overlap off for such modules: no thread, the synchronous path's bits, a note."""
-    for sync, over, notes, no_queue in run_ranks(_modules_on_a_gpu, 2):
+    for sync, over in run_ranks(_modules_on_a_gpu, 2):
         _assert_same(sync, over)
-        assert over["deferred"] == 0 and no_queue
-        assert any(n.startswith("grad_overlap: off for 4 FSDP module(s) on GPUs") for n in notes)
+        assert over["deferred"] == 0 and not over["threaded"]
+        assert any(n.startswith("grad_overlap: off on GPUs: FSDP2 already overlaps") and
+                   n.endswith("[4 module(s): <root>, blocks.0, blocks.1, blocks.2]")
+                   for n in over["notes"]), over["notes"]
 
 
 def test_queue_runs_in_order_and_drains_outside_backward():

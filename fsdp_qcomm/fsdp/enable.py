@@ -503,11 +503,10 @@ def enable(model: nn.Module, config: QCommConfig, *,
 
     stats = CommStats()
     if streamed:
-        stats.note(
-            f"grad_overlap: off for {len(streamed)} FSDP module(s) on GPUs ({streamed[0]}, ...): "
-            "FSDP2 already overlaps their reductions with backward on its reduce-scatter "
-            "stream, and the background thread would run them on another stream"
-        )
+        stats.note(hop_plan.module_list(
+            "grad_overlap: off on GPUs: FSDP2 already overlaps their reductions with backward on "
+            "its reduce-scatter stream, and the background thread would run them on another "
+            "stream", streamed))
     for line in hop_plan.notes(plans):
         stats.note(line)
     hint = hop_plan.nothing_quantized_hint(plans, run)
