@@ -732,15 +732,11 @@ def step_layouts(ctx: dict) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_qcomm
-    from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
 
     dev = "cpu" if ctx["dry_run"] else "cuda"
     mixed = dev == "cuda"
     d, layers, steps = (24, 2, 3) if ctx["dry_run"] else (256, 4, 4)
-    # DiLoCo's two runs are compared bit for bit: cuBLAS's deterministic workspace, set before
-    # its first use in this process (warn_only: an op without a deterministic kernel warns)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    _reproducible(torch)
     _init_group(torch, "fake", 4)
     _fake_fills_outputs(torch)
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -806,39 +802,13 @@ def step_layouts(ctx: dict) -> dict:
         return hooked("fsdp x tp 2x2", handle, step,
                       {"weight_allgather", "grad_inter", "tp_peer_sync"})
 
-    def diloco_run(overlap: bool) -> dict:
-        """4-bit outer gradients over the replicas, merged one inner step late; with overlap
-        the all-reduce and its codec run on a side stream from a background thread."""
-        mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("replicate", "shard"))
-        model = _model(torch, d, layers).to(dev)
-        _shard(torch, model, mixed, mesh=mesh["shard"])
-        cfg = DiLoCoConfig(sync_every=4, fragments=2, delay=1, overlap=overlap, bits=4)
-        diloco = DiLoCo(model, cfg, replicas=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        batches = _batches(torch, model, dev, 8)  # 4 outer all-reduces, 2 per fragment
-        losses = []
-
-        def inner(t: int) -> None:
-            losses.append(_train(torch, model, batches[t:t + 1], opt)[0][0])
-            diloco.step()
-
-        inner(0)
-        syncs = later_steps(inner, len(batches))  # recorded, not judged
-        diloco.finish()
-        calls = diloco.stats().get("outer_allreduce", {}).get("calls", 0)
-        diloco.close()
-        return {"losses": [float(v) for v in losses], "outer_calls": calls, "host_syncs": syncs,
-                "weights": {n: _digest(p.to_local()) for n, p in model.named_parameters()}}
-
     def diloco() -> dict:
-        line, over = diloco_run(False), diloco_run(True)
-        same = over["losses"] == line["losses"] and over["weights"] == line["weights"]
-        if not same:
-            problems.append("diloco: the overlapped run differs from the same schedule in line")
-        if not over["outer_calls"]:
-            problems.append("diloco: no outer all-reduce ran")
-        return {"outer_allreduce_calls": over["outer_calls"], "equal_to_in_line": same,
-                "final_loss": over["losses"][-1], "host_syncs": over["host_syncs"]}
+        def steps(inner, count: int):
+            inner(0)
+            return later_steps(inner, count)  # recorded, not judged
+
+        line, over = (_diloco_run(torch, dev, d, layers, o, steps=steps) for o in (False, True))
+        return {**_diloco_verdict([(line, over)], problems), "host_syncs": over["steps"]}
 
     def compiled_blocks() -> dict:
         """Each block compiled by inductor after fully_shard, as torchtitan does (section 8):
@@ -885,6 +855,61 @@ def step_layouts(ctx: dict) -> dict:
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _reproducible(torch) -> None:
+    """DiLoCo's two runs (``_diloco_run``) are compared bit for bit: cuBLAS's deterministic
+    workspace, set before its first use in this process (warn_only: an op without a
+    deterministic kernel warns)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _diloco_run(torch, dev: str, d: int, layers: int, overlap: bool, rank: int = 0,
+                steps=None) -> dict:
+    """DiLoCo over a (replicate 2, shard 2) mesh: 4-bit outer gradients over the replicas,
+    merged one inner step late, 8 inner steps (4 outer all-reduces, 2 per fragment); with
+    ``overlap`` the all-reduce and its codec run on a side stream from a background thread.
+    ``steps(inner, count)`` runs the inner steps (default: in order); what it returns is kept
+    under ``"steps"``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
+
+    mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model(torch, d, layers).to(dev)
+    _shard(torch, model, mixed=dev == "cuda", mesh=mesh["shard"])
+    cfg = DiLoCoConfig(sync_every=4, fragments=2, delay=1, overlap=overlap, bits=4)
+    diloco = DiLoCo(model, cfg, replicas=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batches = _batches(torch, model, dev, 8, rank)
+    losses = []
+
+    def inner(t: int) -> None:
+        losses.append(_train(torch, model, batches[t:t + 1], opt)[0][0])
+        diloco.step()
+
+    ran = steps(inner, len(batches)) if steps else [inner(t) for t in range(len(batches))]
+    diloco.finish()
+    calls = diloco.stats().get("outer_allreduce", {}).get("calls", 0)
+    diloco.close()
+    return {"losses": [float(v) for v in losses], "outer_calls": calls, "steps": ran,
+            "weights": {n: _digest(p.to_local()) for n, p in model.named_parameters()}}
+
+
+def _diloco_verdict(pairs: list, problems: list) -> dict:
+    """DiLoCo overlapped against the same schedule in line (``_diloco_run``'s pair, one per
+    rank given): the same losses and weights bit for bit, outer all-reduces that ran;
+    what differs is appended to ``problems``."""
+    same = all(over["losses"] == line["losses"] and over["weights"] == line["weights"]
+               for line, over in pairs)
+    over = pairs[0][1]
+    if not same:
+        problems.append("diloco: the overlapped run differs from the same schedule in line")
+    if not over["outer_calls"]:
+        problems.append("diloco: no outer all-reduce ran")
+    return {"outer_allreduce_calls": over["outer_calls"], "equal_to_in_line": same,
+            "final_loss": over["losses"][-1]}
 
 
 # ---- four ranks on the one GPU ----------------------------------------------------------------
@@ -1067,10 +1092,8 @@ def _four_ranks_training(torch, rank: int, world: int, dev: str, dry_run: bool) 
             seen.remove()
             row.update(losses=losses, same_weights_every_step=all(same))
             if handle is not None:
-                st = handle.stats()
-                row["kinds"] = {k: v["calls"] for k, v in st.items()
-                                if isinstance(v, dict) and "calls" in v}
-                row["cross_node_bytes"] = st["summary"]["cross_node_bytes"]
+                row["kinds"] = _kinds(handle)
+                row["cross_node_bytes"] = handle.stats()["summary"]["cross_node_bytes"]
                 handle.disable()
         except Exception as e:
             if preset is not None:
@@ -1080,42 +1103,19 @@ def _four_ranks_training(torch, rank: int, world: int, dev: str, dry_run: bool) 
     return out
 
 
-def _four_ranks_diloco(torch, rank: int, dev: str, dry_run: bool) -> dict:
-    """DiLoCo over the 2 replicas (one per node), its 4-bit outer all-reduce overlapped on a
-    side stream from its background thread, against the same schedule run in line: the same
-    losses and weights bit for bit, on every rank."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fsdp_qcomm.diloco import DiLoCo, DiLoCoConfig
-
+def _four_ranks_diloco(torch, rank: int, dev: str, dry_run: bool) -> tuple[dict, dict]:
+    """DiLoCo over the 2 replicas (one per node), in line and with its outer all-reduce
+    overlapped on a side stream from its background thread (``_diloco_verdict`` compares)."""
     d, layers = (24, 2) if dry_run else (256, 4)
-    runs = {}
-    for overlap in (False, True):
-        mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("replicate", "shard"))
-        model = _model(torch, d, layers).to(dev)
-        _shard(torch, model, mixed=dev == "cuda", mesh=mesh["shard"])
-        diloco = DiLoCo(model, DiLoCoConfig(sync_every=4, fragments=2, delay=1, overlap=overlap,
-                                            bits=4), replicas=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        losses = []
-        with _codec_path(dry_run):
-            for x, y in _batches(torch, model, dev, 8, rank):
-                losses.append(float(_train(torch, model, [(x, y)], opt)[0][0]))
-                diloco.step()
-            diloco.finish()
-        calls = diloco.stats().get("outer_allreduce", {}).get("calls", 0)
-        diloco.close()
-        runs[overlap] = (losses, {n: p.to_local() for n, p in model.named_parameters()}, calls)
-    (line, w_line, _), (over, w_over, calls) = runs[False], runs[True]
-    return {"equal_to_in_line": over == line and all(
-                _bits_equal(w_over[k], w_line[k]) for k in w_line),
-            "outer_allreduce_calls": calls, "final_loss": over[-1]}
+    with _codec_path(dry_run):
+        return tuple(_diloco_run(torch, dev, d, layers, o, rank) for o in (False, True))
 
 
 def _four_ranks(rank: int, world: int, dry_run: bool) -> dict:
     """One rank of ``step_four_ranks``."""
     import torch
 
+    _reproducible(torch)  # before this rank's first matmul: its DiLoCo runs are compared
     dev = _rank_device(torch, dry_run)
     return {"collectives": _four_ranks_collectives(torch, rank, world, dev, dry_run),
             "training": _four_ranks_training(torch, rank, world, dev, dry_run),
@@ -1224,14 +1224,7 @@ def step_four_ranks(ctx: dict) -> dict:
             if abs(row["final_loss_gap"]) > _FOUR_LOSS_GAP:
                 problems.append(f"{name}: final loss {row['losses'][-1]:.4f} against FSDP2's "
                                 f"{ref['losses'][-1]:.4f}")
-    out["diloco overlap 2x2"] = row = {
-        "equal_to_in_line": all(r["diloco"]["equal_to_in_line"] for r in ranks),
-        "outer_allreduce_calls": ranks[0]["diloco"]["outer_allreduce_calls"],
-        "final_loss": ranks[0]["diloco"]["final_loss"]}
-    if not row["equal_to_in_line"]:
-        problems.append("diloco: the overlapped run differs from the same schedule in line")
-    if not row["outer_allreduce_calls"]:
-        problems.append("diloco: no outer all-reduce ran")
+    out["diloco overlap 2x2"] = _diloco_verdict([r["diloco"] for r in ranks], problems)
     if problems:
         raise StepFailed("; ".join(problems), out)
     return out
