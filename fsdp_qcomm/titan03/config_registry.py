@@ -136,7 +136,7 @@ def _moe(scheme: str) -> Config:
     (``ShardPlacementResult``), the dense weights over all 4 ranks, and fsdp_qcomm installs
     each group's collectives (docs/moe.md). The built-in corpus with its 2048-token tokenizer,
     fp32 parameters (the grouped expert matmuls run in bf16, as torchtitan writes them), 20
-    steps of 4 x 128 tokens per rank."""
+    steps of 4 x 128 tokens per rank, from the debug GPT's seed."""
     from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 
     base = deepseek_v3_debugmodel()
@@ -151,6 +151,7 @@ def _moe(scheme: str) -> Config:
                                            expert_parallel_degree=2)
     config.activation_checkpoint = None
     config.checkpoint = CheckpointManager.Config(enable=False)
+    config.debug = DebugConfig(seed=DEBUG.seed)  # as the debug GPT: the same run every time
     config.metrics = QCommMetricsProcessor.Config(log_freq=5)
     config.dump_folder = f"./outputs/debug_moe_{scheme}"
     if shapes.debug_overlaps(scheme):
