@@ -7,7 +7,10 @@ bucket (the group's index in that walk, the same on every rank). A module has on
 FSDP2's public ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` refuse such modules, so
 the collectives are installed on each group directly (``internals.set_comms``), each planned on
 its own group's mesh and node placement. Everything is validated before anything is installed,
-so a refused call leaves the model untouched.
+so a refused call leaves the model untouched, and refused on every rank alike: the ranks then
+exchange what they checked and would install, once (``install_agreement``), so a check that fails
+on one rank stops all of them, and ranks given different configurations (or module filters) stop
+with the difference named instead of exchanging bytes they cannot decode.
 
 Reduction ops. FSDP passes its reduce-scatter AVG by default, and PREMUL_SUM(1/f) once a
 gradient divide factor ``f`` other than the world size is set; gloo rejects PREMUL_SUM
@@ -57,6 +60,7 @@ from ..collectives.cast import WIRE_DTYPE
 from ..collectives.topology import (
     NodePlacement,
     group_layout,
+    host_names,
     layout_topology,
     node_topology,
     private_group,
@@ -64,7 +68,7 @@ from ..collectives.topology import (
 )
 from ..config import QCommConfig
 from ..stats import CommStats, TaggedStats
-from . import checkpoint, hop_plan, hsdp, module_choice, tp_peers
+from . import checkpoint, hop_plan, hsdp, install_agreement, module_choice, tp_peers
 from . import internals as fsdp
 from .all_gather import QuantizedAllGather
 from .grad_overlap import ReductionQueue
@@ -457,13 +461,44 @@ def _collect(model: nn.Module, config: QCommConfig,
     return installs
 
 
+def _decided(model: nn.Module, config: QCommConfig,
+             module_filter_fn: Optional[module_choice.ModuleFilter],
+             module_configs: Optional[Mapping[str, QCommConfig]]) -> tuple:
+    """Everything ``enable`` decides and checks on this rank before building anything:
+    ``(installs, placement, run, streamed, plans)``. Local: no collective (the host names are
+    gathered already)."""
+    installs = _collect(model, config, module_filter_fn, module_configs)
+    if any(i.config.grad_levels == "learned" and _has_replicas(i.group) for i in installs):
+        raise ValueError(
+            "QCommConfig.grad_levels='learned' is not supported under HSDP: the all-reduce "
+            "across replicas has no learned level table and would run on uniform levels. Use "
+            "grad_levels='uniform' with HSDP, or a 1-D mesh (fully_shard over all ranks)"
+        )
+    placement = resolve_placement(config.ranks_per_node)
+    run = config.replace(ranks_per_node=placement.ranks_per_node)
+    fsdp.verify_torch()
+    streamed = []  # modules whose reductions FSDP runs on its own CUDA streams
+    for i in installs:
+        fsdp.verify_group(i.group)
+        i.run = run if i.config is config else i.config.replace(
+            ranks_per_node=placement.ranks_per_node)
+        if i.run.grad_overlap and not _overlaps_on_a_thread(i.group):
+            i.run = i.run.replace(grad_overlap=False)
+            streamed.append(i.label)
+    plans = {i.label: _plan(i, i.run) for i in installs}
+    _check_topology(installs, plans)
+    _check_replaced_comms(installs, plans)
+    return installs, placement, run, streamed, plans
+
+
 def enable(model: nn.Module, config: QCommConfig, *,
            module_filter_fn: Optional[module_choice.ModuleFilter] = None,
            module_configs: Optional[Mapping[str, QCommConfig]] = None) -> QCommHandle:
     """Install ``config``'s quantized collectives on every FSDP2 module under ``model``.
 
     Call after ``fully_shard`` (bottom-up, model last) and ``init_process_group``, on every
-    rank. Returns a ``QCommHandle``: ``stats()``, ``reset()``, ``disable()``.
+    rank of the world, with the same arguments: every rank raises, or none does. Returns a
+    ``QCommHandle``: ``stats()``, ``reset()``, ``disable()``.
     ``module_filter_fn(module, fqn) -> bool``: False keeps that FSDP module on FSDP2's own
     collectives. ``module_configs``: ``{fnmatch pattern of the module's name: QCommConfig}``,
     other widths or schemes for some modules (``fsdp.module_choice``).
@@ -479,27 +514,16 @@ def enable(model: nn.Module, config: QCommConfig, *,
         )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
-    installs = _collect(model, config, module_filter_fn, module_configs)
-    if any(i.config.grad_levels == "learned" and _has_replicas(i.group) for i in installs):
-        raise ValueError(
-            "QCommConfig.grad_levels='learned' is not supported under HSDP: the all-reduce "
-            "across replicas has no learned level table and would run on uniform levels. Use "
-            "grad_levels='uniform' with HSDP, or a 1-D mesh (fully_shard over all ranks)"
-        )
-    placement = resolve_placement(config.ranks_per_node)  # collective: host names, once
-    run = config.replace(ranks_per_node=placement.ranks_per_node)
-    fsdp.verify_torch()
-    streamed = []  # modules whose reductions FSDP runs on its own CUDA streams
-    for i in installs:
-        fsdp.verify_group(i.group)
-        i.run = run if i.config is config else i.config.replace(
-            ranks_per_node=placement.ranks_per_node)
-        if i.run.grad_overlap and not _overlaps_on_a_thread(i.group):
-            i.run = i.run.replace(grad_overlap=False)
-            streamed.append(i.label)
-    plans = {i.label: _plan(i, i.run) for i in installs}
-    _check_topology(installs, plans)
-    _check_replaced_comms(installs, plans)
+    host_names()  # collective, once per world: before anything that may fail on one rank only
+    failure, entries = None, []
+    try:
+        installs, placement, run, streamed, plans = _decided(
+            model, config, module_filter_fn, module_configs)
+        entries = [install_agreement.Entry(_mesh_key(i), i.label, i.index, i.run,
+                                           plans[i.label]) for i in installs]
+    except Exception as e:  # raised on every rank by the agreement below
+        failure = e
+    install_agreement.check(failure, entries)  # collective: every rank raises, or none
 
     stats = CommStats()
     if streamed:
