@@ -6,8 +6,8 @@ checked: the schedule; replicas bit-identical after every outer step (2 groups x
 x 1, quantized at 2-4 bits, with and without error feedback, streaming fragments); the overlap
 thread really runs the all-reduce during the next inner step and gives the same bits as the
 synchronous reference; resume from a DCP checkpoint at an outer step and mid-round (an
-all-reduce in flight) is bit-identical; mismatched checkpoints are refused; bytes and outer
-state are accounted.
+all-reduce in flight) is bit-identical; mismatched checkpoints are refused, and so are replicas
+launched with other settings, on every replica alike; bytes and outer state are accounted.
 """
 
 from __future__ import annotations
@@ -425,6 +425,50 @@ def test_load_refuses_another_layout_or_config():
         assert "fragments" in errors["fragments"]
         assert "'bits'" in errors["bits"]
         assert "fragments" in errors["shapes"]
+
+
+def _other_settings_run(rank: int, world: int) -> dict:
+    """Replica 1 launched with other settings, one difference at a time, then alike."""
+    model, mesh = _build((2, 1))
+    r = mesh["replicate"].get_local_rank()
+    base = dict(sync_every=4, fragments=2)
+    out = {}
+    for name, kw in (("outer_lr", dict(outer_lr=0.5)), ("sync_every", dict(sync_every=8)),
+                     ("bits", dict(bits=2, hadamard=False))):
+        try:
+            DiLoCo(model, DiLoCoConfig(**{**base, **(kw if r == 1 else {})}), replicas=mesh)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    momentum = 0.9 if r == 0 else 0.8
+    try:
+        DiLoCo(model, DiLoCoConfig(**base), replicas=mesh, outer_optimizer=lambda ps: (
+            torch.optim.SGD(ps, lr=0.7, momentum=momentum)))
+        out["optimizer"] = "no error"
+    except ValueError as e:
+        out["optimizer"] = str(e)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = DiLoCo(model, DiLoCoConfig(**base), replicas=mesh)
+    out["alike"] = _train(model, opt, diloco, mesh, 8)["same"]
+    return out
+
+
+def test_replicas_launched_with_other_settings_refuse_alike():
+    """Before: another outer learning rate or momentum on one replica merged into weights that
+    drifted apart without an error; another schedule or wire format paired all-reduces of
+    other rounds or sizes. Now every replica raises the same error, naming the field."""
+    results = run_ranks(_other_settings_run, 2, timeout=200)
+    assert results[0] == results[1]
+    out = results[0]
+    assert out["outer_lr"].startswith(
+        "DiLoCo: the replicas would not run the same outer steps. config.outer_lr: 0.7 on "
+        "replica(s) [0] (global rank(s) [0]); 0.5 on replica(s) [1] (global rank(s) [1])"), out
+    assert "config.sync_every: 4 on replica(s) [0]" in out["sync_every"], out
+    assert "config.bits: 4 on" in out["bits"] and "config.hadamard: True on" in out["bits"], out
+    assert ("outer_optimizer.momentum: [0.9, 0.9] on replica(s) [0] (global rank(s) [0]); "
+            "[0.8, 0.8] on replica(s) [1] (global rank(s) [1]). Give") in out["optimizer"], out
+    assert "Give every replica the same DiLoCoConfig" in out["optimizer"], out
+    assert out["alike"] is True
 
 
 def _refuse_hsdp(rank: int, world: int, qcomm: bool) -> str:

@@ -27,6 +27,7 @@ DiLoCo state next to them), as torchft does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -54,7 +55,7 @@ from .outer import (
     outer_all_reduce,
     outer_key,
 )
-from .replicas import ReplicaGroup, StaticReplicas, as_replicas
+from .replicas import ReplicaGroup, as_replicas, check_same_run, fixed_group
 from .schedule import Overlap, Schedule
 
 _STATE_VERSION = 1
@@ -125,12 +126,14 @@ class DiLoCo:
         shared = iter(self.layout.shared)
         self._peers = [PeerSpans([next(shared) for _ in f.refs], f.sizes) for f in self.fragments]
         self.device = self.fragments[0].device
+        fixed = fixed_group(replicas)  # None for torchft's replicas: their own groups
+        _check_isolated_replicas(self._fsdp_modules, fixed)
+        # every fragment's spans name the same TP dimensions: each group is checked once
+        _check_carries(fixed, self.device, config.diagnostics,
+                       list({d.ranks: d for spans in self._peers for d in spans.dims}.values()))
+        check_same_run(fixed, self._run_record())  # before any collective that depends on it
         self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
                                                   ranks_per_node=ranks_per_node)
-        _check_isolated_replicas(self._fsdp_modules, self.replicas)
-        # every fragment's spans name the same TP dimensions: each group is checked once
-        _check_carries(self.replicas, self.device, config.diagnostics,
-                       list({d.ranks: d for spans in self._peers for d in spans.dims}.values()))
         self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
         self._stats = CommStats()
         self._overlap = Overlap(config.overlaps, self.device)
@@ -392,6 +395,24 @@ class DiLoCo:
         self._stats.reset()
 
     # ---- checkpoints -----------------------------------------------------------------------
+    def _run_record(self) -> dict[str, Any]:
+        """What every replica must share (``replicas.check_same_run``): every config field,
+        this rank's position in its replica group, the fragments' parameters and shapes, and
+        each fragment's outer optimizer with its hyperparameters."""
+        groups = [g for f in self.fragments for g in f.optimizer.param_groups]
+        hyper = {k: [g.get(k) for g in groups] for g in groups for k in g if k != "params"}
+        return {
+            **{f"config.{f.name}": getattr(self.config, f.name)
+               for f in dataclasses.fields(self.config)},
+            "position": (self.group_rank, self.group_size),
+            "fragments": [[[state_name(r.name), *r.shapes()] for r in f.refs]
+                          for f in self.fragments],
+            "outer_optimizer": [type(f.optimizer).__name__ for f in self.fragments],
+            # per parameter group of every fragment; a tensor by its values, not its device
+            **{f"outer_optimizer.{k}": [v.tolist() if isinstance(v, torch.Tensor) else v
+                                        for v in vs] for k, vs in hyper.items()},
+        }
+
     def _meta(self, with_replicas: bool = True) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "group_rank": self.group_rank, "group_size": self.group_size,
@@ -552,15 +573,15 @@ def _refuse(why: str) -> float:
     raise RuntimeError(why)
 
 
-def _check_isolated_replicas(modules: list[nn.Module], replicas: ReplicaGroup) -> None:
+def _check_isolated_replicas(modules: list[nn.Module], group: Optional[dist.ProcessGroup]
+                             ) -> None:
     """Isolated HSDP (``isolate_replicas``): the outer all-reduce must run over the replica
-    group the isolation took FSDP's all-reduce from (one rank of every replica group)."""
-    import torch.distributed as dist
-
+    group the isolation took FSDP's all-reduce from (one rank of every replica group).
+    ``group``: the replicas' fixed group (``replicas.fixed_group``; None for torchft's)."""
     isolated = isolated_replica_ranks(modules)
-    if not isolated or not isinstance(replicas, StaticReplicas):  # torchft: its own groups
+    if not isolated or group is None:
         return
-    mine = tuple(dist.get_process_group_ranks(replicas.group))
+    mine = tuple(dist.get_process_group_ranks(group))
     if isolated != {mine}:
         raise ValueError(
             f"DiLoCo: its replicas (ranks {list(mine)}) are not the replica group of the "
@@ -569,7 +590,7 @@ def _check_isolated_replicas(modules: list[nn.Module], replicas: ReplicaGroup) -
         )
 
 
-def _check_carries(replicas: ReplicaGroup, device: torch.device, diagnostics: bool,
+def _check_carries(group: Optional[dist.ProcessGroup], device: torch.device, diagnostics: bool,
                    peers: Sequence[MeshDim] = ()) -> None:
     """The outer all-reduce runs on the local shards' device: with FSDP's ``CPUOffloadPolicy``
     that is the CPU, which an NCCL-only group cannot carry. Refused here, not after the first
@@ -578,13 +599,12 @@ def _check_carries(replicas: ReplicaGroup, device: torch.device, diagnostics: bo
     from ..collectives._c10d import carries
 
     groups = [(f"tensor-parallel ({d.name})", d.group) for d in peers]
-    if isinstance(replicas, StaticReplicas):  # torchft: its own process groups
-        groups.append(("replica", replicas.group))
+    if group is not None:  # torchft: its own process groups
+        groups.append(("replica", group))
         if diagnostics:
             groups.append(("default", dist.group.WORLD))
-    for what, group in groups:
-        if isinstance(group, dist.ProcessGroup) and group.size() > 1 \
-                and not carries(group, device):
+    for what, g in groups:
+        if isinstance(g, dist.ProcessGroup) and g.size() > 1 and not carries(g, device):
             raise ValueError(
                 f"DiLoCo: the parameters' local shards are on {device} (FSDP's CPUOffloadPolicy "
                 f"keeps them on the CPU) and the {what} process group has no backend for "

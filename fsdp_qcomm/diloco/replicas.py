@@ -19,7 +19,7 @@ there). ``diloco.ft.FTReplicas`` is the torchft one (quorum, healing, commit vot
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Protocol, runtime_checkable
+from typing import Any, Hashable, Optional, Protocol, runtime_checkable
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -95,6 +95,53 @@ def replica_group_of(mesh) -> ProcessGroup:
     return mesh.get_group(0)
 
 
+def fixed_group(replicas) -> Optional[ProcessGroup]:
+    """The fixed process group behind ``replicas`` as ``DiLoCo`` takes them (a device mesh, a
+    process group or a ``ReplicaGroup`` without ``start``), found without creating any group;
+    None for torchft's, whose members change (they heal instead)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(replicas, DeviceMesh):
+        return replica_group_of(replicas)
+    if isinstance(replicas, ProcessGroup):
+        return replicas
+    if isinstance(replicas, ReplicaGroup) and not hasattr(replicas, "start"):
+        return replicas.group
+    return None
+
+
+def check_same_run(group: Optional[ProcessGroup], record: dict[str, Any]) -> None:
+    """Every replica must run the same outer steps: the same ``DiLoCoConfig`` (the schedule,
+    the outer all-reduce's format, overlap and diagnostics decide which collectives run when),
+    fragments, layout and outer optimizer. One ``all_gather_object`` over ``group`` at
+    construction, before any collective that depends on them; every member reads the same
+    records, so all raise the same ``ValueError`` naming what differs, or none does. Without it
+    replicas launched with other settings (each site its own launch) would pair all-reduces of
+    other sizes or rounds (gloo aborts, NCCL reads the wrong bytes or hangs) or, with only the
+    outer learning rate or momentum different, merge into weights that drift apart silently."""
+    if group is None or group.size() == 1:
+        return
+    every: list[Any] = [None] * group.size()
+    dist.all_gather_object(every, record, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    diffs = []
+    for key in record:
+        values: dict[str, list[int]] = {}
+        for replica, r in enumerate(every):
+            values.setdefault(repr(r.get(key)), []).append(replica)
+        if len(values) > 1:
+            diffs.append(f"{key}: " + "; ".join(
+                f"{v} on replica(s) {rs} (global rank(s) {[ranks[i] for i in rs]})"
+                for v, rs in values.items()))
+    if diffs:
+        raise ValueError(
+            "DiLoCo: the replicas would not run the same outer steps. "
+            + " | ".join(diffs[:6]) + (f" | and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+            + ". Give every replica the same DiLoCoConfig, fragments and outer optimizer, and "
+            "shard its model alike (with one launch per site, check each site's settings)"
+        )
+
+
 def as_replicas(replicas, *, overlap: bool, ranks_per_node: Optional[int]) -> ReplicaGroup:
     """``replicas`` as a ``ReplicaGroup``: one already, a process group, a device mesh
     (``replica_group_of``), or a torchft ``Manager`` (``diloco.ft.FTReplicas``)."""
@@ -120,4 +167,5 @@ def as_replicas(replicas, *, overlap: bool, ranks_per_node: Optional[int]) -> Re
     raise TypeError(f"DiLoCo cannot use {type(replicas).__name__} as its replicas")
 
 
-__all__ = ["ReplicaGroup", "StaticReplicas", "as_replicas", "replica_group_of"]
+__all__ = ["ReplicaGroup", "StaticReplicas", "as_replicas", "check_same_run", "fixed_group",
+           "replica_group_of"]
