@@ -449,6 +449,8 @@ def test_float16_scales_underflow_and_the_config_warns():
 )
 # a subnormal float16 scale (8-bit steps of ~1.6e-5): beyond the one-ulp-relative bound alone
 @example(n=200, rows=2, bits=8, gs=8, symmetric=False, scale_dtype="float16", mag=1e-3, seed=1)
+# a tight last group far from zero: its float16 minimum's rounding exceeds half a step
+@example(n=306, rows=1, bits=5, gs=8, symmetric=False, scale_dtype="float16", mag=25.0, seed=306)
 def test_property_round_trip(n, rows, bits, gs, symmetric, scale_dtype, mag, seed):
     spec = QuantSpec(bits=bits, group_size=gs, symmetric=symmetric, rounding="nearest",
                      scale_dtype=scale_dtype)
@@ -460,12 +462,18 @@ def test_property_round_trip(n, rows, bits, gs, symmetric, scale_dtype, mag, see
     # the scale dtype relative to absmax (2^-8 for bf16): allow that on top of half a step.
     # A float16 scale below 2^-14 (6.1e-5) is subnormal, spaced 2^-24 apart whatever its size:
     # rounding it moves the top level by up to qmax * 2^-25 (mag=1e-3 with 8 bits gets there).
+    # An asymmetric group's minimum is stored in the scale dtype too (wire.py), and the codes
+    # count from the stored one: values between the minimum and its rounding clamp to code 0,
+    # up to half its spacing away (|min| * ulp; 2^-25 when a float16 minimum is subnormal). A
+    # tight group far from zero shows it (n=306, 5 bits, groups of 8, float16, mag=25).
     s = _scale(x, spec)
     ulp = {"float32": 0.0, "bfloat16": 2**-8, "float16": 2**-11}[scale_dtype]
     subnormal = spec.qmax * 2**-25 if scale_dtype == "float16" else 0.0
     g = _groups(x, gs)
     rng = (g.abs().amax(-1) if symmetric else g.amax(-1) - g.amin(-1))
     rng = rng[..., None].expand_as(g).reshape(rows, -1)[:, :n]
-    bound = 0.5 * s * (1 + 1e-5) + ulp * rng * 2 + subnormal + 1e-30
+    lo = g.amin(-1)[..., None].expand_as(g).reshape(rows, -1)[:, :n].abs()
+    lo = 0.0 if symmetric else lo * ulp + subnormal / spec.qmax
+    bound = 0.5 * s * (1 + 1e-5) + ulp * rng * 2 + subnormal + lo + 1e-30
     assert bool(((y - x).abs() <= bound).all())
     assert math.isfinite(float(y.abs().max()))
