@@ -81,6 +81,41 @@ def test_meshes_of_other_ranks_are_not_compared():
     assert "over ranks [2-3]" in text and "['layers.1'] on ranks [2] only" in text, text
 
 
+def test_buckets_are_compared_once_every_mesh_agrees():
+    """A module left out on another mesh shifts every later RNG bucket; the error names that
+    module, not the first shifted bucket."""
+    dense, experts = ((0, 1), (2,), ("dp",)), ((0, 1), (2,), ("efsdp",))
+    full = [_entry("layers.0", 0, _SDP4, dense), _entry("layers.0.moe", 1, _SDP4, experts),
+            _entry("layers.1", 2, _SDP4, dense), _entry("layers.1.moe", 3, _SDP4, experts),
+            _entry("<root>", 4, _SDP4, dense)]
+    fewer = [_entry("layers.0", 0, _SDP4, dense),
+             _entry("layers.1", 1, _SDP4, dense), _entry("layers.1.moe", 2, _SDP4, experts),
+             _entry("<root>", 3, _SDP4, dense)]
+    assert repr(dense) < repr(experts)  # the dense mesh is looked at first
+    text = agreement.verdict(_world((None, full), (None, fewer)))
+    assert "the device mesh (efsdp=2) over ranks [0-1]" in text, text
+    assert "['layers.0.moe'] on ranks [0] only, none on ranks [1] only" in text, text
+    shifted = [_entry("layers.1", 0, _SDP4, dense), _entry("layers.0", 1, _SDP4, dense)]
+    text = agreement.verdict(_world((None, [*shifted[::-1]]), (None, shifted)))
+    assert "same FSDP modules in another order" in text, text
+
+
+def test_unused_patterns_are_refused_only_where_no_rank_uses_them():
+    """A module_configs pattern that chose nothing on any rank is refused on every rank; under
+    pipeline parallelism (meshes over part of the world) another stage may hold its modules."""
+    def world(*unused, meshes):
+        return [agreement.payload(None, [_entry("<root>", 0, _SDP4, m)], u, f"typo {u}")
+                for u, m in zip(unused, meshes)]
+
+    whole = [_MESH] * 4
+    assert agreement.verdict(world(["blok.*"], ["blok.*"], ["blok.*"], ["blok.*"],
+                                   meshes=whole)) == "typo ['blok.*']"
+    assert agreement.verdict(world([], [], [], [], meshes=whole)) is None
+    stages = [((0, 1), (2,), ("dp",))] * 2 + [((2, 3), (2,), ("dp",))] * 2
+    assert agreement.verdict(world(["output"], ["output"], [], [], meshes=stages)) is None
+    assert agreement.verdict(world(["out"], ["out"], ["out"], ["out"], meshes=stages)) is None
+
+
 def test_a_failure_on_one_rank_is_every_ranks():
     text = agreement.verdict(_world((None, _SAME), (None, _SAME),
                                     (ValueError("bad group"), []), (None, _SAME)))

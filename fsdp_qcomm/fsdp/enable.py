@@ -413,11 +413,13 @@ def _checked(module: FSDPModule, group: Any, name: str, index: int, group_label:
 
 def _collect(model: nn.Module, config: QCommConfig,
              module_filter_fn: Optional[module_choice.ModuleFilter] = None,
-             module_configs: Optional[Mapping[str, QCommConfig]] = None) -> list[_Install]:
+             module_configs: Optional[Mapping[str, QCommConfig]] = None
+             ) -> tuple[list[_Install], tuple[list[str], str]]:
     """Every parameter group of every FSDP module under ``model`` that ``module_filter_fn``
     keeps (several per module when ``shard_placement_fn`` gave some parameters a mesh of their
     own), each with its configuration (``module_choice``); refuses what we cannot handle,
-    naming the module."""
+    naming the module. Also the ``module_configs`` patterns that chose no module here, with
+    their error (``module_choice.unused_patterns``): refused once no rank used them."""
     overrides = module_choice.check_overrides(config, module_configs)
     installs: list[_Install] = []
     seen: set[int] = set()
@@ -440,7 +442,7 @@ def _collect(model: nn.Module, config: QCommConfig,
             if install is not None:
                 install.config = chosen
                 installs.append(install)
-    module_choice.check_all_used(overrides, used, names)
+    unused = module_choice.unused_patterns(overrides, used, names)
     if found and excluded and not installs:
         raise ValueError(
             f"module_filter_fn keeps every FSDP module under {type(model).__name__} out "
@@ -458,16 +460,16 @@ def _collect(model: nn.Module, config: QCommConfig,
             f"the FSDP modules under {type(model).__name__} manage no parameters; nothing to "
             "quantize"
         )
-    return installs
+    return installs, unused
 
 
 def _decided(model: nn.Module, config: QCommConfig,
              module_filter_fn: Optional[module_choice.ModuleFilter],
              module_configs: Optional[Mapping[str, QCommConfig]]) -> tuple:
     """Everything ``enable`` decides and checks on this rank before building anything:
-    ``(installs, placement, run, streamed, plans)``. Local: no collective (the host names are
-    gathered already)."""
-    installs = _collect(model, config, module_filter_fn, module_configs)
+    ``(installs, placement, run, streamed, plans, unused patterns)``. Local: no collective (the
+    host names are gathered already)."""
+    installs, unused = _collect(model, config, module_filter_fn, module_configs)
     if any(i.config.grad_levels == "learned" and _has_replicas(i.group) for i in installs):
         raise ValueError(
             "QCommConfig.grad_levels='learned' is not supported under HSDP: the all-reduce "
@@ -488,7 +490,7 @@ def _decided(model: nn.Module, config: QCommConfig,
     plans = {i.label: _plan(i, i.run) for i in installs}
     _check_topology(installs, plans)
     _check_replaced_comms(installs, plans)
-    return installs, placement, run, streamed, plans
+    return installs, placement, run, streamed, plans, unused
 
 
 def enable(model: nn.Module, config: QCommConfig, *,
@@ -515,15 +517,15 @@ def enable(model: nn.Module, config: QCommConfig, *,
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
     host_names()  # collective, once per world: before anything that may fail on one rank only
-    failure, entries = None, []
+    failure, entries, unused = None, [], ([], "")
     try:
-        installs, placement, run, streamed, plans = _decided(
+        installs, placement, run, streamed, plans, unused = _decided(
             model, config, module_filter_fn, module_configs)
         entries = [install_agreement.Entry(_mesh_key(i), i.label, i.index, i.run,
                                            plans[i.label]) for i in installs]
     except Exception as e:  # raised on every rank by the agreement below
         failure = e
-    install_agreement.check(failure, entries)  # collective: every rank raises, or none
+    install_agreement.check(failure, entries, *unused)  # collective: all raise, or none
 
     stats = CommStats()
     if streamed:

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
 from ..config import QCommConfig
+
+logger = logging.getLogger("fsdp_qcomm")
 
 #: a device mesh as ``enable`` keys it: (its ranks, flattened; its shape; its dimension names)
 MeshKey = tuple[tuple[int, ...], tuple[int, ...], Optional[tuple[str, ...]]]
@@ -57,9 +60,11 @@ def _plan_digest(plan: Any) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def payload(failure: Optional[BaseException], entries: Sequence[Entry]) -> dict:
-    """This rank's message: its failure, and per mesh ``[(label, index, config id, plan
-    digest)]`` with the distinct configurations sent once (``configs``)."""
+def payload(failure: Optional[BaseException], entries: Sequence[Entry],
+            unused: Sequence[str] = (), unused_message: str = "") -> dict:
+    """This rank's message: its failure, per mesh ``[(label, index, config id, plan
+    digest)]`` with the distinct configurations sent once (``configs``), and the
+    ``module_configs`` patterns that chose none of its modules (``unused``)."""
     configs: list[tuple] = []
     meshes: dict[MeshKey, list[tuple]] = {}
     for e in entries:
@@ -72,6 +77,8 @@ def payload(failure: Optional[BaseException], entries: Sequence[Entry]) -> dict:
         "failure": None if failure is None else (type(failure).__name__, str(failure)),
         "configs": configs,
         "meshes": meshes,
+        "unused": list(unused),
+        "unused_message": unused_message,
     }
 
 
@@ -95,39 +102,68 @@ def _mesh_text(key: MeshKey) -> str:
     return f"the device mesh {dims} over ranks {ranks_text(ranks)}"
 
 
-def _expanded(p: dict, key: MeshKey) -> tuple:
-    """A rank's modules on ``key`` with their configurations spelled out (comparable)."""
-    return tuple((label, index, p["configs"][c], plan)
+def _expanded(p: dict, key: MeshKey, indices: bool) -> tuple:
+    """A rank's modules on ``key`` with their configurations spelled out (comparable); with
+    ``indices``, their RNG buckets too (a walk over every mesh: a difference on one mesh shifts
+    the buckets of the others, so buckets are compared only once every mesh agrees)."""
+    return tuple((label, index if indices else None, p["configs"][c], plan)
                  for label, index, c, plan in p["meshes"].get(key, []))
 
 
+def _fields_differ(label: str, config_a: tuple, config_b: tuple, ranks_a: str,
+                   ranks_b: str) -> str:
+    names_a, names_b = [n for n, _ in config_a], [n for n, _ in config_b]
+    if names_a != names_b:
+        return (f"FSDP module {label!r}: the ranks' QCommConfig has other fields ({len(names_a)} "
+                f"on ranks {ranks_a}, {len(names_b)} on ranks {ranks_b}): they run different "
+                "fsdp_qcomm versions. Install the same fsdp_qcomm on every node")
+    diff = [f"{name}={value_a} on ranks {ranks_a}, {value_b} on ranks {ranks_b}"
+            for (name, value_a), (_, value_b) in zip(config_a, config_b) if value_a != value_b]
+    more = f"; and {len(diff) - 6} more" if len(diff) > 6 else ""
+    return (f"FSDP module {label!r} is configured differently: {'; '.join(diff[:6])}{more}. "
+            f"{_FIX}")
+
+
 def _difference(a: tuple, b: tuple, ranks_a: str, ranks_b: str) -> str:
-    """What differs between two ranks' module lists on one mesh, in words."""
+    """What differs between two ranks' module lists on one mesh, in words, with the fix."""
     labels_a, labels_b = [m[0] for m in a], [m[0] for m in b]
     if labels_a != labels_b:
         only_a = [x for x in labels_a if x not in labels_b]
         only_b = [x for x in labels_b if x not in labels_a]
         if not only_a and not only_b:
             return (f"they install on the same FSDP modules in another order ({labels_a[:6]} "
-                    f"against {labels_b[:6]})")
+                    f"against {labels_b[:6]}). {_FIX}")
         return ("they install on different FSDP modules: "
                 f"{only_a[:6] or 'none'} on ranks {ranks_a} only, {only_b[:6] or 'none'} on "
-                f"ranks {ranks_b} only (module_filter_fn or module_configs decide differently)")
+                f"ranks {ranks_b} only (module_filter_fn or module_configs decide differently). "
+                f"{_FIX}")
     for (label, index_a, config_a, plan_a), (_, index_b, config_b, plan_b) in zip(a, b):
         if config_a != config_b:
-            diff = [f"{name}={value_a} on ranks {ranks_a}, {value_b} on ranks {ranks_b}"
-                    for (name, value_a), (_, value_b) in zip(config_a, config_b)
-                    if value_a != value_b]
-            more = f"; and {len(diff) - 6} more" if len(diff) > 6 else ""
-            return f"FSDP module {label!r} is configured differently: {'; '.join(diff[:6])}{more}"
-        if index_a != index_b:
-            return (f"FSDP module {label!r} has RNG bucket {index_a} on ranks {ranks_a}, "
-                    f"{index_b} on ranks {ranks_b}")
+            return _fields_differ(label, config_a, config_b, ranks_a, ranks_b)
         if plan_a != plan_b:
             return (f"FSDP module {label!r} has the same configuration but other planned "
-                    "collectives (its groups span nodes differently: check the node placement "
-                    "against the mesh)")
+                    "collectives: its process groups span nodes differently on these ranks. "
+                    "Lay the mesh out so that every group of a dimension has the same shape "
+                    "over the nodes (QCommConfig.ranks_per_node, LOCAL_WORLD_SIZE or the host "
+                    "names decide where the nodes are)")
+        if index_a != index_b:
+            return (f"FSDP module {label!r} has RNG bucket {index_a} on ranks {ranks_a}, "
+                    f"{index_b} on ranks {ranks_b}: the ranks walk their FSDP modules in "
+                    f"another order. {_FIX}")
     return "their records differ"  # not reached: unequal tuples differ somewhere above
+
+
+def _unused_patterns(payloads: Sequence[dict]) -> Optional[str]:
+    """``module_configs`` patterns that chose no module on any rank: refused (a typo, more often
+    than not) when every rank's model is the whole model (its meshes span the world), with the
+    first rank's message; under pipeline parallelism or DiLoCo (meshes over part of the world)
+    a pattern may name another stage's or call's modules, so ``check`` only logs it."""
+    unused = set.intersection(*(set(p["unused"]) for p in payloads))
+    if not unused:
+        return None
+    world = set(range(len(payloads)))
+    whole = all({r for key in p["meshes"] for r in key[0]} >= world for p in payloads)
+    return payloads[0]["unused_message"] if whole else None
 
 
 def verdict(payloads: Sequence[dict]) -> Optional[str]:
@@ -140,28 +176,38 @@ def verdict(payloads: Sequence[dict]) -> Optional[str]:
                 f"{len(payloads)}, so it stops on every rank (none trains alone). Rank "
                 f"{failed[0]}: {kind}: {message}")
     keys = sorted({k for p in payloads for k in p["meshes"]}, key=repr)
-    for key in keys:
-        members = [r for r in key[0] if r < len(payloads)]
-        groups: dict[tuple, list[int]] = {}
-        for r in members:
-            groups.setdefault(_expanded(payloads[r], key), []).append(r)
-        if len(groups) < 2:
-            continue
-        (first, ranks_a), (other, ranks_b) = sorted(groups.items(), key=lambda g: g[1][0])[:2]
-        return (f"fsdp_qcomm.enable(): the ranks of {_mesh_text(key)} would install different "
-                "collectives, whose bytes would not decode on each other: "
-                f"{_difference(first, other, ranks_text(ranks_a), ranks_text(ranks_b))}. {_FIX}")
-    return None
+    for indices in (False, True):
+        for key in keys:
+            groups: dict[tuple, list[int]] = {}
+            for r in key[0]:
+                if r < len(payloads):
+                    groups.setdefault(_expanded(payloads[r], key, indices), []).append(r)
+            if len(groups) < 2:
+                continue
+            (first, ranks_a), (other, ranks_b) = sorted(groups.items(),
+                                                        key=lambda g: g[1][0])[:2]
+            return (f"fsdp_qcomm.enable(): the ranks of {_mesh_text(key)} would install "
+                    "different collectives, whose bytes would not decode on each other: "
+                    f"{_difference(first, other, ranks_text(ranks_a), ranks_text(ranks_b))}")
+    return _unused_patterns(payloads)
 
 
-def check(failure: Optional[BaseException], entries: Sequence[Entry]) -> None:
+def check(failure: Optional[BaseException], entries: Sequence[Entry],
+          unused: Sequence[str] = (), unused_message: str = "") -> None:
     """Collective over the world (every rank calls ``enable``): raise on every rank if any rank
-    failed or the ranks of a mesh would install differently, else return on every rank."""
-    mine = payload(failure, entries)
+    failed, the ranks of a mesh would install differently, or a ``module_configs`` pattern
+    (``unused``: those that chose none of this rank's modules; ``unused_message`` says so)
+    chose no module anywhere; else return on every rank."""
+    mine = payload(failure, entries, unused, unused_message)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     text = verdict(every)
     if text is None:
+        left = sorted(set.intersection(*(set(p["unused"]) for p in every)))
+        if left and dist.get_rank() == 0:
+            logger.warning("fsdp_qcomm.enable: module_configs pattern(s) %s match no FSDP module "
+                           "of this call on any rank (with pipeline stages or DiLoCo replicas, "
+                           "another call's model part may hold them)", left)
         return
     if failure is not None:
         raise failure

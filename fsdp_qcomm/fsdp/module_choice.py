@@ -75,14 +75,16 @@ def choose(module: nn.Module, fqn: str, config: QCommConfig,
     return config, ""
 
 
-def check_all_used(overrides: Mapping[str, Any], used: set[str], names: list[str]) -> None:
-    """A pattern that chose no module is a typo more often than not: refuse it by name."""
+def unused_patterns(overrides: Mapping[str, Any], used: set[str],
+                    names: list[str]) -> tuple[list[str], str]:
+    """The ``module_configs`` patterns that chose none of ``names`` (a typo more often than
+    not), and the error that names them; ``enable`` refuses them once no rank used them
+    (``install_agreement``)."""
     unused = [p for p in overrides if p not in used]
-    if unused:
-        shown = ", ".join(repr(n or "<root>") for n in names[:8]) + (
-            f" and {len(names) - 8} more" if len(names) > 8 else "")
-        raise ValueError(f"module_configs pattern(s) {unused} match no FSDP module (or only "
-                         f"modules module_filter_fn keeps out); the FSDP modules are {shown}")
+    shown = ", ".join(repr(n or "<root>") for n in names[:8]) + (
+        f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return unused, (f"module_configs pattern(s) {unused} match no FSDP module (or only "
+                    f"modules module_filter_fn keeps out); the FSDP modules are {shown}")
 
 
-__all__ = ["CALL_FIELDS", "ModuleFilter", "check_all_used", "check_overrides", "choose"]
+__all__ = ["CALL_FIELDS", "ModuleFilter", "check_overrides", "choose", "unused_patterns"]
