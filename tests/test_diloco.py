@@ -447,8 +447,21 @@ def _other_settings_run(rank: int, world: int) -> dict:
         out["optimizer"] = "no error"
     except ValueError as e:
         out["optimizer"] = str(e)
+    def refusing(params):  # a check of the replica's own that fails on replica 1 only
+        if r == 1:
+            raise ValueError("this replica's outer optimizer refuses")
+        return torch.optim.SGD(params, lr=0.7)
+
+    try:
+        DiLoCo(model, DiLoCoConfig(**base), replicas=mesh, outer_optimizer=refusing)
+        out["one_fails"] = "no error"
+    except (ValueError, RuntimeError) as e:
+        out["one_fails"] = f"{type(e).__name__}: {e}"
+    # alike: overlap None and False at delay 0; a tensor learning rate compared by its value
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    diloco = DiLoCo(model, DiLoCoConfig(**base), replicas=mesh)
+    diloco = DiLoCo(model, DiLoCoConfig(**base, overlap=None if r == 0 else False),
+                    replicas=mesh, outer_optimizer=lambda ps: torch.optim.Adam(
+                        ps, lr=torch.tensor(0.01), betas=(0.9, 0.95)))
     out["alike"] = _train(model, opt, diloco, mesh, 8)["same"]
     return out
 
@@ -458,6 +471,12 @@ def test_replicas_launched_with_other_settings_refuse_alike():
     drifted apart without an error; another schedule or wire format paired all-reduces of
     other rounds or sizes. Now every replica raises the same error, naming the field."""
     results = run_ranks(_other_settings_run, 2, timeout=200)
+    assert results[1]["one_fails"] == "ValueError: this replica's outer optimizer refuses"
+    assert results[0]["one_fails"] == (
+        "RuntimeError: DiLoCo failed on replica(s) [1] (global rank(s) [1]), so it stops on "
+        "every replica: ValueError: this replica's outer optimizer refuses"), results[0]
+    for res in results:
+        del res["one_fails"]
     assert results[0] == results[1]
     out = results[0]
     assert out["outer_lr"].startswith(

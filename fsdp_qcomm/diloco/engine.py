@@ -115,23 +115,14 @@ class DiLoCo:
         # no_grad forward): resharded before DiLoCo reads or writes the local shards
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._reshard()
-        refs = fragment_refs(model, fragments, config.fragments)
-        self.layout = replica_layout([(r.name, r.param) for f in refs for r in f],
-                                     self._fsdp_modules)
-        self.group_rank, self.group_size = self.layout.position, self.layout.positions
-        factory = outer_optimizer or default_optimizer(config.outer_lr, config.outer_momentum,
-                                                       config.outer_nesterov)
-        self.fragments = [Fragment(i, f, factory, config.error_feedback and self._spec is not None)
-                          for i, f in enumerate(refs)]
-        shared = iter(self.layout.shared)
-        self._peers = [PeerSpans([next(shared) for _ in f.refs], f.sizes) for f in self.fragments]
-        self.device = self.fragments[0].device
         fixed = fixed_group(replicas)  # None for torchft's replicas: their own groups
-        _check_isolated_replicas(self._fsdp_modules, fixed)
-        # every fragment's spans name the same TP dimensions: each group is checked once
-        _check_carries(fixed, self.device, config.diagnostics,
-                       list({d.ranks: d for spans in self._peers for d in spans.dims}.values()))
-        check_same_run(fixed, self._run_record())  # before any collective that depends on it
+        failure, record = None, {}
+        try:  # local: what fails on one replica fails on all (check_same_run)
+            self._build_fragments(model, fragments, outer_optimizer, fixed)
+            record = self._run_record()
+        except Exception as e:
+            failure = e
+        check_same_run(fixed, record, failure)  # before any collective that depends on it
         self.replicas: ReplicaGroup = as_replicas(replicas, overlap=config.overlaps,
                                                   ranks_per_node=ranks_per_node)
         self._weighted = hasattr(self.replicas, "start")  # torchft: replicas may heal
@@ -395,22 +386,45 @@ class DiLoCo:
         self._stats.reset()
 
     # ---- checkpoints -----------------------------------------------------------------------
+    def _build_fragments(self, model: nn.Module, fragments: Optional[Sequence[FragmentSpec]],
+                         outer_optimizer: Optional[OptimizerFactory],
+                         fixed: Optional[dist.ProcessGroup]) -> None:
+        """The fragments, their outer optimizers and layout, checked against the replica
+        group (``fixed``); no collective."""
+        config = self.config
+        refs = fragment_refs(model, fragments, config.fragments)
+        self.layout = replica_layout([(r.name, r.param) for f in refs for r in f],
+                                     self._fsdp_modules)
+        self.group_rank, self.group_size = self.layout.position, self.layout.positions
+        factory = outer_optimizer or default_optimizer(config.outer_lr, config.outer_momentum,
+                                                       config.outer_nesterov)
+        self.fragments = [Fragment(i, f, factory, config.error_feedback and self._spec is not None)
+                          for i, f in enumerate(refs)]
+        shared = iter(self.layout.shared)
+        self._peers = [PeerSpans([next(shared) for _ in f.refs], f.sizes) for f in self.fragments]
+        self.device = self.fragments[0].device
+        _check_isolated_replicas(self._fsdp_modules, fixed)
+        # every fragment's spans name the same TP dimensions: each group is checked once
+        _check_carries(fixed, self.device, config.diagnostics,
+                       list({d.ranks: d for spans in self._peers for d in spans.dims}.values()))
+
     def _run_record(self) -> dict[str, Any]:
         """What every replica must share (``replicas.check_same_run``): every config field,
         this rank's position in its replica group, the fragments' parameters and shapes, and
         each fragment's outer optimizer with its hyperparameters."""
         groups = [g for f in self.fragments for g in f.optimizer.param_groups]
-        hyper = {k: [g.get(k) for g in groups] for g in groups for k in g if k != "params"}
+        hyper = {k: [_plain(g.get(k)) for g in groups] for g in groups for k in g
+                 if k != "params"}
+        config = {f"config.{f.name}": getattr(self.config, f.name)
+                  for f in dataclasses.fields(self.config)}
+        config["config.overlap"] = self.config.overlaps  # None and False alike at delay 0
         return {
-            **{f"config.{f.name}": getattr(self.config, f.name)
-               for f in dataclasses.fields(self.config)},
+            **config,
             "position": (self.group_rank, self.group_size),
             "fragments": [[[state_name(r.name), *r.shapes()] for r in f.refs]
                           for f in self.fragments],
             "outer_optimizer": [type(f.optimizer).__name__ for f in self.fragments],
-            # per parameter group of every fragment; a tensor by its values, not its device
-            **{f"outer_optimizer.{k}": [v.tolist() if isinstance(v, torch.Tensor) else v
-                                        for v in vs] for k, vs in hyper.items()},
+            **{f"outer_optimizer.{k}": vs for k, vs in hyper.items()},  # per parameter group
         }
 
     def _meta(self, with_replicas: bool = True) -> dict[str, Any]:
@@ -567,6 +581,21 @@ class DiLoCo:
         self._reshard()
         for f in self.fragments:
             f.write()
+
+
+def _plain(value: Any) -> Any:
+    """An optimizer hyperparameter as replicas can compare it: a tensor by its values (not its
+    device), containers element by element, numbers, strings and None as they are, anything
+    else by its type (its repr may hold an address)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return f"<{type(value).__qualname__}>"
 
 
 def _refuse(why: str) -> float:
