@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Optional, Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..collectives._c10d import carries
 from ..collectives.topology import group_layout, private_group
 
 
@@ -122,7 +124,7 @@ def check_same_run(group: Optional[ProcessGroup], record: dict[str, Any],
     settings (each site its own launch) would pair all-reduces of other sizes or rounds (gloo
     aborts, NCCL reads the wrong bytes or hangs) or, with only the outer learning rate or
     momentum different, merge into weights that drift apart silently."""
-    if group is None or group.size() == 1:
+    if group is None or group.size() == 1 or not _exchanges_objects(group):
         if failure is not None:
             raise failure
         return
@@ -155,6 +157,13 @@ def check_same_run(group: Optional[ProcessGroup], record: dict[str, Any],
             + ". Give every replica the same DiLoCoConfig, fragments and outer optimizer, and "
             "shard its model alike (with one launch per site, check each site's settings)"
         )
+
+
+def _exchanges_objects(group: ProcessGroup) -> bool:
+    """Whether ``all_gather_object`` can run over ``group`` in this process: on its CPU backend,
+    else on CUDA. A CUDA-only group in a process without a GPU carries nothing at all (its
+    first all-reduce fails; the carry check names why), so there is nothing to compare."""
+    return carries(group, torch.device("cpu")) or torch.cuda.is_available()
 
 
 def as_replicas(replicas, *, overlap: bool, ranks_per_node: Optional[int]) -> ReplicaGroup:
