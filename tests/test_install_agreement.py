@@ -31,8 +31,8 @@ def _entry(label: str, index: int, config: QCommConfig, mesh=_MESH, reference=Tr
 
 
 def _world(*per_rank) -> list[dict]:
-    """Payloads as ``all_gather_object`` hands them to every rank: per rank (failure, entries)."""
-    return [agreement.payload(failure, entries) for failure, entries in per_rank]
+    """Payloads as the exchange hands them to every rank: per rank, its entries."""
+    return [agreement.payload(entries) for entries in per_rank]
 
 
 _SDP4 = QCommConfig.preset("sdp4bit", ranks_per_node=2)
@@ -40,12 +40,12 @@ _SAME = [_entry("layers.0", 0, _SDP4), _entry("layers.1", 1, _SDP4), _entry("<ro
 
 
 def test_ranks_that_install_alike_agree():
-    assert agreement.verdict(_world(*[(None, _SAME)] * 4)) is None
+    assert agreement.verdict(_world(*[_SAME] * 4)) is None
 
 
 def test_a_field_that_differs_is_named_with_its_values_and_ranks():
     other = [_SAME[0], _entry("layers.1", 1, _SDP4.replace(grad_hadamard=False)), _SAME[2]]
-    text = agreement.verdict(_world((None, _SAME), (None, _SAME), (None, other), (None, _SAME)))
+    text = agreement.verdict(_world(_SAME, _SAME, other, _SAME))
     assert text.startswith("fsdp_qcomm.enable(): the ranks of the device mesh (dp=4) over "
                            "ranks [0-3] would install different collectives"), text
     assert ("FSDP module 'layers.1' is configured differently: grad_hadamard=True on ranks "
@@ -54,7 +54,7 @@ def test_a_field_that_differs_is_named_with_its_values_and_ranks():
 
 def test_modules_on_some_ranks_only_are_named():
     fewer = [_SAME[1], _SAME[2]]
-    text = agreement.verdict(_world((None, _SAME), (None, fewer), (None, _SAME), (None, _SAME)))
+    text = agreement.verdict(_world(_SAME, fewer, _SAME, _SAME))
     assert ("they install on different FSDP modules: ['layers.0'] on ranks [0, 2-3] only, "
             "none on ranks [1] only (module_filter_fn or module_configs") in text, text
 
@@ -63,7 +63,7 @@ def test_the_same_configuration_with_other_plans_is_refused():
     """Replicas or peers whose groups span nodes differently would gather differently: HSDP
     replicas would then compute with different weights."""
     other = [_SAME[0], _entry("layers.1", 1, _SDP4, reference=False), _SAME[2]]
-    text = agreement.verdict(_world((None, _SAME), (None, _SAME), (None, _SAME), (None, other)))
+    text = agreement.verdict(_world(_SAME, _SAME, _SAME, other))
     assert "FSDP module 'layers.1' has the same configuration but other planned" in text, text
 
 
@@ -74,10 +74,8 @@ def test_meshes_of_other_ranks_are_not_compared():
     first = [_entry("layers.0", 0, _SDP4, stage0), _entry("<root>", 1, _SDP4, stage0)]
     second = [_entry("layers.1", 0, _SDP4.replace(weight_bits=3), stage1),
               _entry("<root>", 1, _SDP4, stage1)]
-    assert agreement.verdict(_world((None, first), (None, first),
-                                    (None, second), (None, second))) is None
-    text = agreement.verdict(_world((None, first), (None, first),
-                                    (None, second), (None, second[1:])))
+    assert agreement.verdict(_world(first, first, second, second)) is None
+    text = agreement.verdict(_world(first, first, second, second[1:]))
     assert "over ranks [2-3]" in text and "['layers.1'] on ranks [2] only" in text, text
 
 
@@ -92,11 +90,11 @@ def test_buckets_are_compared_once_every_mesh_agrees():
              _entry("layers.1", 1, _SDP4, dense), _entry("layers.1.moe", 2, _SDP4, experts),
              _entry("<root>", 3, _SDP4, dense)]
     assert repr(dense) < repr(experts)  # the dense mesh is looked at first
-    text = agreement.verdict(_world((None, full), (None, fewer)))
+    text = agreement.verdict(_world(full, fewer))
     assert "the device mesh (efsdp=2) over ranks [0-1]" in text, text
     assert "['layers.0.moe'] on ranks [0] only, none on ranks [1] only" in text, text
     shifted = [_entry("layers.1", 0, _SDP4, dense), _entry("layers.0", 1, _SDP4, dense)]
-    text = agreement.verdict(_world((None, [*shifted[::-1]]), (None, shifted)))
+    text = agreement.verdict(_world(shifted[::-1], shifted))
     assert "same FSDP modules in another order" in text, text
 
 
@@ -104,7 +102,7 @@ def test_unused_patterns_are_refused_only_where_no_rank_uses_them():
     """A module_configs pattern that chose nothing on any rank is refused on every rank; under
     pipeline parallelism (meshes over part of the world) another stage may hold its modules."""
     def world(*unused, meshes):
-        return [agreement.payload(None, [_entry("<root>", 0, _SDP4, m)], u, f"typo {u}")
+        return [agreement.payload([_entry("<root>", 0, _SDP4, m)], u, f"typo {u}")
                 for u, m in zip(unused, meshes)]
 
     whole = [_MESH] * 4
@@ -116,9 +114,9 @@ def test_unused_patterns_are_refused_only_where_no_rank_uses_them():
     assert agreement.verdict(world(["out"], ["out"], ["out"], ["out"], meshes=stages)) is None
 
 
-def test_a_failure_on_one_rank_is_every_ranks():
-    text = agreement.verdict(_world((None, _SAME), (None, _SAME),
-                                    (ValueError("bad group"), []), (None, _SAME)))
+def test_a_failure_on_one_rank_is_named_to_every_rank():
+    """What the others raise (``collectives.agreement``; the 2-rank run below raises it)."""
+    text = agreement.stopped_text([2], 4, "ValueError: bad group")
     assert text == ("fsdp_qcomm.enable() failed on rank(s) [2] of 4, so it stops on every rank "
                     "(none trains alone). Rank 2: ValueError: bad group"), text
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..collectives._c10d import carries
+from ..collectives.agreement import gather_unless_failed
 from ..collectives.topology import group_layout, private_group
 
 
@@ -118,34 +119,28 @@ def check_same_run(group: Optional[ProcessGroup], record: dict[str, Any],
     the outer all-reduce's format, overlap and diagnostics decide which collectives run when),
     fragments, layout and outer optimizer. One ``all_gather_object`` over ``group`` at
     construction, before any collective that depends on them, of ``record`` and of whether
-    this rank's checks failed (``failure``). Every member reads the same list, so all raise
-    (a failing rank its own error, the others a ``RuntimeError`` naming it; differences a
-    ``ValueError`` naming each field), or none does. Without it replicas launched with other
-    settings (each site its own launch) would pair all-reduces of other sizes or rounds (gloo
-    aborts, NCCL reads the wrong bytes or hangs) or, with only the outer learning rate or
-    momentum different, merge into weights that drift apart silently."""
+    this rank's checks failed (``failure``; ``collectives.agreement``). Every member reads the
+    same list, so all raise (a failing rank its own error, the others a ``RuntimeError`` naming
+    it; differences a ``ValueError`` naming each field), or none does. Without it replicas
+    launched with other settings (each site its own launch) would pair all-reduces of other
+    sizes or rounds (gloo aborts, NCCL reads the wrong bytes or hangs) or, with only the outer
+    learning rate or momentum different, merge into weights that drift apart silently."""
     if group is None or group.size() == 1 or not _exchanges_objects(group):
         if failure is not None:
             raise failure
         return
-    mine = {"failure": None if failure is None else (type(failure).__name__, str(failure)),
-            "record": record}
-    every: list[Any] = [None] * group.size()
-    dist.all_gather_object(every, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
-    failed = [i for i, p in enumerate(every) if p["failure"] is not None]
-    if failed:
-        if failure is not None:
-            raise failure
-        kind, message = every[failed[0]]["failure"]
-        raise RuntimeError(
-            f"DiLoCo failed on replica(s) {failed} (global rank(s) "
-            f"{[ranks[i] for i in failed]}), so it stops on every replica: {kind}: {message}")
+
+    def stopped(failed: list[int], first: str) -> str:
+        return (f"DiLoCo failed on replica(s) {failed} (global rank(s) "
+                f"{[ranks[i] for i in failed]}), so it stops on every replica: {first}")
+
+    every = gather_unless_failed(record, failure, group, stopped)
     diffs = []
-    for key in dict.fromkeys(k for p in every for k in p["record"]):  # every rank's keys
+    for key in dict.fromkeys(k for r in every for k in r):  # every rank's keys
         values: dict[str, list[int]] = {}
-        for replica, p in enumerate(every):
-            values.setdefault(repr(p["record"].get(key, "<absent>")), []).append(replica)
+        for replica, r in enumerate(every):
+            values.setdefault(repr(r.get(key, "<absent>")), []).append(replica)
         if len(values) > 1:
             diffs.append(f"{key}: " + "; ".join(
                 f"{v} on replica(s) {rs} (global rank(s) {[ranks[i] for i in rs]})"

@@ -11,12 +11,12 @@ on garbage without an error. Likewise a check that fails on one rank only left t
 and the others waiting in their first collective.
 
 So ``enable`` runs every check, catches what fails, and makes one ``all_gather_object`` over the
-world: each rank sends whether it failed (the exception's type and message) and, per device
-mesh its modules are sharded over, the modules it would install on, their configurations and a
-digest of their hop plans. Every rank reads the same list, so every rank raises (the failing rank
-its own exception, the others a ``RuntimeError`` naming it), or every rank goes on. All members
-of a mesh must agree, HSDP replicas included: replicas that gathered their weights differently
-would compute with different weights.
+world (``collectives.agreement``): each rank sends whether it failed (the exception's type and
+message) and, per device mesh its modules are sharded over, the modules it would install on,
+their configurations and a digest of their hop plans. Every rank reads the same list, so every
+rank raises (the failing rank its own exception, the others a ``RuntimeError`` naming it), or
+every rank goes on. All members of a mesh must agree, HSDP replicas included: replicas that
+gathered their weights differently would compute with different weights.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..collectives.agreement import gather_unless_failed
 from ..config import QCommConfig
 
 logger = logging.getLogger("fsdp_qcomm")
@@ -60,11 +61,11 @@ def _plan_digest(plan: Any) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def payload(failure: Optional[BaseException], entries: Sequence[Entry],
-            unused: Sequence[str] = (), unused_message: str = "") -> dict:
-    """This rank's message: its failure, per mesh ``[(label, index, config id, plan
-    digest)]`` with the distinct configurations sent once (``configs``), and the
-    ``module_configs`` patterns that chose none of its modules (``unused``)."""
+def payload(entries: Sequence[Entry], unused: Sequence[str] = (),
+            unused_message: str = "") -> dict:
+    """This rank's record: per mesh ``[(label, index, config id, plan digest)]`` with the
+    distinct configurations sent once (``configs``), and the ``module_configs`` patterns that
+    chose none of its modules (``unused``)."""
     configs: list[tuple] = []
     meshes: dict[MeshKey, list[tuple]] = {}
     for e in entries:
@@ -73,13 +74,8 @@ def payload(failure: Optional[BaseException], entries: Sequence[Entry],
             configs.append(fields)
         meshes.setdefault(e.mesh, []).append(
             (e.label, e.index, configs.index(fields), _plan_digest(e.plan)))
-    return {
-        "failure": None if failure is None else (type(failure).__name__, str(failure)),
-        "configs": configs,
-        "meshes": meshes,
-        "unused": list(unused),
-        "unused_message": unused_message,
-    }
+    return {"configs": configs, "meshes": meshes, "unused": list(unused),
+            "unused_message": unused_message}
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
@@ -153,28 +149,32 @@ def _difference(a: tuple, b: tuple, ranks_a: str, ranks_b: str) -> str:
     return "their records differ"  # not reached: unequal tuples differ somewhere above
 
 
-def _unused_patterns(payloads: Sequence[dict]) -> Optional[str]:
-    """``module_configs`` patterns that chose no module on any rank: refused (a typo, more often
-    than not) when every rank's model is the whole model (its meshes span the world), with the
-    first rank's message; under pipeline parallelism or DiLoCo (meshes over part of the world)
-    a pattern may name another stage's or call's modules, so ``check`` only logs it."""
-    unused = set.intersection(*(set(p["unused"]) for p in payloads))
-    if not unused:
+def _unused_everywhere(payloads: Sequence[dict]) -> list[str]:
+    """The ``module_configs`` patterns that chose no module on any rank."""
+    return sorted(set.intersection(*(set(p["unused"]) for p in payloads)))
+
+
+def _unused_refused(payloads: Sequence[dict]) -> Optional[str]:
+    """Patterns that chose no module anywhere are refused (a typo, more often than not) when
+    every rank's model is the whole model (its meshes span the world), with the first rank's
+    message; under pipeline parallelism or DiLoCo (meshes over part of the world) a pattern may
+    name another stage's or call's modules, so ``check`` only logs them."""
+    if not _unused_everywhere(payloads):
         return None
     world = set(range(len(payloads)))
     whole = all({r for key in p["meshes"] for r in key[0]} >= world for p in payloads)
     return payloads[0]["unused_message"] if whole else None
 
 
+def stopped_text(failed: Sequence[int], world: int, first: str) -> str:
+    """What the ranks whose own checks passed raise when ``failed`` ranks' failed."""
+    return (f"fsdp_qcomm.enable() failed on rank(s) {ranks_text(failed)} of {world}, so it "
+            f"stops on every rank (none trains alone). Rank {failed[0]}: {first}")
+
+
 def verdict(payloads: Sequence[dict]) -> Optional[str]:
     """The first disagreement among the ranks' payloads, in words, or None. The same text on
     every rank, since every rank reads the same payloads."""
-    failed = [r for r, p in enumerate(payloads) if p["failure"] is not None]
-    if failed:
-        kind, message = payloads[failed[0]]["failure"]
-        return (f"fsdp_qcomm.enable() failed on rank(s) {ranks_text(failed)} of "
-                f"{len(payloads)}, so it stops on every rank (none trains alone). Rank "
-                f"{failed[0]}: {kind}: {message}")
     keys = sorted({k for p in payloads for k in p["meshes"]}, key=repr)
     for indices in (False, True):
         for key in keys:
@@ -189,31 +189,26 @@ def verdict(payloads: Sequence[dict]) -> Optional[str]:
             return (f"fsdp_qcomm.enable(): the ranks of {_mesh_text(key)} would install "
                     "different collectives, whose bytes would not decode on each other: "
                     f"{_difference(first, other, ranks_text(ranks_a), ranks_text(ranks_b))}")
-    return _unused_patterns(payloads)
+    return _unused_refused(payloads)
 
 
 def check(failure: Optional[BaseException], entries: Sequence[Entry],
           unused: Sequence[str] = (), unused_message: str = "") -> None:
     """Collective over the world (every rank calls ``enable``): raise on every rank if any rank
-    failed, the ranks of a mesh would install differently, or a ``module_configs`` pattern
-    (``unused``: those that chose none of this rank's modules; ``unused_message`` says so)
-    chose no module anywhere; else return on every rank."""
-    mine = payload(failure, entries, unused, unused_message)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    failed (``collectives.agreement``), the ranks of a mesh would install differently, or a
+    ``module_configs`` pattern (``unused``: those that chose none of this rank's modules;
+    ``unused_message`` says so) chose no module anywhere; else return on every rank."""
+    world = dist.get_world_size()
+    every = gather_unless_failed(payload(entries, unused, unused_message), failure, None,
+                                 lambda failed, first: stopped_text(failed, world, first))
     text = verdict(every)
-    if text is None:
-        left = sorted(set.intersection(*(set(p["unused"]) for p in every)))
-        if left and dist.get_rank() == 0:
-            logger.warning("fsdp_qcomm.enable: module_configs pattern(s) %s match no FSDP module "
-                           "of this call on any rank (with pipeline stages or DiLoCo replicas, "
-                           "another call's model part may hold them)", left)
-        return
-    if failure is not None:
-        raise failure
-    if any(p["failure"] is not None for p in every):
-        raise RuntimeError(text)
-    raise ValueError(text)
+    if text is not None:
+        raise ValueError(text)
+    left = _unused_everywhere(every)
+    if left and dist.get_rank() == 0:
+        logger.warning("fsdp_qcomm.enable: module_configs pattern(s) %s match no FSDP module of "
+                       "this call on any rank (with pipeline stages or DiLoCo replicas, another "
+                       "call's model part may hold them)", left)
 
 
 __all__ = ["Entry", "check", "verdict"]

@@ -1,0 +1,37 @@
+"""Every member raises, or none does: one object exchange that carries each member's failure.
+
+A check that fails on one rank only (its own arguments, its own environment) would leave that
+rank raising and the others waiting in their next collective. So a caller runs its local checks
+in a ``try``, then exchanges what it decided together with whether it failed; every member reads
+the same list, so every member raises, or every member goes on with the others' records to
+compare (``fsdp.install_agreement``, ``diloco.replicas.check_same_run``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def gather_unless_failed(record: Any, failure: Optional[BaseException],
+                         group: Optional[ProcessGroup],
+                         stopped: Callable[[list[int], str], str]) -> list[Any]:
+    """Every member's ``record`` over ``group`` (the world when None), in group rank order, from
+    one ``all_gather_object``. If a member's own checks failed (``failure``), that member
+    re-raises its exception and every other member raises a ``RuntimeError`` whose text is
+    ``stopped(failed members' group ranks, "Type: message" of the first)``."""
+    mine = {"failure": None if failure is None else f"{type(failure).__name__}: {failure}",
+            "record": record}
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    failed = [i for i, p in enumerate(every) if p["failure"] is not None]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError(stopped(failed, every[failed[0]]["failure"]))
+    return [p["record"] for p in every]
+
+
+__all__ = ["gather_unless_failed"]
