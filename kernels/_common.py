@@ -147,10 +147,17 @@ def table_to(device: str, *tables: torch.Tensor):
     return (*moved, done)
 
 
-def wait_for(done, device: torch.device) -> None:
-    """The current stream of ``device`` waits (on the GPU) for a ``table_to`` copy."""
+def wait_for(done, device: torch.device, *tables: torch.Tensor) -> None:
+    """The current stream of ``device`` waits (on the GPU) for a ``table_to`` copy, and its
+    ``tables`` are marked as read by that stream. The caches that hold them evict on the host:
+    an evicted table's memory would go back to the stream it was copied on at once, free for that
+    stream to reuse while a kernel queued on this one still reads it (``record_stream`` keeps
+    it until this stream's work so far is done)."""
     if done is not None:
-        torch.cuda.current_stream(device).wait_event(done)
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(done)
+        for t in tables:
+            t.record_stream(stream)
 
 
 def on_device(t: torch.Tensor):

@@ -124,7 +124,7 @@ def dequantize_segments(
         return out.copy_(o)
     data = C.aligned_rows(data, spec)
     lay = C.RowLayout.of(max(segments), spec)  # constexprs only: they do not depend on n
-    C.wait_for(done, data.device)
+    C.wait_for(done, data.device, tab, blk_seg)
     with C.on_device(data):
         _dequantize_segments_kernel[(R * nblk,)](
             data, C.scale_view(data, spec), out, tab, blk_seg, width,

@@ -102,7 +102,7 @@ def digest_many(shards: Sequence[torch.Tensor], out: torch.Tensor,
                                   str(out.device))
     if nblk == 0:
         return
-    C.wait_for(done, out.device)
+    C.wait_for(done, out.device, tab, idx)
     with C.on_device(out):
         _digest_many_kernel[(nblk,)](tab, idx, out, IBITS=INT_BITS[shards[0].dtype],
                                      BLOCK=BLOCK, P=PRIME, **C.launch_opts(BLOCK))

@@ -245,7 +245,7 @@ def quantize_segments(
     h3 = key.prefix() if key is not None else 0
     bucket = int(key.bucket) if key is not None else 0
     r = ref if ref is not None else x
-    C.wait_for(done, x.device)
+    C.wait_for(done, x.device, tab, blk_seg)
     with C.on_device(x):
         _quantize_segments_kernel[(nblk,)](
             x, r, out, C.scale_view(out, spec), tab, blk_seg, _signed64(h3), _signed64(bucket),
@@ -337,7 +337,7 @@ def _encode_rows(rows, spec, key, ref, hadamard, lay, out, order) -> torch.Tenso
     src = x
     if order is not None:
         src, done = order
-        C.wait_for(done, x.device)
+        C.wait_for(done, x.device, src)
     with C.on_device(x):
         _quantize_kernel[(out.shape[0] * nblk,)](
             x, rr, out, C.scale_view(out, spec), src, n, m, x.stride(0), rr.stride(0),

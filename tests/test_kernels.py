@@ -925,3 +925,72 @@ def test_digests_of_many_groups_take_one_launch_per_element_width():
         with _through_table([x for tensors, _, _ in plan for x in tensors]):
             got = ct._kernel_digests(len(groups), plan, rest, torch.device(DEV))
         assert got.cpu().tolist() == [int(ct._torch_digest(grp)) for grp in groups]
+
+
+def _cuda_only(fn):
+    """A test of CUDA streams: it runs only where there is a GPU (``scripts/gpu_check.sh``)."""
+    fn.__test__ = CUDA
+    return fn
+
+
+def _table_launch(K, kind: str):
+    """A launch of ``kind`` that reads one of the kernels' cached layout tables."""
+    spec = _spec(4, True, "stochastic", "float32", 64)
+    x = _d(_data(4, 640, torch.float32, seed=1, specials=False))
+    if kind == "quantize_segments":
+        return lambda: K.quantize_segments(x[0], (256, 384), spec, KEY, 0, None, False)
+    if kind == "quantize_ordered":
+        return lambda: K.quantize_ordered(x, spec, KEY, None, False, (3, 1, 2, 0))
+    if kind == "dequantize_segments":
+        wire_rows = K.quantize_segments(x[0], (256, 384), spec, KEY, 0, None, False).view(1, -1)
+        out = torch.empty(1, 640, device=DEV)
+        return lambda: K.dequantize_segments(wire_rows, (256, 384), spec, False, out, False)
+    digest = importlib.import_module("fsdp_qcomm.kernels.digest")
+    out = torch.zeros((), dtype=torch.int64, device=DEV)
+    return lambda: digest.digest_many([x[0], x[1]], out, [0, 640])
+
+
+@_cuda_only
+@pytest.mark.parametrize("kind", ["quantize_segments", "quantize_ordered",
+                                  "dequantize_segments", "digest"])
+def test_an_evicted_table_waits_for_the_streams_that_read_it(K, kind, monkeypatch):
+    """The layout tables live in host caches that evict. A table copied on one stream and read
+    by a kernel queued on another must not return to the first stream's free memory when it is
+    evicted before that kernel ran (``_common.wait_for`` marks it with ``record_stream``). Here
+    the reading stream sleeps before its launch; the cache is then cleared and the copying
+    stream allocates many blocks of each table's size: none may be a table's memory."""
+    common = importlib.import_module("fsdp_qcomm.kernels._common")
+    caches = [importlib.import_module("fsdp_qcomm.kernels.quantize")._segment_table,
+              importlib.import_module("fsdp_qcomm.kernels.quantize")._order_table,
+              importlib.import_module("fsdp_qcomm.kernels.dequantize")._segment_table,
+              importlib.import_module("fsdp_qcomm.kernels.digest")._table]
+    made: list[tuple[int, int]] = []
+    real = common.table_to
+
+    def spy(device, *tables):
+        moved = real(device, *tables)
+        made.extend((t.data_ptr(), t.numel() * t.element_size()) for t in moved[:-1])
+        return moved
+
+    monkeypatch.setattr(common, "table_to", spy)
+    for cache in caches:
+        cache.cache_clear()
+    launch = _table_launch(K, kind)
+    made.clear()  # the tables of its inputs' making are not read on the other stream
+    launch()  # builds its tables on the default stream
+    torch.cuda.synchronize()
+    assert made, f"{kind} read no cached table"
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # about a second of this stream's time
+        launch()  # the cached tables, read on ``side`` after the sleep
+    for cache in caches:
+        cache.cache_clear()  # the tables' last references
+    # best fit takes the smallest free blocks first: 4 MiB of each size reaches a freed table
+    # inside any free run of a 2 MiB segment
+    blocks = [torch.empty(n, dtype=torch.uint8, device=DEV) for _, n in made for _ in range(8192)]
+    busy = not side.query()
+    reused = {p for p, _ in made} & {b.data_ptr() for b in blocks}
+    torch.cuda.synchronize()
+    assert busy, "the side stream finished before the check: lengthen its sleep"
+    assert not reused, f"{kind}: an evicted table's memory was reused while a kernel read it"

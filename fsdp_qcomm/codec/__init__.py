@@ -110,7 +110,7 @@ def _quantize_ordered(x, rows, r, spec, key, hadamard, out, order) -> torch.Tens
     if fused is not None:
         return fused(rows, spec, key, r, hadamard, order)
     res = impl.quantize(rows, spec, key, r, hadamard, None)
-    return res.index_select(0, _order_index(order, res.device))
+    return _rows_in_order(res, order)
 
 
 @functools.lru_cache(maxsize=256)
@@ -125,6 +125,16 @@ def _checked_order(order: tuple, rows: int) -> tuple:
 def _order_index(order: tuple, device: torch.device) -> torch.Tensor:
     """``order`` as an index tensor on ``device``, built once per order and device."""
     return torch.tensor(order, dtype=torch.long, device=device)
+
+
+def _rows_in_order(rows: torch.Tensor, order: tuple) -> torch.Tensor:
+    """``rows[order]`` through the cached index. On a GPU the index is marked as read by the
+    current stream: evicted from the cache, its memory would otherwise go back to the stream it
+    was made on while this stream's gather may still be queued."""
+    index = _order_index(order, rows.device)
+    if index.is_cuda:
+        index.record_stream(torch.cuda.current_stream(index.device))
+    return rows.index_select(0, index)
 
 
 def quantize_segments(

@@ -452,7 +452,7 @@ def _two_hops(out, x, spans, hop1: _Hop, hop2: _Hop, order: tuple[int, ...], loc
             send = codec.quantize(x[:, a:b], hop1.spec, k1, hadamard=hadamard, order=order)
         else:  # the residual is kept per input row: encode in input order, then reorder
             wire = _encode(x[:, a:b], hop1.spec, k1, hadamard, None, e_a2a[:, a:b])
-            send = wire.index_select(0, codec._order_index(order, wire.device))
+            send = codec._rows_in_order(wire, order)
         send = send.view(local, nodes, send.shape[-1])
         work, recv = _a2a(send, hop1.group, t1)
         return work, send, recv
