@@ -152,7 +152,7 @@ def wait_for(done, device: torch.device, *tables: torch.Tensor) -> None:
     ``tables`` are marked as read by that stream. The caches that hold them evict on the host:
     an evicted table's memory would go back to the stream it was copied on at once, free for that
     stream to reuse while a kernel queued on this one still reads it (``record_stream`` keeps
-    it until this stream's work so far is done)."""
+    it until this stream's work queued before the free is done)."""
     if done is not None:
         stream = torch.cuda.current_stream(device)
         stream.wait_event(done)

@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -950,6 +951,19 @@ def _table_launch(K, kind: str):
     return lambda: digest.digest_many([x[0], x[1]], out, [0, 640])
 
 
+def _block_state(ptr: int) -> Optional[str]:
+    """The caching allocator's state of the block holding device address ``ptr``: "inactive"
+    once it is free for reuse (``torch.cuda.memory_snapshot``)."""
+    for seg in torch.cuda.memory_snapshot():
+        start = seg["address"]
+        for block in seg["blocks"]:
+            start = block.get("address", start)
+            if start <= ptr < start + block["size"]:
+                return block["state"]
+            start += block["size"]
+    return None
+
+
 @_cuda_only
 @pytest.mark.parametrize("kind", ["quantize_segments", "quantize_ordered",
                                   "dequantize_segments", "digest"])
@@ -957,19 +971,19 @@ def test_an_evicted_table_waits_for_the_streams_that_read_it(K, kind, monkeypatc
     """The layout tables live in host caches that evict. A table copied on one stream and read
     by a kernel queued on another must not return to the first stream's free memory when it is
     evicted before that kernel ran (``_common.wait_for`` marks it with ``record_stream``). Here
-    the reading stream sleeps before its launch; the cache is then cleared and the copying
-    stream allocates many blocks of each table's size: none may be a table's memory."""
+    the reading stream sleeps before its launch, and the cache is cleared meanwhile: the
+    allocator must hold every table's block back (not "inactive") until that stream passes."""
     common = importlib.import_module("fsdp_qcomm.kernels._common")
     caches = [importlib.import_module("fsdp_qcomm.kernels.quantize")._segment_table,
               importlib.import_module("fsdp_qcomm.kernels.quantize")._order_table,
               importlib.import_module("fsdp_qcomm.kernels.dequantize")._segment_table,
               importlib.import_module("fsdp_qcomm.kernels.digest")._table]
-    made: list[tuple[int, int]] = []
+    made: list[int] = []
     real = common.table_to
 
     def spy(device, *tables):
         moved = real(device, *tables)
-        made.extend((t.data_ptr(), t.numel() * t.element_size()) for t in moved[:-1])
+        made.extend(t.data_ptr() for t in moved[:-1])
         return moved
 
     monkeypatch.setattr(common, "table_to", spy)
@@ -986,11 +1000,9 @@ def test_an_evicted_table_waits_for_the_streams_that_read_it(K, kind, monkeypatc
         launch()  # the cached tables, read on ``side`` after the sleep
     for cache in caches:
         cache.cache_clear()  # the tables' last references
-    # best fit takes the smallest free blocks first: 4 MiB of each size reaches a freed table
-    # inside any free run of a 2 MiB segment
-    blocks = [torch.empty(n, dtype=torch.uint8, device=DEV) for _, n in made for _ in range(8192)]
+    states = [_block_state(p) for p in made]
     busy = not side.query()
-    reused = {p for p, _ in made} & {b.data_ptr() for b in blocks}
     torch.cuda.synchronize()
     assert busy, "the side stream finished before the check: lengthen its sleep"
-    assert not reused, f"{kind}: an evicted table's memory was reused while a kernel read it"
+    assert None not in states and "inactive" not in states, (
+        f"{kind}: an evicted table's memory was free for reuse while a kernel read it: {states}")
