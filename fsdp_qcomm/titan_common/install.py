@@ -25,6 +25,31 @@ def _fsdp_module_count(model: torch.nn.Module) -> int:
     return sum(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _check_fsdp_everywhere(counts: list[int]) -> None:
+    """Collective over the world: every rank's parts hold FSDP modules where every other rank's
+    do. ``enable`` runs world collectives, so a part installed on some ranks and skipped (no
+    FSDP modules) on others would leave those ranks waiting; every rank raises instead."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from fsdp_qcomm.fsdp.install_agreement import ranks_text
+
+    mine = [n > 0 for n in counts]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(e != every[0] for e in every):
+        kinds: dict[str, list[int]] = {}
+        for rank, e in enumerate(every):
+            kinds.setdefault(str(e), []).append(rank)
+        raise ValueError(
+            "qcomm: the model parts hold FSDP modules on some ranks only (which parts have "
+            "them, per rank: " + "; ".join(f"{k} on ranks {ranks_text(r)}"
+                                          for k, r in kinds.items())
+            + "). fsdp_qcomm installs on every rank's part or on none: apply fully_shard alike "
+            "on every rank (the same data_parallel_shard_degree for every pipeline stage)")
+
+
 def install_qcomm(
     model_parts: list[torch.nn.Module], config: QCommConfig, *, preset: str = "custom",
     overrides: Optional[dict[str, Any]] = None, module_filter_fn: Optional[Any] = None,
@@ -48,8 +73,9 @@ def install_qcomm(
     from fsdp_qcomm import enable
 
     attachments = []
-    for part in model_parts:
-        n_fsdp = _fsdp_module_count(part)
+    counts = [_fsdp_module_count(part) for part in model_parts]
+    _check_fsdp_everywhere(counts)  # collective: before enable's, which only some would call
+    for part, n_fsdp in zip(model_parts, counts):
         att = QCommAttachment(config=config, preset=preset, fsdp_modules=n_fsdp)
         if n_fsdp == 0:
             att.note = "no FSDP modules (single process or FSDP disabled): nothing to install"

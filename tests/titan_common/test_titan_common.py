@@ -544,3 +544,31 @@ def test_section_module_fields_become_enable_arguments():
                                                        "module_configs": None}
     with pytest.raises(ValueError, match=r"\[qcomm\] module_presets entry 'output:sdp4bit'"):
         QComm(preset="sdp4bit", module_presets="output:sdp4bit").module_choice()
+
+
+# --------------------------------------------------------------------------- install
+def _install_with_fsdp_on_rank_0_only(rank: int, world: int) -> str:
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_qcomm.titan_common.install import install_qcomm
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    if rank == 0:
+        fully_shard(model)
+    try:
+        install_qcomm([model], QCommConfig.preset("sdp4bit", ranks_per_node=1))
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_part_with_fsdp_on_some_ranks_only_is_refused_on_every_rank():
+    """Before: rank 1 (no FSDP modules) skipped the part while rank 0 entered ``enable``'s world
+    collectives, and waited there for a peer that had gone on."""
+    from fsdp_qcomm.testing import run_ranks
+
+    for text in run_ranks(_install_with_fsdp_on_rank_0_only, 2, timeout=120):
+        assert text.startswith("qcomm: the model parts hold FSDP modules on some ranks only "
+                               "(which parts have them, per rank: [True] on ranks [0]; [False] "
+                               "on ranks [1])"), text
