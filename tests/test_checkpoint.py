@@ -227,7 +227,7 @@ def test_another_world_size_is_refused(learned):
 
 
 # ---- 2 ranks: plain state, and what load_state_dict refuses ---------------------------------
-def _refusals(rank: int, world: int) -> dict:
+def _refusals(rank: int, world: int, root: str) -> dict:
     cfg = QCommConfig.preset("sdp4bit", weight_group_size=32, grad_group_size=32,
                              ranks_per_node=1, grad_error_feedback="inter", seed=3)
     model, handle, opt = _build(cfg)
@@ -253,11 +253,27 @@ def _refusals(rank: int, world: int) -> dict:
             h.load_state_dict(st)
         return str(e.value)
 
-    # rank 0's state on every rank (what a rank-0-only checkpointer does)
+    # rank 0's state on every rank (what a rank-0-only checkpointer does): refused on rank 1,
+    # so on rank 0 too, before anything changed there (before, rank 0 loaded it and went on)
     obj = [state if rank == 0 else None]
     dist.broadcast_object_list(obj, src=0)
+    out["rank0_state"] = refused(obj[0])
+    # per-rank files: one missing (a replaced node's local disk) is refused on every rank
+    files = os.path.join(root, "files")
+    save_rank_state(handle, files)
     if rank == 1:
-        out["rank0_state"] = refused(obj[0])
+        os.remove(os.path.join(files, "rank1_of_2.pt"))
+    dist.barrier()
+    with pytest.raises(CheckpointMismatch) as e:
+        load_rank_state(handle, files)
+    out["missing_file"] = str(e.value)
+    # a write that fails on one rank raises on every rank
+    blocked = os.path.join(root, f"blocked{rank}")
+    if rank == 1:
+        open(blocked, "w").close()  # a file where the folder should be
+    with pytest.raises((OSError, RuntimeError)) as e:
+        save_rank_state(handle, os.path.join(blocked, "state"))
+    out["write"] = f"{type(e.value).__name__}: {e.value}"
     # another world size, by key
     (entry,) = state.values()
     out["world"] = refused({f"rank{rank}_of_4": entry})
@@ -290,18 +306,19 @@ def _all_tensors(state):
         yield state
 
 
-def test_state_is_plain_and_refused_where_it_does_not_belong():
-    res = run_ranks(_refusals, 2, timeout=300)
+def test_state_is_plain_and_refused_where_it_does_not_belong(tmp_path):
+    res = run_ranks(_refusals, 2, str(tmp_path), timeout=300)
     for rank, r in enumerate(res):
         assert r["key"] == [f"rank{rank}_of_2"]
         assert r["plain"]
         assert {"weight_calls", "grad_calls", "replica_calls", "reference", "reference_valid",
                 "grad_residuals"} <= set(r["kinds"])
         assert "rank 1 of 2 was given the fsdp_qcomm state that rank(s) [0] of 2 saved" in \
-            res[1]["rank0_state"]
+            r["rank0_state"]
         for text in ("register_for_checkpointing", "fsdp_qcomm.integrations.accelerate",
                      "torch.distributed.checkpoint"):
-            assert text in res[1]["rank0_state"]
+            assert text in r["rank0_state"]
+        assert "none for rank 1 of 2" in r["missing_file"], r["missing_file"]
         assert "cannot move to another world size" in r["world"]
         assert "without the fsdp_qcomm state" in r["world"]
         assert "the entry was moved or edited" in r["moved"]
@@ -315,6 +332,14 @@ def test_state_is_plain_and_refused_where_it_does_not_belong():
         assert "covers FSDP modules" in r["model"] and "blocks.2" in r["model"]
         for k in ("config", "node", "mesh", "model"):
             assert "Resume with the same QCommConfig" in r[k], r[k]
+    for key in ("rank0_state", "missing_file"):  # rank 0 names rank 1's refusal
+        assert res[0][key].startswith("the fsdp_qcomm state was refused on rank(s) [1] of 2, "
+                                      "so no rank loads it"), res[0][key]
+    assert res[1]["write"].startswith(("FileExistsError", "NotADirectoryError")), res[1]
+    assert res[0]["write"].startswith("RuntimeError: fsdp_qcomm: writing the per-rank state "
+                                      "to "), res[0]["write"]
+    assert "failed on rank(s) [1] of 2, so that checkpoint lacks their state" in \
+        res[0]["write"]
 
 
 def test_every_config_field_is_classified():

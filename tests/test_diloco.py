@@ -415,16 +415,27 @@ def _mismatch_run(rank: int, world: int) -> dict:
         other.load_state_dict(state)
     except ValueError as e:
         errors["shapes"] = str(e)
+    # refused on one rank only: refused on both (before, rank 0 loaded it and trained on)
+    one = DiLoCo(model, DiLoCoConfig(sync_every=4, fragments=2), replicas=mesh)
+    try:
+        one.load_state_dict(state if rank == 0 else {**state, "version": -1})
+    except ValueError as e:
+        errors["one_rank"] = str(e)
     same = DiLoCo(model, DiLoCoConfig(sync_every=4, fragments=2), replicas=mesh)
     same.load_state_dict(state)  # accepted
     return errors
 
 
 def test_load_refuses_another_layout_or_config():
-    for errors in run_ranks(_mismatch_run, 2, timeout=200):
+    res = run_ranks(_mismatch_run, 2, timeout=200)
+    for errors in res:
         assert "fragments" in errors["fragments"]
         assert "'bits'" in errors["bits"]
         assert "fragments" in errors["shapes"]
+    assert res[1]["one_rank"].startswith("not a DiLoCo state (version -1"), res[1]
+    assert res[0]["one_rank"].startswith(
+        "DiLoCo: the state was refused on rank(s) [1], so no rank loads it. Rank 1: "
+        "ValueError: not a DiLoCo state"), res[0]
 
 
 def _other_settings_run(rank: int, world: int) -> dict:

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
+from fsdp_qcomm.collectives.agreement import ranks_text
 from fsdp_qcomm.fsdp import install_agreement as agreement
 from fsdp_qcomm.fsdp import internals
 from fsdp_qcomm.fsdp.hop_plan import ModulePlan
@@ -122,8 +123,8 @@ def test_a_failure_on_one_rank_is_named_to_every_rank():
 
 
 def test_ranks_text_names_runs():
-    assert agreement.ranks_text([3, 0, 1, 2, 7, 9, 10]) == "[0-3, 7, 9-10]"
-    many = agreement.ranks_text(list(range(0, 40, 2)))
+    assert ranks_text([3, 0, 1, 2, 7, 9, 10]) == "[0-3, 7, 9-10]"
+    many = ranks_text(list(range(0, 40, 2)))
     assert many == "[0, 2, 4, 6, 8, 10, 12, 14, ... (20 ranks)]", many
 
 

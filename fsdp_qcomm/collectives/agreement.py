@@ -9,7 +9,7 @@ compare (``fsdp.install_agreement``, ``diloco.replicas.check_same_run``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -17,11 +17,19 @@ from torch.distributed import ProcessGroup
 
 def gather_unless_failed(record: Any, failure: Optional[BaseException],
                          group: Optional[ProcessGroup],
-                         stopped: Callable[[list[int], str], str]) -> list[Any]:
+                         stopped: Callable[[list[int], str], str],
+                         raises: type[Exception] = RuntimeError) -> list[Any]:
     """Every member's ``record`` over ``group`` (the world when None), in group rank order, from
     one ``all_gather_object``. If a member's own checks failed (``failure``), that member
-    re-raises its exception and every other member raises a ``RuntimeError`` whose text is
-    ``stopped(failed members' group ranks, "Type: message" of the first)``."""
+    re-raises its exception and every other member raises ``raises`` (a caller whose users catch
+    one type, such as ``CheckpointMismatch``, passes it: every rank then takes the same branch)
+    with the text ``stopped(failed members' group ranks, "Type: message" of the first)``. In a
+    process without ``torch.distributed`` (or alone in ``group``) it raises ``failure`` or
+    returns ``[record]``."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if failure is not None:
+            raise failure
+        return [record]
     mine = {"failure": None if failure is None else f"{type(failure).__name__}: {failure}",
             "record": record}
     every: list[Any] = [None] * dist.get_world_size(group)
@@ -30,8 +38,21 @@ def gather_unless_failed(record: Any, failure: Optional[BaseException],
     if failure is not None:
         raise failure
     if failed:
-        raise RuntimeError(stopped(failed, every[failed[0]]["failure"]))
+        raise raises(stopped(failed, every[failed[0]]["failure"]))
     return [p["record"] for p in every]
 
 
-__all__ = ["gather_unless_failed"]
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``[0-3, 5, 7-9]``: runs of consecutive ranks, at most 8 runs named."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8]]
+    more = f", ... ({len(ranks)} ranks)" if len(runs) > 8 else ""
+    return f"[{', '.join(parts)}{more}]"
+
+
+__all__ = ["gather_unless_failed", "ranks_text"]

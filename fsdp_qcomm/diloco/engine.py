@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..collectives.agreement import gather_unless_failed, ranks_text
 from ..fsdp.checkpoint import state_name
 from ..stats import CommStats
 from .config import DiLoCoConfig
@@ -507,8 +508,28 @@ class DiLoCo:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` (with the model and inner optimizer of the same step).
-        Refuses a state saved by another layout or configuration, naming the difference."""
+        """Restore ``state_dict()`` (with the model and inner optimizer of the same step; call on
+        every rank: collective). Refuses a state saved by another layout or configuration,
+        naming the difference, before anything changes; refused on one rank, it is refused on
+        every rank (``collectives.agreement``), so no rank trains on while others raise."""
+        failure, shared, saved = None, None, None
+        try:
+            shared, saved = self._checked_state(state)
+        except Exception as e:  # raised on every rank by the exchange below
+            failure = e
+        gather_unless_failed(None, failure, None, lambda failed, first: (
+            f"DiLoCo: the state was refused on rank(s) {ranks_text(failed)}, so no rank loads "
+            f"it. Rank {failed[0]}: {first}"), raises=ValueError)
+        self._load_shared(shared)
+        self.reset_residuals()
+        if saved is not None:
+            r = self.replicas.size()
+            for f in self.fragments:
+                for site, buf in f.residuals(r, self._spec, self.config.hadamard).items():
+                    buf.copy_(saved[str(f.index)][site])
+
+    def _checked_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """``state``'s shared part and residuals, once they fit this engine; else ValueError."""
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"not a DiLoCo state (version {state.get('version')!r}, expected "
                              f"{_STATE_VERSION}); pass what DiLoCo.state_dict() returned")
@@ -524,8 +545,6 @@ class DiLoCo:
         if self._pending is not None:
             raise RuntimeError("DiLoCo.load_state_dict: an all-reduce is in flight; load "
                                "before training, or call finish() first")
-        self._load_shared(shared)
-        self.reset_residuals()
         saved = state.get(self._residual_key())
         if saved is not None:
             r = self.replicas.size()
@@ -535,7 +554,7 @@ class DiLoCo:
                     if src.shape != buf.shape:
                         raise ValueError(f"DiLoCo residual {f.index}.{site}: saved shape "
                                          f"{tuple(src.shape)}, this run {tuple(buf.shape)}")
-                    buf.copy_(src)
+        return shared, saved
 
     def _load_shared(self, shared: dict[str, Any]) -> None:
         c = shared["counters"].tolist()

@@ -26,7 +26,8 @@ when every rank holds it under the same key, so states under one key would come 
 rank's state on every rank. Under its own key each rank's state is written by that rank, and
 at load each rank asks for its own key and gets back exactly what it saved.
 
-``load_handle_state`` checks the owner record before it changes anything and refuses, naming
+``load_handle_state`` checks the owner record before it changes anything, on every rank at once
+(one exchange: a state refused on one rank is refused on all), and refuses, naming
 what differs and what to do, a state that another rank wrote (a checkpointer that kept one
 rank's copy for all ranks, such as Accelerate's ``register_for_checkpointing`` or the metadata
 of Lightning's ``fabric.save``), that a run of another world size wrote (each rank's qWD
@@ -50,12 +51,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..codec import FLOAT_DTYPES
+from ..collectives.agreement import gather_unless_failed, ranks_text
 from . import internals as fsdp
 from .residual_state import check_residuals, load_residuals, residual_entries
 
@@ -309,9 +311,45 @@ def handle_state(installs: list[Any], config: Any, placement: Any) -> dict[str, 
     return {rank_key(owner["rank"], owner["world_size"]): entry}
 
 
-def load_handle_state(installs: list[Any], config: Any, placement: Any, state: Any) -> None:
-    """Check ``state`` against this rank and run (raising ``CheckpointMismatch`` before anything
-    changes), then restore every module's part."""
+def load_handle_state(installs: list[Any], config: Any, placement: Any,
+                      read: Callable[[], Any]) -> None:
+    """Read this rank's state (``read()``) and check it against this rank and run, then, once
+    every rank's reading and checks passed, restore every module's part. One exchange over the
+    world decides (``collectives.agreement``): a state refused on any rank changes nothing on
+    any rank, which raises ``CheckpointMismatch`` alike (the refused rank its own, naming what
+    differs). Without it the ranks that accepted their state went on into their first gather,
+    waiting there for the ones that raised."""
+    failure, saved = None, {}
+    try:
+        saved = _checked_modules(installs, config, placement, read())
+    except Exception as e:  # raised on every rank by the exchange below
+        failure = e
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def stopped(failed: list[int], first: str) -> str:
+        return (f"the fsdp_qcomm state was refused on rank(s) {ranks_text(failed)} of {world}, "
+                f"so no rank loads it (the ranks would gather from different references and "
+                f"counters). Rank {failed[0]}: {first}")
+
+    gather_unless_failed(None, failure, None, stopped, raises=CheckpointMismatch)
+    for i in installs:
+        s = saved[i.label]
+        if i.all_gather is not None:
+            load_gather_state(i.all_gather, s)
+        rs = i.reduce_scatter
+        if rs is not None:
+            rs.call_count = int(s["grad_calls"])
+            if getattr(rs, "levels", None) is not None:
+                rs.levels.load_checkpoint_state(s["grad_levels"], fsdp.group_device(i.group))
+        if i.replica is not None:
+            i.replica.call_count = int(s["replica_calls"])
+        load_residuals(i.reduction_hooks, i.group, s.get("grad_residuals", {}), i.label)
+
+
+def _checked_modules(installs: list[Any], config: Any, placement: Any,
+                     state: Any) -> dict[str, Any]:
+    """``state``'s module entries, once its owner record and every module's part match this
+    rank and run; else ``CheckpointMismatch`` naming what differs."""
     mine = owner_record(installs, config, placement)
     entry = _own_entry(state, mine)
     _check_owner(entry["owner"], mine)
@@ -328,18 +366,7 @@ def load_handle_state(installs: list[Any], config: Any, placement: Any, state: A
         raise
     except ValueError as e:  # a level table or residual of another size
         raise CheckpointMismatch(f"{e}; {_DROP}") from None
-    for i in installs:
-        s = saved[i.label]
-        if i.all_gather is not None:
-            load_gather_state(i.all_gather, s)
-        rs = i.reduce_scatter
-        if rs is not None:
-            rs.call_count = int(s["grad_calls"])
-            if getattr(rs, "levels", None) is not None:
-                rs.levels.load_checkpoint_state(s["grad_levels"], fsdp.group_device(i.group))
-        if i.replica is not None:
-            i.replica.call_count = int(s["replica_calls"])
-        load_residuals(i.reduction_hooks, i.group, s.get("grad_residuals", {}), i.label)
+    return saved
 
 
 def _check_module(i: Any, s: Any) -> None:

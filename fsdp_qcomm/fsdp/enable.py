@@ -50,7 +50,7 @@ checkpointers that keep one copy for all ranks (Accelerate, Lightning Fabric).
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -252,14 +252,20 @@ class QCommHandle:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved on this rank (call on every rank, with the model and
-        optimizer loaded from the same checkpoint). Refuses, with ``CheckpointMismatch`` (a
-        ``ValueError``) naming what differs and before changing anything, a state that another
-        rank, world size, placement, ``QCommConfig`` or model wrote. The next gather of each qWD
-        module re-assembles the saved reference with one full-precision all-gather; modules
-        saved without a reference send full-precision weights. Either way no rank computes with
-        stale weights."""
+        optimizer loaded from the same checkpoint: collective over the world). Refuses, with
+        ``CheckpointMismatch`` (a ``ValueError``) naming what differs and before changing
+        anything, a state that another rank, world size, placement, ``QCommConfig`` or model
+        wrote; refused on one rank, it is refused on every rank, so all take the same branch.
+        The next gather of each qWD module re-assembles the saved reference with one
+        full-precision all-gather; modules saved without a reference send full-precision
+        weights. Either way no rank computes with stale weights."""
+        self._load_state_from(lambda: state)
+
+    def _load_state_from(self, read: Callable[[], Any]) -> None:
+        """``load_state_dict(read())``, with a failure to read (a missing or unreadable file:
+        ``integrations.load_rank_state``) refused on every rank like a mismatch."""
         self._check_enabled("load_state_dict")
-        checkpoint.load_handle_state(self._installs, self.config, self.placement, state)
+        checkpoint.load_handle_state(self._installs, self.config, self.placement, read)
 
     def attach_grad_scaler(self, scaler: Any) -> None:
         """Keep the error-feedback residuals in unscaled units under a loss scaler

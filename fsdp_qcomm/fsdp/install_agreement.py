@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..collectives.agreement import gather_unless_failed
+from ..collectives.agreement import gather_unless_failed, ranks_text
 from ..config import QCommConfig
 
 logger = logging.getLogger("fsdp_qcomm")
@@ -76,19 +76,6 @@ def payload(entries: Sequence[Entry], unused: Sequence[str] = (),
             (e.label, e.index, configs.index(fields), _plan_digest(e.plan)))
     return {"configs": configs, "meshes": meshes, "unused": list(unused),
             "unused_message": unused_message}
-
-
-def ranks_text(ranks: Sequence[int]) -> str:
-    """``[0-3, 5, 7-9]``: runs of consecutive ranks, at most 8 runs named."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8]]
-    more = f", ... ({len(ranks)} ranks)" if len(runs) > 8 else ""
-    return f"[{', '.join(parts)}{more}]"
 
 
 def _mesh_text(key: MeshKey) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
+from ..collectives.agreement import gather_unless_failed, ranks_text
 from ..fsdp.checkpoint import CheckpointMismatch, parse_rank_key, rank_key
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -40,33 +41,48 @@ def rank_state_path(folder: PathLike, rank: int, world: int) -> Path:
 
 def save_rank_state(handle: Any, folder: PathLike) -> Path:
     """Write this rank's ``handle.state_dict()`` to ``folder/rank<r>_of_<W>.pt`` (call on every
-    rank; written to a temporary name first, then renamed). Rank 0 also removes files that runs
-    of other world sizes left in ``folder``, so a loader never mistakes them for this run's.
-    Returns the path written."""
+    rank: collective; written to a temporary name first, then renamed). Rank 0 also removes
+    files that runs of other world sizes left in ``folder``, so a loader never mistakes them for
+    this run's. A write that fails on one rank (a full or read-only node-local disk) raises on
+    every rank, the others naming it, instead of leaving them waiting in their next collective
+    with a checkpoint that lacks that rank's file. Returns the path written."""
     rank, world = dist.get_rank(), dist.get_world_size()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = rank_state_path(folder, rank, world)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(handle.state_dict(), tmp)
-    os.replace(tmp, path)
-    if rank == 0:
-        for f in folder.glob("rank*_of_*.pt"):
-            owner = parse_rank_key(f.name[:-3])
-            if owner is not None and owner[1] != world:
-                f.unlink(missing_ok=True)
+    failure = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(handle.state_dict(), tmp)
+        os.replace(tmp, path)
+        if rank == 0:
+            for f in folder.glob("rank*_of_*.pt"):
+                owner = parse_rank_key(f.name[:-3])
+                if owner is not None and owner[1] != world:
+                    f.unlink(missing_ok=True)
+    except Exception as e:  # raised on every rank by the exchange below
+        failure = e
+    gather_unless_failed(None, failure, None, lambda failed, first: (
+        f"fsdp_qcomm: writing the per-rank state to {str(folder)!r} failed on rank(s) "
+        f"{ranks_text(failed)} of {world}, so that checkpoint lacks their state. Rank "
+        f"{failed[0]}: {first}"))
     return path
 
 
 def load_rank_state(handle: Any, folder: PathLike) -> None:
     """Read this rank's file from ``folder`` and ``handle.load_state_dict`` it (call on every
-    rank). A missing file, or one another rank, world size, placement or configuration wrote,
-    raises ``CheckpointMismatch`` naming what the folder holds and what to do."""
+    rank: collective). A missing or unreadable file, or one another rank, world size, placement
+    or configuration wrote, raises ``CheckpointMismatch`` naming what the folder holds and what
+    to do, on every rank alike (a rank whose file was fine names the one that failed)."""
+    handle._load_state_from(lambda: _read_rank_state(Path(folder)))
+
+
+def _read_rank_state(folder: Path) -> Any:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = rank_state_path(folder, rank, world)
     if not path.is_file():
         found = sorted(o for o in (parse_rank_key(f.name[:-3])
-                                   for f in Path(folder).glob("rank*_of_*.pt")) if o)
+                                   for f in folder.glob("rank*_of_*.pt")) if o)
         if not found:
             raise CheckpointMismatch(
                 f"fsdp_qcomm: no fsdp_qcomm state in {str(folder)!r} (saved without it?). To "
@@ -81,7 +97,7 @@ def load_rank_state(handle: Any, folder: PathLike) -> None:
             "world size or be shared between ranks; resume with the world size that saved it, "
             "or do not load it (the next weight gathers send full precision)"
         )
-    handle.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 __all__ = ["load_rank_state", "rank_state_path", "save_rank_state"]

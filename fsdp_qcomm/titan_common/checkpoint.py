@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ..collectives.agreement import gather_unless_failed, ranks_text
 from .comm_stats import attachment_of
 
 STATE_KEY = "qcomm"
@@ -313,10 +314,19 @@ def wrap_dcp_load(manager: Any, entry: DiLoCoState) -> None:
         if state_dict.get(DILOCO_KEY) is not entry:  # excluded, model only, or from HF
             return original(state_dict, checkpoint_id, *args, **kwargs)
         entry.begin_load()
-        try:
+        failure = None
+        try:  # this rank's part (its replica's key): what it lacks may be there for others
             keys = checkpoint_keys(checkpoint_id)
             if keys is not None:
                 entry.check_checkpoint(keys, where=f"checkpoint {checkpoint_id}")
+        except Exception as e:  # raised on every rank by the exchange below
+            failure = e
+        try:
+            # every rank refuses, or none: the others would wait in dcp.load's collectives
+            gather_unless_failed(None, failure, None, lambda failed, first: (
+                f"checkpoint {checkpoint_id}: its DiLoCo entry was refused on rank(s) "
+                f"{ranks_text(failed)}, so no rank loads it. Rank {failed[0]}: {first}"),
+                raises=ValueError)
             original(state_dict, checkpoint_id, *args, **kwargs)
         except BaseException:
             entry.abort_load()

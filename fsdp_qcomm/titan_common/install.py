@@ -33,7 +33,7 @@ def _check_fsdp_everywhere(counts: list[int]) -> None:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    from fsdp_qcomm.fsdp.install_agreement import ranks_text
+    from fsdp_qcomm.collectives.agreement import ranks_text
 
     mine = [n > 0 for n in counts]
     every: list[Any] = [None] * dist.get_world_size()

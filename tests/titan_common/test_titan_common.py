@@ -572,3 +572,57 @@ def test_a_part_with_fsdp_on_some_ranks_only_is_refused_on_every_rank():
         assert text.startswith("qcomm: the model parts hold FSDP modules on some ranks only "
                                "(which parts have them, per rank: [True] on ranks [0]; [False] "
                                "on ranks [1])"), text
+
+
+class _Entry:
+    """Stands for ``DiLoCoState``: its pre-load check refuses on rank 1 only (another replica's
+    key missing, as with more replica groups than the checkpoint was written with)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.calls = rank, []
+
+    def begin_load(self):
+        self.calls.append("begin")
+
+    def abort_load(self):
+        self.calls.append("abort")
+
+    def finish_load(self):
+        self.calls.append("finish")
+
+    def check_checkpoint(self, keys, where):
+        if self.rank == 1:
+            raise ValueError(f"{where}'s 'diloco' entry has no ['diloco.replica1']")
+
+
+def _dcp_load_refused_on_rank_1(rank: int, world: int) -> dict:
+    from fsdp_qcomm.titan_common import checkpoint as ck
+
+    ck.checkpoint_keys = lambda checkpoint_id: ["diloco.replica0.w"]
+    entry, loaded = _Entry(rank), []
+
+    class Manager:
+        def dcp_load(self, state_dict, checkpoint_id):
+            loaded.append(checkpoint_id)  # dcp.load: collective in a real run
+
+    manager = Manager()
+    ck.wrap_dcp_load(manager, entry)
+    try:
+        manager.dcp_load({ck.DILOCO_KEY: entry}, "step-10")
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "loaded": loaded, "calls": entry.calls}
+
+
+def test_a_diloco_entry_refused_on_one_rank_is_refused_on_every_rank():
+    """Before: rank 0 went on into dcp.load's collectives while rank 1 raised."""
+    from fsdp_qcomm.testing import run_ranks
+
+    r0, r1 = run_ranks(_dcp_load_refused_on_rank_1, 2, timeout=120)
+    assert r1["error"] == "checkpoint step-10's 'diloco' entry has no ['diloco.replica1']"
+    assert r0["error"] == ("checkpoint step-10: its DiLoCo entry was refused on rank(s) [1], so "
+                           "no rank loads it. Rank 1: ValueError: checkpoint step-10's 'diloco' "
+                           "entry has no ['diloco.replica1']"), r0["error"]
+    for r in (r0, r1):
+        assert r["loaded"] == [] and r["calls"] == ["begin", "abort"], r
