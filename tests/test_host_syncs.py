@@ -48,6 +48,8 @@ ALLOWED = {
         "level refresh only: fp64 numpy fit on the CPU",
     ("fsdp_qcomm/fsdp/consistency.py", "consistency_error"):
         "opt-in consistency_check_every: compares checksums on the host to raise on every rank",
+    ("fsdp_qcomm/fsdp/consistency.py", "stop_everywhere"):
+        "opt-in consistency_check_every: another shard group's verdict, to raise on every rank",
     ("fsdp_qcomm/fsdp/change_tracker.py", "agree"):
         "one host read per root forward (verify_weight_writes, on by default): the agreed "
         "change codes decide which collectives every rank runs; off: no read",

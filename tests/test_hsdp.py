@@ -780,3 +780,33 @@ def test_backend_without_sequence_numbers_trains_and_says_the_check_is_off():
         assert off and "'fake' backend" in off[0], stats["notes"]
     finally:
         dist.destroy_process_group()
+
+
+def _guard_one_group(rank: int, world: int) -> str:
+    """2 replicas x 2 shards, one rank per node (qWD between the shard peers). Rank 0's copy of
+    rank 1's slot of blocks.1's reference flips a bit: shard group {0, 1} and replicas {0, 2}
+    see it; replicas {1, 3} compare equal buffers."""
+    cfg = QCommConfig.preset("qwd", weight_group_size=32, ranks_per_node=1,
+                             consistency_check_every=1)
+    model, handle, _ = _build((2, 2), cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    _train_steps(model, handle, 1, rank, opt=opt)
+    g = internals.unverified_param_groups(model.blocks[1])[0]
+    shard = sum(math.prod(fp.padded_sharded_param_size) for fp in g.fsdp_params)
+    if rank == 0:
+        g._all_gather_comm._qwd.ref[shard:shard + 1].view(torch.int32).bitwise_xor_(1 << 20)
+    try:
+        _train_steps(model, handle, 1, rank, opt=opt)
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_consistency_guard_stops_every_rank_when_one_group_differs():
+    """Before: ranks 0-2 raised, rank 3 (whose groups all agreed) went on into the next
+    collective and waited there."""
+    res = run_ranks(_guard_one_group, 4, timeout=300)
+    for r in res[:3]:
+        assert "consistency check failed" in r and "parameter 'blocks.1." in r, r
+    assert res[3].startswith("fsdp_qcomm consistency check failed at forward gather #2 of FSDP "
+                             "module 'blocks.1' on another rank of the model's meshes"), res[3]

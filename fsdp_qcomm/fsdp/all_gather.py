@@ -86,7 +86,7 @@ from ..stats import CommStats
 from . import checkpoint
 from . import internals as fsdp
 from .change_tracker import Agreement, Change, ChangeTracker, describe, plan
-from .consistency import check_consistent, consistency_error
+from .consistency import consistency_error, stop_everywhere
 from .internals import AllGather
 
 KIND = "weight_allgather"
@@ -591,15 +591,16 @@ class QuantizedAllGather(AllGather):
             self._record(o)
             # the decisions so far must agree too: same RNG key counter, same generation
             decisions = (self._counter, self._gen)
-            if self.replica_group is None:
-                check_consistent(output, world, segs, names, group, where, decisions=decisions)
-                return
-            # HSDP: the replicas must compute with the same weights too. Both comparisons run
+            # HSDP: the replicas must compute with the same weights too. Every comparison runs
             # before anything raises (each is collective; no peer may be left waiting).
-            errors = [consistency_error(output, world, segs, names, group, where, decisions),
-                      consistency_error(output, world, segs, names, self.replica_group,
-                                        f"{where}, across HSDP replicas", decisions)]
+            errors = [consistency_error(output, world, segs, names, group, where, decisions)]
+            if self.replica_group is not None:
+                errors.append(consistency_error(output, world, segs, names, self.replica_group,
+                                                f"{where}, across HSDP replicas", decisions))
             msg = next((e for e in errors if e is not None), None)
+            wide = self.session.agreement.group if self.session is not None else None
+            if (wide.size() if wide is not None else dist.get_world_size()) > group.size():
+                msg = stop_everywhere(msg, output.device, wide, where)  # other shard groups'
             if msg is not None:
                 raise RuntimeError(msg)
 

@@ -104,19 +104,20 @@ def consistency_error(
     return None
 
 
-def check_consistent(
-    flat: torch.Tensor,
-    world: int,
-    segments: Sequence[int],
-    names: Sequence[str],
-    group: dist.ProcessGroup,
-    where: str,
-    decisions: Sequence[int] = (),
-) -> None:
-    """``consistency_error``, raised as a RuntimeError on every rank."""
-    msg = consistency_error(flat, world, segments, names, group, where, decisions)
-    if msg is not None:
-        raise RuntimeError(msg)
+def stop_everywhere(msg: Optional[str], device: torch.device,
+                    wide: Optional[dist.ProcessGroup], where: str) -> Optional[str]:
+    """``msg`` (this rank's verdict), or, if another rank of ``wide`` (every rank of the model's
+    meshes, ``enable``'s agreement group; None: the world) found a difference, a message saying
+    so. A comparison covers one shard group (and its HSDP replicas): other tensor-parallel
+    columns or shard groups compared other ranks, whose verdict this rank would not see, and it
+    would go on into a collective they never reach. One all-reduce of a flag over ``wide``."""
+    flag = torch.tensor([int(msg is not None)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=wide)
+    if msg is None and int(flag.item()):
+        return (f"fsdp_qcomm consistency check failed at {where} on another rank of the model's "
+                "meshes (its error names the parameter and ranks), so every rank stops. Resume "
+                "from the last checkpoint and report it.")
+    return msg
 
 
-__all__ = ["check_consistent", "consistency_error", "weight_checksums"]
+__all__ = ["consistency_error", "stop_everywhere", "weight_checksums"]
