@@ -192,7 +192,8 @@ def _instrument(rpn: int) -> list[str]:
             ct.Agreement.agree = _wrap(ct.Agreement.agree, "agreement")
             found.append("agreement")
     cons = mod("fsdp_qcomm.fsdp.consistency")
-    if cons is not None and _patch_everywhere(cons, "check_consistent", "consistency"):
+    if cons is not None and any([_patch_everywhere(cons, f, "consistency")
+                                 for f in ("consistency_error", "stop_everywhere")]):
         found.append("consistency")
     ls = mod("fsdp_qcomm.collectives.level_sync")
     if ls is not None and hasattr(getattr(ls, "LevelSync", None), "table"):

@@ -338,7 +338,7 @@ def test_state_is_plain_and_refused_where_it_does_not_belong(tmp_path):
     assert res[1]["write"].startswith(("FileExistsError", "NotADirectoryError")), res[1]
     assert res[0]["write"].startswith("RuntimeError: fsdp_qcomm: writing the per-rank state "
                                       "to "), res[0]["write"]
-    assert "failed on rank(s) [1] of 2, so that checkpoint lacks their state" in \
+    assert "failed on rank(s) [1] of 2, so no rank replaced its file there" in \
         res[0]["write"]
 
 

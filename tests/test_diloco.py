@@ -434,7 +434,7 @@ def test_load_refuses_another_layout_or_config():
         assert "fragments" in errors["shapes"]
     assert res[1]["one_rank"].startswith("not a DiLoCo state (version -1"), res[1]
     assert res[0]["one_rank"].startswith(
-        "DiLoCo: the state was refused on rank(s) [1], so no rank loads it. Rank 1: "
+        "DiLoCo: the state was refused on rank(s) [1] of 2, so no rank loads it. Rank 1: "
         "ValueError: not a DiLoCo state"), res[0]
 
 

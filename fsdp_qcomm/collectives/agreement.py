@@ -4,7 +4,9 @@ A check that fails on one rank only (its own arguments, its own environment) wou
 rank raising and the others waiting in their next collective. So a caller runs its local checks
 in a ``try``, then exchanges what it decided together with whether it failed; every member reads
 the same list, so every member raises, or every member goes on with the others' records to
-compare (``fsdp.install_agreement``, ``diloco.replicas.check_same_run``).
+compare: ``enable`` (``fsdp.install_agreement``), DiLoCo's construction
+(``diloco.replicas.check_same_run``) and every load or save of their state (``fsdp.checkpoint``,
+``integrations``, ``DiLoCo.load_state_dict``, torchtitan's pre-load check).
 """
 
 from __future__ import annotations

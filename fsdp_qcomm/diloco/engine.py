@@ -515,11 +515,15 @@ class DiLoCo:
         failure, shared, saved = None, None, None
         try:
             shared, saved = self._checked_state(state)
-        except Exception as e:  # raised on every rank by the exchange below
+        except ValueError as e:  # raised on every rank by the exchange below
             failure = e
+        except Exception as e:  # a malformed state, a load mid-round: the type all raise
+            failure = ValueError(f"DiLoCo.load_state_dict: {type(e).__name__}: {e}")
+            failure.__cause__ = e
+        world = dist.get_world_size() if dist.is_initialized() else 1
         gather_unless_failed(None, failure, None, lambda failed, first: (
-            f"DiLoCo: the state was refused on rank(s) {ranks_text(failed)}, so no rank loads "
-            f"it. Rank {failed[0]}: {first}"), raises=ValueError)
+            f"DiLoCo: the state was refused on rank(s) {ranks_text(failed)} of {world}, so no "
+            f"rank loads it. Rank {failed[0]}: {first}"), raises=ValueError)
         self._load_shared(shared)
         self.reset_residuals()
         if saved is not None:

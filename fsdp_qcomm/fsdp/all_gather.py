@@ -598,9 +598,13 @@ class QuantizedAllGather(AllGather):
                 errors.append(consistency_error(output, world, segs, names, self.replica_group,
                                                 f"{where}, across HSDP replicas", decisions))
             msg = next((e for e in errors if e is not None), None)
-            wide = self.session.agreement.group if self.session is not None else None
-            if (wide.size() if wide is not None else dist.get_world_size()) > group.size():
-                msg = stop_everywhere(msg, output.device, wide, where)  # other shard groups'
+            # other shard groups' verdicts: inside a root forward only, where the change
+            # agreement makes every rank of its group take the same gathers in the same order
+            session = self.session
+            if session is not None and session.in_root_forward:
+                wide = session.agreement.group
+                if (wide.size() if wide is not None else dist.get_world_size()) > group.size():
+                    msg = stop_everywhere(msg, output.device, wide, where)
             if msg is not None:
                 raise RuntimeError(msg)
 

@@ -322,8 +322,13 @@ def load_handle_state(installs: list[Any], config: Any, placement: Any,
     failure, saved = None, {}
     try:
         saved = _checked_modules(installs, config, placement, read())
-    except Exception as e:  # raised on every rank by the exchange below
+    except CheckpointMismatch as e:  # raised on every rank by the exchange below
         failure = e
+    except Exception as e:  # an unreadable file, a malformed entry: the type every rank raises
+        failure = CheckpointMismatch(
+            f"the fsdp_qcomm state could not be read or checked ({type(e).__name__}: {e}); "
+            f"{_DROP}")
+        failure.__cause__ = e
     world = dist.get_world_size() if dist.is_initialized() else 1
 
     def stopped(failed: list[int], first: str) -> str:

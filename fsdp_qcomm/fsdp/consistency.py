@@ -8,7 +8,9 @@ and all ranks of the module's group compare their checksums, together with the g
 decisions so far (the module's RNG key counter and weight generation: ranks that decided
 differently whether to send would otherwise only show up as a hang or as drifting weights);
 under HSDP the replicas of the group compare them too (they must compute with the same
-weights).
+weights). Where the model's meshes hold more ranks than the group (HSDP's other shard groups,
+tensor parallelism's other columns), one all-reduce of a flag in root forwards makes a group's
+verdict every rank's (``stop_everywhere``), so no rank goes on alone.
 
 Checksum: the raw bits of each value (fp32 as int32, bf16/fp16 as int16), split into 16-bit
 halves, summed plainly and weighted by position (``index % 251 + 1``) in int64. Integer sums are

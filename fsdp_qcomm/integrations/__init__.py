@@ -44,28 +44,34 @@ def save_rank_state(handle: Any, folder: PathLike) -> Path:
     rank: collective; written to a temporary name first, then renamed). Rank 0 also removes
     files that runs of other world sizes left in ``folder``, so a loader never mistakes them for
     this run's. A write that fails on one rank (a full or read-only node-local disk) raises on
-    every rank, the others naming it, instead of leaving them waiting in their next collective
-    with a checkpoint that lacks that rank's file. Returns the path written."""
+    every rank, the others naming it, before any rank replaces its file: not waiting in their
+    next collective with a folder of mixed saves. Returns the path written."""
     rank, world = dist.get_rank(), dist.get_world_size()
     folder = Path(folder)
     path = rank_state_path(folder, rank, world)
+    tmp = path.with_name(path.name + ".tmp")
     failure = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         torch.save(handle.state_dict(), tmp)
-        os.replace(tmp, path)
-        if rank == 0:
-            for f in folder.glob("rank*_of_*.pt"):
-                owner = parse_rank_key(f.name[:-3])
-                if owner is not None and owner[1] != world:
-                    f.unlink(missing_ok=True)
     except Exception as e:  # raised on every rank by the exchange below
         failure = e
-    gather_unless_failed(None, failure, None, lambda failed, first: (
-        f"fsdp_qcomm: writing the per-rank state to {str(folder)!r} failed on rank(s) "
-        f"{ranks_text(failed)} of {world}, so that checkpoint lacks their state. Rank "
-        f"{failed[0]}: {first}"))
+    # every rank wrote, or none renames: a folder that held an earlier save of this world size
+    # keeps that save whole (one rank's new file beside the others' old ones would load)
+    try:
+        gather_unless_failed(None, failure, None, lambda failed, first: (
+            f"fsdp_qcomm: writing the per-rank state to {str(folder)!r} failed on rank(s) "
+            f"{ranks_text(failed)} of {world}, so no rank replaced its file there. Rank "
+            f"{failed[0]}: {first}"))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    if rank == 0:
+        for f in folder.glob("rank*_of_*.pt"):
+            owner = parse_rank_key(f.name[:-3])
+            if owner is not None and owner[1] != world:
+                f.unlink(missing_ok=True)
     return path
 
 

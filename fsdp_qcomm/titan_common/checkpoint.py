@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..collectives.agreement import gather_unless_failed, ranks_text
@@ -316,6 +317,7 @@ def wrap_dcp_load(manager: Any, entry: DiLoCoState) -> None:
         entry.begin_load()
         failure = None
         try:  # this rank's part (its replica's key): what it lacks may be there for others
+            entry.engine_keys()  # builds the engine (collective) on every rank, whatever follows
             keys = checkpoint_keys(checkpoint_id)
             if keys is not None:
                 entry.check_checkpoint(keys, where=f"checkpoint {checkpoint_id}")
@@ -325,7 +327,8 @@ def wrap_dcp_load(manager: Any, entry: DiLoCoState) -> None:
             # every rank refuses, or none: the others would wait in dcp.load's collectives
             gather_unless_failed(None, failure, None, lambda failed, first: (
                 f"checkpoint {checkpoint_id}: its DiLoCo entry was refused on rank(s) "
-                f"{ranks_text(failed)}, so no rank loads it. Rank {failed[0]}: {first}"),
+                f"{ranks_text(failed)} of {dist.get_world_size()}, so no rank loads it. Rank "
+                f"{failed[0]}: {first}"),
                 raises=ValueError)
             original(state_dict, checkpoint_id, *args, **kwargs)
         except BaseException:

@@ -590,6 +590,10 @@ class _Entry:
     def finish_load(self):
         self.calls.append("finish")
 
+    def engine_keys(self):
+        self.calls.append("engine")
+        return ["group_rank0"]
+
     def check_checkpoint(self, keys, where):
         if self.rank == 1:
             raise ValueError(f"{where}'s 'diloco' entry has no ['diloco.replica1']")
@@ -621,8 +625,8 @@ def test_a_diloco_entry_refused_on_one_rank_is_refused_on_every_rank():
 
     r0, r1 = run_ranks(_dcp_load_refused_on_rank_1, 2, timeout=120)
     assert r1["error"] == "checkpoint step-10's 'diloco' entry has no ['diloco.replica1']"
-    assert r0["error"] == ("checkpoint step-10: its DiLoCo entry was refused on rank(s) [1], so "
-                           "no rank loads it. Rank 1: ValueError: checkpoint step-10's 'diloco' "
-                           "entry has no ['diloco.replica1']"), r0["error"]
-    for r in (r0, r1):
-        assert r["loaded"] == [] and r["calls"] == ["begin", "abort"], r
+    assert r0["error"] == ("checkpoint step-10: its DiLoCo entry was refused on rank(s) [1] of "
+                           "2, so no rank loads it. Rank 1: ValueError: checkpoint step-10's "
+                           "'diloco' entry has no ['diloco.replica1']"), r0["error"]
+    for r in (r0, r1):  # the engine built on every rank (collective), whatever the check says
+        assert r["loaded"] == [] and r["calls"] == ["begin", "engine", "abort"], r
