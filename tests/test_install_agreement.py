@@ -117,7 +117,7 @@ def test_unused_patterns_are_refused_only_where_no_rank_uses_them():
 
 def test_a_failure_on_one_rank_is_named_to_every_rank():
     """What the others raise (``collectives.agreement``; the 2-rank run below raises it)."""
-    text = agreement.stopped_text([2], 4, "ValueError: bad group")
+    text = agreement.STOPPED([2], 4, "ValueError: bad group")
     assert text == ("fsdp_qcomm.enable() failed on rank(s) [2] of 4, so it stops on every rank "
                     "(none trains alone). Rank 2: ValueError: bad group"), text
 

@@ -19,13 +19,14 @@ from torch.distributed import ProcessGroup
 
 def gather_unless_failed(record: Any, failure: Optional[BaseException],
                          group: Optional[ProcessGroup],
-                         stopped: Callable[[list[int], str], str],
+                         stopped: Callable[[list[int], int, str], str],
                          raises: type[Exception] = RuntimeError) -> list[Any]:
     """Every member's ``record`` over ``group`` (the world when None), in group rank order, from
     one ``all_gather_object``. If a member's own checks failed (``failure``), that member
     re-raises its exception and every other member raises ``raises`` (a caller whose users catch
     one type, such as ``CheckpointMismatch``, passes it: every rank then takes the same branch)
-    with the text ``stopped(failed members' group ranks, "Type: message" of the first)``. In a
+    with the text ``stopped(failed members' group ranks, group size, "Type: message" of the
+    first)`` (``stopped_on_ranks`` writes the usual one). In a
     process without ``torch.distributed`` (or alone in ``group``) it raises ``failure`` or
     returns ``[record]``."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -40,8 +41,15 @@ def gather_unless_failed(record: Any, failure: Optional[BaseException],
     if failure is not None:
         raise failure
     if failed:
-        raise raises(stopped(failed, every[failed[0]]["failure"]))
+        raise raises(stopped(failed, len(every), every[failed[0]]["failure"]))
     return [p["record"] for p in every]
+
+
+def stopped_on_ranks(what: str, consequence: str) -> Callable[[list[int], int, str], str]:
+    """The usual ``stopped`` text: "<what> on rank(s) [1, 3] of 4, so <consequence>. Rank 1:
+    <its exception>"."""
+    return lambda failed, size, first: (f"{what} on rank(s) {ranks_text(failed)} of {size}, so "
+                                        f"{consequence}. Rank {failed[0]}: {first}")
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
@@ -57,4 +65,4 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return f"[{', '.join(parts)}{more}]"
 
 
-__all__ = ["gather_unless_failed", "ranks_text"]
+__all__ = ["gather_unless_failed", "ranks_text", "stopped_on_ranks"]

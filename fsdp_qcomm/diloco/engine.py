@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..collectives.agreement import gather_unless_failed, ranks_text
+from ..collectives.agreement import gather_unless_failed, stopped_on_ranks
 from ..fsdp.checkpoint import state_name
 from ..stats import CommStats
 from .config import DiLoCoConfig
@@ -520,10 +520,9 @@ class DiLoCo:
         except Exception as e:  # a malformed state, a load mid-round: the type all raise
             failure = ValueError(f"DiLoCo.load_state_dict: {type(e).__name__}: {e}")
             failure.__cause__ = e
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        gather_unless_failed(None, failure, None, lambda failed, first: (
-            f"DiLoCo: the state was refused on rank(s) {ranks_text(failed)} of {world}, so no "
-            f"rank loads it. Rank {failed[0]}: {first}"), raises=ValueError)
+        gather_unless_failed(None, failure, None,
+                             stopped_on_ranks("DiLoCo: the state was refused", "no rank loads it"),
+                             raises=ValueError)
         self._load_shared(shared)
         self.reset_residuals()
         if saved is not None:

@@ -131,7 +131,7 @@ def check_same_run(group: Optional[ProcessGroup], record: dict[str, Any],
         return
     ranks = dist.get_process_group_ranks(group)
 
-    def stopped(failed: list[int], first: str) -> str:
+    def stopped(failed: list[int], size: int, first: str) -> str:
         return (f"DiLoCo failed on replica(s) {failed} (global rank(s) "
                 f"{[ranks[i] for i in failed]}), so it stops on every replica: {first}")
 

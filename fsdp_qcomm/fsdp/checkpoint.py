@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import FLOAT_DTYPES
-from ..collectives.agreement import gather_unless_failed, ranks_text
+from ..collectives.agreement import gather_unless_failed, stopped_on_ranks
 from . import internals as fsdp
 from .residual_state import check_residuals, load_residuals, residual_entries
 
@@ -311,6 +311,11 @@ def handle_state(installs: list[Any], config: Any, placement: Any) -> dict[str, 
     return {rank_key(owner["rank"], owner["world_size"]): entry}
 
 
+_REFUSED = stopped_on_ranks(
+    "the fsdp_qcomm state was refused",
+    "no rank loads it (the ranks would gather from different references and counters)")
+
+
 def load_handle_state(installs: list[Any], config: Any, placement: Any,
                       read: Callable[[], Any]) -> None:
     """Read this rank's state (``read()``) and check it against this rank and run, then, once
@@ -329,14 +334,7 @@ def load_handle_state(installs: list[Any], config: Any, placement: Any,
             f"the fsdp_qcomm state could not be read or checked ({type(e).__name__}: {e}); "
             f"{_DROP}")
         failure.__cause__ = e
-    world = dist.get_world_size() if dist.is_initialized() else 1
-
-    def stopped(failed: list[int], first: str) -> str:
-        return (f"the fsdp_qcomm state was refused on rank(s) {ranks_text(failed)} of {world}, "
-                f"so no rank loads it (the ranks would gather from different references and "
-                f"counters). Rank {failed[0]}: {first}")
-
-    gather_unless_failed(None, failure, None, stopped, raises=CheckpointMismatch)
+    gather_unless_failed(None, failure, None, _REFUSED, raises=CheckpointMismatch)
     for i in installs:
         s = saved[i.label]
         if i.all_gather is not None:

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..collectives.agreement import gather_unless_failed, ranks_text
+from ..collectives.agreement import gather_unless_failed, ranks_text, stopped_on_ranks
 from ..config import QCommConfig
 
 logger = logging.getLogger("fsdp_qcomm")
@@ -153,10 +153,9 @@ def _unused_refused(payloads: Sequence[dict]) -> Optional[str]:
     return payloads[0]["unused_message"] if whole else None
 
 
-def stopped_text(failed: Sequence[int], world: int, first: str) -> str:
-    """What the ranks whose own checks passed raise when ``failed`` ranks' failed."""
-    return (f"fsdp_qcomm.enable() failed on rank(s) {ranks_text(failed)} of {world}, so it "
-            f"stops on every rank (none trains alone). Rank {failed[0]}: {first}")
+#: what the ranks whose own checks passed raise when others' failed
+STOPPED = stopped_on_ranks("fsdp_qcomm.enable() failed",
+                           "it stops on every rank (none trains alone)")
 
 
 def verdict(payloads: Sequence[dict]) -> Optional[str]:
@@ -185,9 +184,8 @@ def check(failure: Optional[BaseException], entries: Sequence[Entry],
     failed (``collectives.agreement``), the ranks of a mesh would install differently, or a
     ``module_configs`` pattern (``unused``: those that chose none of this rank's modules;
     ``unused_message`` says so) chose no module anywhere; else return on every rank."""
-    world = dist.get_world_size()
     every = gather_unless_failed(payload(entries, unused, unused_message), failure, None,
-                                 lambda failed, first: stopped_text(failed, world, first))
+                                 STOPPED)
     text = verdict(every)
     if text is not None:
         raise ValueError(text)

@@ -29,7 +29,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from ..collectives.agreement import gather_unless_failed, ranks_text
+from ..collectives.agreement import gather_unless_failed, stopped_on_ranks
 from ..fsdp.checkpoint import CheckpointMismatch, parse_rank_key, rank_key
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -59,10 +59,9 @@ def save_rank_state(handle: Any, folder: PathLike) -> Path:
     # every rank wrote, or none renames: a folder that held an earlier save of this world size
     # keeps that save whole (one rank's new file beside the others' old ones would load)
     try:
-        gather_unless_failed(None, failure, None, lambda failed, first: (
-            f"fsdp_qcomm: writing the per-rank state to {str(folder)!r} failed on rank(s) "
-            f"{ranks_text(failed)} of {world}, so no rank replaced its file there. Rank "
-            f"{failed[0]}: {first}"))
+        gather_unless_failed(None, failure, None, stopped_on_ranks(
+            f"fsdp_qcomm: writing the per-rank state to {str(folder)!r} failed",
+            "no rank replaced its file there"))
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

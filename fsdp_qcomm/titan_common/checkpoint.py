@@ -25,10 +25,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..collectives.agreement import gather_unless_failed, ranks_text
+from ..collectives.agreement import gather_unless_failed, stopped_on_ranks
 from .comm_stats import attachment_of
 
 STATE_KEY = "qcomm"
@@ -325,10 +324,8 @@ def wrap_dcp_load(manager: Any, entry: DiLoCoState) -> None:
             failure = e
         try:
             # every rank refuses, or none: the others would wait in dcp.load's collectives
-            gather_unless_failed(None, failure, None, lambda failed, first: (
-                f"checkpoint {checkpoint_id}: its DiLoCo entry was refused on rank(s) "
-                f"{ranks_text(failed)} of {dist.get_world_size()}, so no rank loads it. Rank "
-                f"{failed[0]}: {first}"),
+            gather_unless_failed(None, failure, None, stopped_on_ranks(
+                f"checkpoint {checkpoint_id}: its DiLoCo entry was refused", "no rank loads it"),
                 raises=ValueError)
             original(state_dict, checkpoint_id, *args, **kwargs)
         except BaseException:
