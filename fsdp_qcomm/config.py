@@ -71,7 +71,9 @@ class QuantSpec:
     scale_dtype: dtype of the per-group scale (and minimum) on the wire. A float16 scale
         below 2^-14 (6.1e-5) is subnormal and below 2^-25 (3e-8) rounds to zero, so a group
         whose range is under ``qmax`` x 3e-8 decodes as a constant; bfloat16 spends the same
-        2 bytes with float32's range.
+        2 bytes with float32's range. An asymmetric group's minimum is stored rounded down, so
+        a 16-bit one widens the range its codes span by up to one spacing of |min| (bfloat16:
+        up to 2^-7 of it): a group far from zero and tight around it gets coarser steps.
     """
 
     bits: int = 4

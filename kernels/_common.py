@@ -424,6 +424,30 @@ def round_scale(x, SKIND: tl.constexpr):
 
 
 @triton.jit
+def round_min(x, SKIND: tl.constexpr):
+    """fp32 -> the largest scale-dtype value <= x, as fp32: an asymmetric group's stored
+    minimum (``wire.py``). Rounded to nearest, then one step down where that went above x
+    (a 16-bit pattern one down in magnitude order; below a zero, the smallest negative
+    subnormal), so no value of the group lies under the codes' origin and clamps to code 0."""
+    if SKIND == 0:
+        y = x
+    else:
+        if SKIND == 1:
+            b = f32_to_bf16_bits(x).to(tl.int32)
+            y = bf16_bits_to_f32(b.to(tl.int16))
+        else:
+            b = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+            y = b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        down = tl.where(y > 0.0, b - 1, tl.where(y < 0.0, b + 1, -32767))
+        b = tl.where(y > x, down, b).to(tl.int16)
+        if SKIND == 1:
+            y = bf16_bits_to_f32(b)
+        else:
+            y = b.to(tl.float16, bitcast=True).to(tl.float32)
+    return y
+
+
+@triton.jit
 def scale_to_bits(x, bad, SKIND: tl.constexpr):
     """fp32 scale (already representable) -> integer bits; ``bad`` groups get the NaN bits."""
     if SKIND == 1:
@@ -650,7 +674,7 @@ def group_scales(lo, hi, QMAX: tl.constexpr, SYM: tl.constexpr, SKIND: tl.conste
         scale = round_scale(tl.math.div_rn(hi, tl.full(hi.shape, QMAX, tl.float32)), SKIND)
         mins = tl.zeros_like(scale)
     else:
-        mins = round_scale(lo, SKIND) + 0.0  # + 0.0: a -0 minimum is stored as +0
+        mins = round_min(lo, SKIND) + 0.0  # + 0.0: a -0 minimum is stored as +0
         scale = round_scale(tl.math.div_rn(hi - mins, tl.full(hi.shape, QMAX, tl.float32)),
                             SKIND)
     scale = tl.where(scale == 0.0, 1.0, scale)

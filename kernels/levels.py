@@ -83,7 +83,7 @@ def _level_scales(lo, hi, SYM: tl.constexpr, SKIND: tl.constexpr):
         scale = C.round_scale(hi, SKIND) + 0.0
         mins = tl.zeros_like(scale)
     else:
-        mins = C.round_scale(lo, SKIND) + 0.0
+        mins = C.round_min(lo, SKIND) + 0.0
         scale = C.round_scale(hi - mins, SKIND) + 0.0
     return scale, mins
 

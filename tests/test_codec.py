@@ -436,6 +436,26 @@ def test_float16_scales_underflow_and_the_config_warns():
         QCommConfig(weight_scheme="bf16", grad_scheme="bf16", scale_dtype="float16")  # unused
 
 
+@pytest.mark.parametrize("scale_dtype, center, spread", [
+    ("bfloat16", 0.3, 1e-3), ("float16", 5.9985, 0.02)])
+def test_a_16_bit_minimum_is_stored_at_or_below_the_group(scale_dtype, center, spread):
+    """An asymmetric group's minimum is stored rounded down in a 16-bit scale dtype (wire.py):
+    nothing clamps at the bottom, so a tight group far from zero decodes within half a step of
+    its range widened by at most one spacing of the dtype. Rounded to nearest, these groups
+    (8 x 128 values) decoded 199 (bfloat16) and 19 (float16) of their 8-bit steps off."""
+    spec = QuantSpec(bits=8, group_size=128, symmetric=False, rounding="nearest",
+                     scale_dtype=scale_dtype)
+    x = center + spread * torch.rand(8, 128, generator=torch.Generator().manual_seed(0))
+    data = codec.quantize(x, spec)
+    y = codec.dequantize(data, 128, spec)
+    dt = spec.torch_scale_dtype
+    stored = data[:, 2:4].contiguous().view(dt)[:, 0].to(torch.float32)  # [scale | min | codes]
+    up = (stored.to(dt).view(torch.int16) + 1).view(dt).to(torch.float32)  # next above (> 0)
+    assert bool((stored <= x.amin(-1)).all()) and bool((up > x.amin(-1)).all())
+    spacing = 2.0 ** (math.floor(math.log2(center)) - (7 if scale_dtype == "bfloat16" else 10))
+    assert float((y - x).abs().max()) <= 0.5 * (spread + spacing) / 255 * (1 + 2**-7)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 700),
@@ -451,6 +471,9 @@ def test_float16_scales_underflow_and_the_config_warns():
 @example(n=200, rows=2, bits=8, gs=8, symmetric=False, scale_dtype="float16", mag=1e-3, seed=1)
 # a tight last group far from zero: its float16 minimum's rounding exceeds half a step
 @example(n=306, rows=1, bits=5, gs=8, symmetric=False, scale_dtype="float16", mag=25.0, seed=306)
+# a step near an ulp of the values: fp32's own rounding of x - min and of the decode
+@example(n=618, rows=1, bits=8, gs=16, symmetric=False, scale_dtype="float32",
+         mag=343.77112504092474, seed=214424937)
 def test_property_round_trip(n, rows, bits, gs, symmetric, scale_dtype, mag, seed):
     spec = QuantSpec(bits=bits, group_size=gs, symmetric=symmetric, rounding="nearest",
                      scale_dtype=scale_dtype)
@@ -462,18 +485,23 @@ def test_property_round_trip(n, rows, bits, gs, symmetric, scale_dtype, mag, see
     # the scale dtype relative to absmax (2^-8 for bf16): allow that on top of half a step.
     # A float16 scale below 2^-14 (6.1e-5) is subnormal, spaced 2^-24 apart whatever its size:
     # rounding it moves the top level by up to qmax * 2^-25 (mag=1e-3 with 8 bits gets there).
-    # An asymmetric group's minimum is stored in the scale dtype too (wire.py), and the codes
-    # count from the stored one: values between the minimum and its rounding clamp to code 0,
-    # up to half its spacing away (|min| * ulp; 2^-25 when a float16 minimum is subnormal). A
-    # tight group far from zero shows it (n=306, 5 bits, groups of 8, float16, mag=25).
+    # An asymmetric group's minimum is stored in the scale dtype too, rounded down (wire.py):
+    # up to one spacing below (|min| * 2 ulp; 2^-24 when a float16 minimum is subnormal), which
+    # widens the range the codes span by as much, and so half a step by half of it / qmax. A
+    # tight group far from zero shows it (n=306, 5 bits, groups of 8, float16, mag=25: rounded
+    # to nearest, its minimum went above values that clamped, 3 steps of its range away).
     s = _scale(x, spec)
     ulp = {"float32": 0.0, "bfloat16": 2**-8, "float16": 2**-11}[scale_dtype]
     subnormal = spec.qmax * 2**-25 if scale_dtype == "float16" else 0.0
     g = _groups(x, gs)
     rng = (g.abs().amax(-1) if symmetric else g.amax(-1) - g.amin(-1))
     rng = rng[..., None].expand_as(g).reshape(rows, -1)[:, :n]
-    lo = g.amin(-1)[..., None].expand_as(g).reshape(rows, -1)[:, :n].abs()
-    lo = 0.0 if symmetric else lo * ulp + subnormal / spec.qmax
-    bound = 0.5 * s * (1 + 1e-5) + ulp * rng * 2 + subnormal + lo + 1e-30
+    # fp32 itself rounds x - min and u * scale + min: an ulp of |x| + |min| or so, which a
+    # group far from zero with a step near it shows (n=618, 8 bits, groups of 16, mag=344).
+    lo_abs = g.amin(-1)[..., None].expand_as(g).reshape(rows, -1)[:, :n].abs()
+    lo = 0.0 if symmetric else lo_abs * 2 * ulp + (2**-24 if scale_dtype == "float16" else 0.0)
+    fp32 = 2**-23 * (x.abs() + (0.0 if symmetric else lo_abs))
+    bound = (0.5 * s * (1 + 1e-5) + 0.5 * lo / spec.qmax * (1 + 2 * ulp)
+             + ulp * (rng + lo) * 2 + subnormal + fp32 + 1e-30)
     assert bool(((y - x).abs() <= bound).all())
     assert math.isfinite(float(y.abs().max()))

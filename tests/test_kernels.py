@@ -447,15 +447,18 @@ def test_quantize_rounds_halves_and_integers_as_torch_floor(K, bits, sym, roundi
 
 @_exact
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_quantize_far_outside_the_code_range_as_torch(K, rounding):
-    """A minimum that rounds (bfloat16) onto the group's maximum makes the scale 0, hence 1, and
-    leaves x - min far below 0 (here down to -1.6e7, past -1.5 * 2^23): codes clamp to 0 as in
-    torch, whatever the kernels' floor does outside its exact range."""
+def test_quantize_a_minimum_stored_a_whole_spacing_down_as_torch(K, rounding):
+    """A minimum whose nearest bfloat16 is the group's maximum (2^33, whose lower neighbour is
+    2^25 below) is stored at that neighbour (``round_min``): the scale is 2^25 / 255, not 0, and
+    no x - min is negative. Rounded to nearest it made the scale 0, hence 1, and left x - min
+    down to -1.6e7, where codes clamped to 0."""
     spec = _spec(8, False, rounding, "bfloat16", 64)
     top = 2.0 ** 33  # a bfloat16 value; its lower neighbour is 2^25 below
     x = (top - torch.linspace(0, 1.6e7, 64)).repeat(2, 3)
     want = torch_codec.quantize(x, spec, KEY, None, False)
     _same(K.quantize(_d(x), spec, KEY, None, False), want)
+    mins = want[:, 6:12].contiguous().view(torch.bfloat16).float()  # 3 groups' mins
+    assert bool((mins == top - 2.0 ** 25).all()), mins
 
 
 @_exact

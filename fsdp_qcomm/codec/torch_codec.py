@@ -300,6 +300,22 @@ def _group_reciprocal(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return f, 1.0 / (scale * f)
 
 
+def stored_min(mn: torch.Tensor, sdt: torch.dtype) -> torch.Tensor:
+    """An asymmetric group's minimum as stored (``wire.py``), in fp32: the largest value of the
+    scale dtype at or below ``mn``, so no value of the group lies under the codes' origin (a
+    minimum rounded up made them clamp to code 0, up to half a 16-bit spacing of |min| away:
+    many steps for a tight group far from zero). Rounded to nearest, then one 16-bit pattern
+    down where that went above; a zero is stored as +0. The Triton kernels: ``round_min``."""
+    if sdt == torch.float32:
+        return mn + 0.0
+    r = mn.to(sdt)
+    y = r.to(torch.float32)
+    b = r.view(torch.int16).to(torch.int32)
+    down = torch.where(y > 0, b - 1, torch.where(y < 0, b + 1, torch.full_like(b, -32767)))
+    b = torch.where(y > mn, down, b).to(torch.int16)
+    return b.view(sdt).to(torch.float32) + 0.0
+
+
 def _encode_groups(
     g: torch.Tensor, spec: QuantSpec, starts: Optional[torch.Tensor],
     words: Optional[tuple[int, int]], scratch: _Scratch,
@@ -319,7 +335,7 @@ def _encode_groups(
         mins = None
     else:
         bad = (torch.isfinite(mn) & torch.isfinite(mx)).logical_not_()
-        mins = mn.to(sdt).to(torch.float32) + 0.0  # + 0.0 turns a -0 minimum into +0
+        mins = stored_min(mn, sdt)
         scale = ((mx - mins) / spec.qmax).to(sdt).to(torch.float32)
     scale.masked_fill_(scale == 0, 1.0)
     t = scratch.get("t", R * nb * gs, torch.float32).view(R, nb, gs)
@@ -634,7 +650,7 @@ def level_groups(v: torch.Tensor, spec: QuantSpec):
     else:
         mn, mx = g.amin(-1), g.amax(-1)
         bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
-        mins = mn.to(sdt).to(torch.float32) + 0.0
+        mins = stored_min(mn, sdt)
         scale = (mx - mins).to(sdt).to(torch.float32) + 0.0
         num = g - mins[..., None]
     f, recip = _group_reciprocal(torch.where(scale == 0, torch.ones_like(scale), scale))

@@ -23,6 +23,13 @@ garbage. That NaN is the bit pattern ``NAN_BITS[scale_dtype]`` and a zero minimu
 minimum otherwise differ between CPU code paths and GPUs).
 
 Decoding: symmetric ``x = (u - (2^(b-1)-1)) * scale``; asymmetric ``x = u * scale + min``.
+The stored ``min`` is the largest value of the scale dtype at or below the group's minimum
+(rounded down: exact in fp32), and ``scale`` is ``(max - min) / qmax`` with that ``min``, so
+every value of the group lies at or above the codes' origin. Rounded to nearest, a 16-bit
+minimum of a tight group far from zero went above values that then clamped to code 0, up to
+half its spacing away (bf16: 2^-9 of |min|; a group of 1024 values around 0.3 spread over
+0.001 decoded 199 steps off, 1.9 now: ``tests/test_codec.py``). A float16 scale or minimum
+beyond 65504 is infinite and its group decodes as non-finite values.
 
 Encoding divides by the scale as a multiplication by its reciprocal, taken once per group:
 ``t = (x * f) * (1 / (scale * f))`` (asymmetric: ``x - min`` for ``x``), each operation rounded
