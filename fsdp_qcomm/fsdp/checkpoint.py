@@ -316,17 +316,21 @@ _REFUSED = stopped_on_ranks(
     "no rank loads it (the ranks would gather from different references and counters)")
 
 
-def load_handle_state(installs: list[Any], config: Any, placement: Any,
-                      read: Callable[[], Any]) -> None:
-    """Read this rank's state (``read()``) and check it against this rank and run, then, once
-    every rank's reading and checks passed, restore every module's part. One exchange over the
-    world decides (``collectives.agreement``): a state refused on any rank changes nothing on
-    any rank, which raises ``CheckpointMismatch`` alike (the refused rank its own, naming what
-    differs). Without it the ranks that accepted their state went on into their first gather,
-    waiting there for the ones that raised."""
-    failure, saved = None, {}
+def load_handle_state(parts: list[tuple[list[Any], Any, Any, Callable[[], Any]]],
+                      failure: Optional[Exception] = None) -> None:
+    """For each part (one handle's ``(installs, config, placement, read)``: several for the
+    model parts of a pipeline stage), read this rank's state (``read()``) and check it against
+    this rank and run; then, once every rank's reading and checks passed, restore every
+    module's part. One exchange over the world decides (``collectives.agreement``): a state
+    refused on any rank, for any part, changes nothing on any rank, which raises
+    ``CheckpointMismatch`` alike (the refused rank its own, naming what differs); so does a
+    ``failure`` the caller found first. Without it the ranks that accepted their state went on
+    into their first gather, waiting there for the ones that raised."""
+    saved = []
     try:
-        saved = _checked_modules(installs, config, placement, read())
+        if failure is None:
+            saved = [_checked_modules(installs, config, placement, read())
+                     for installs, config, placement, read in parts]
     except CheckpointMismatch as e:  # raised on every rank by the exchange below
         failure = e
     except Exception as e:  # an unreadable file, a malformed entry: the type every rank raises
@@ -335,6 +339,11 @@ def load_handle_state(installs: list[Any], config: Any, placement: Any,
             f"{_DROP}")
         failure.__cause__ = e
     gather_unless_failed(None, failure, None, _REFUSED, raises=CheckpointMismatch)
+    for (installs, *_), modules in zip(parts, saved):
+        _restore_modules(installs, modules)
+
+
+def _restore_modules(installs: list[Any], saved: dict[str, Any]) -> None:
     for i in installs:
         s = saved[i.label]
         if i.all_gather is not None:

@@ -50,7 +50,7 @@ checkpointers that keep one copy for all ranks (Accelerate, Lightning Fabric).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -264,8 +264,7 @@ class QCommHandle:
     def _load_state_from(self, read: Callable[[], Any]) -> None:
         """``load_state_dict(read())``, with a failure to read (a missing or unreadable file:
         ``integrations.load_rank_state``) refused on every rank like a mismatch."""
-        self._check_enabled("load_state_dict")
-        checkpoint.load_handle_state(self._installs, self.config, self.placement, read)
+        load_states([self], [read])
 
     def attach_grad_scaler(self, scaler: Any) -> None:
         """Keep the error-feedback residuals in unscaled units under a loss scaler
@@ -322,6 +321,19 @@ class QCommHandle:
     def __repr__(self) -> str:
         state = "enabled" if self._enabled else "disabled"
         return f"QCommHandle({state}, {len(self._installs)} FSDP modules, {self.config})"
+
+
+def load_states(handles: Sequence[QCommHandle], reads: Sequence[Callable[[], Any]],
+                failure: Optional[Exception] = None) -> None:
+    """``handles[k].load_state_dict(reads[k]())`` for each k (the model parts of one pipeline
+    stage: torchtitan's ``HandlesState``) with one exchange over the world: a state refused for
+    any handle on any rank, or a ``failure`` the caller found, changes no handle on any rank,
+    and every rank raises ``CheckpointMismatch``. One exchange per handle instead left the parts
+    before a refused one loaded."""
+    for h in handles:
+        h._check_enabled("load_state_dict")
+    checkpoint.load_handle_state(
+        [(h._installs, h.config, h.placement, read) for h, read in zip(handles, reads)], failure)
 
 
 def _overlaps_on_a_thread(group: Any) -> bool:

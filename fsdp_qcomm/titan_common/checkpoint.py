@@ -22,12 +22,15 @@ state starts fresh).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..collectives.agreement import gather_unless_failed, stopped_on_ranks
+from ..fsdp.checkpoint import CheckpointMismatch
+from ..fsdp.enable import load_states
 from .comm_stats import attachment_of
 
 STATE_KEY = "qcomm"
@@ -43,15 +46,18 @@ class HandlesState(Stateful):
         return {f"part{i}": h.state_dict() for i, h in enumerate(self.handles)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Every part's state, with one exchange over the world (``enable.load_states``): a
+        state refused for any part on any rank, the parts' count included, loads no part on
+        any rank, and every rank raises ``CheckpointMismatch``."""
         mine = [f"part{i}" for i in range(len(self.handles))]
+        failure = None
         if sorted(state_dict) != sorted(mine):
-            raise ValueError(
+            failure = CheckpointMismatch(
                 f"the checkpoint's {STATE_KEY!r} entry covers model parts {sorted(state_dict)}, "
                 f"this run has {mine}; resume with the same pipeline layout, or pass "
                 f"--checkpoint.exclude_from_loading {STATE_KEY} to start the hooks fresh"
             )
-        for i, h in enumerate(self.handles):
-            h.load_state_dict(state_dict[f"part{i}"])
+        load_states(self.handles, [functools.partial(state_dict.get, k) for k in mine], failure)
 
 
 def handles_of(model_parts) -> list[Any]:

@@ -630,3 +630,79 @@ def test_a_diloco_entry_refused_on_one_rank_is_refused_on_every_rank():
                            "'diloco' entry has no ['diloco.replica1']"), r0["error"]
     for r in (r0, r1):  # the engine built on every rank (collective), whatever the check says
         assert r["loaded"] == [] and r["calls"] == ["begin", "engine", "abort"], r
+
+
+def _handles_state_refused_for_one_part_on_one_rank(rank: int, world: int) -> dict:
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_qcomm
+    from fsdp_qcomm.titan_common.checkpoint import HandlesState
+
+    torch.manual_seed(0)
+    parts = [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, k)) for k in (4, 6)]
+    handles = []
+    for part in parts:
+        fully_shard(part)
+        handles.append(fsdp_qcomm.enable(part, QCommConfig.preset("sdp4bit", ranks_per_node=1)))
+    entry = HandlesState(handles)
+
+    def step():
+        for part in parts:
+            part(torch.randn(2, 8)).sum().backward()
+
+    step()
+    saved = entry.state_dict()
+    step()  # the counters move on: a load of ``saved`` would change them
+    before = entry.state_dict()
+    out = {}
+    for case in ("part1 of rank 1 refused", "one part fewer on rank 1"):
+        state = dict(saved)
+        if rank == 1 and case.startswith("part1"):
+            state["part1"] = saved["part0"]  # another part's modules: other shapes
+        if rank == 1 and case.startswith("one part"):
+            del state["part1"]
+        try:
+            entry.load_state_dict(state)
+            out[case] = "loaded"
+        except fsdp_qcomm.CheckpointMismatch as e:
+            out[case] = str(e)
+        after = entry.state_dict()
+        out[case + " unchanged"] = all(
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(_leaves(before), _leaves(after)))
+    entry.load_state_dict(saved)  # accepted everywhere: loads
+    out["loaded"] = not all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(_leaves(before), _leaves(entry.state_dict())))
+    return out
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        return [v for k in sorted(x) for v in _leaves(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [v for e in x for v in _leaves(e)]
+    return [x]
+
+
+def test_a_part_refused_on_one_rank_loads_no_part_on_any_rank():
+    """torchtitan's ``HandlesState`` (the model parts of a pipeline stage) loads every part's
+    state after one exchange. Before: one exchange per part, so a refusal of part 1 left part 0
+    loaded on every rank, and a checkpoint with another part count raised on that rank alone
+    while the others waited in part 0's exchange."""
+    from fsdp_qcomm.testing import run_ranks
+
+    r0, r1 = run_ranks(_handles_state_refused_for_one_part_on_one_rank, 2, timeout=180)
+    for r in (r0, r1):
+        assert r["part1 of rank 1 refused unchanged"] and r["one part fewer on rank 1 unchanged"]
+        assert r["loaded"]
+    assert r1["part1 of rank 1 refused"].startswith(
+        "fsdp_qcomm: the fsdp_qcomm state for rank 1 of 2 was saved by a run that differs"), r1
+    assert r0["part1 of rank 1 refused"].startswith(
+        "the fsdp_qcomm state was refused on rank(s) [1] of 2, so no rank loads it"), r0
+    assert r1["one part fewer on rank 1"].startswith(
+        "the checkpoint's 'qcomm' entry covers model parts ['part0'], this run has "
+        "['part0', 'part1']"), r1
+    assert r0["one part fewer on rank 1"].startswith(
+        "the fsdp_qcomm state was refused on rank(s) [1] of 2"), r0
