@@ -159,10 +159,13 @@ def train(args: argparse.Namespace, cuda: bool) -> None:
     if handle is not None and rank == 0:
         stats = handle.stats()
         kinds = {k: v for k, v in stats.items() if isinstance(v, dict) and "calls" in v}
-        sent = sum(v["sent_bytes"] for v in kinds.values())
-        base = sum(v["baseline_bytes"] for v in kinds.values())
-        print(f"fsdp_qcomm {args.preset}: sent {sent:,} bytes where FSDP2's collectives would "
-              f"send {base:,} ({sent / max(base, 1):.3f}x)")
+        s = stats["summary"]
+        cross, base_cross = s["cross_node_bytes_per_step"], s["baseline_cross_node_bytes_per_step"]
+        sent, base = s["sent_bytes_per_step"], s["baseline_bytes_per_step"]
+        print(f"fsdp_qcomm {args.preset}, per step and rank: {cross:,.0f} bytes to other nodes "
+              f"where FSDP2's collectives would send {base_cross:,.0f} "
+              f"({cross / max(base_cross, 1):.3f}x); {sent:,.0f} in all against "
+              f"{base:,.0f} ({sent / max(base, 1):.3f}x)")
         for kind, v in kinds.items():
             print(f"  {kind}: {v['calls']} calls, {v['bits_per_element']:.2f} bits/element")
         for note in stats["notes"]:

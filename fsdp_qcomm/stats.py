@@ -8,6 +8,13 @@ to ranks on other nodes (``cross_node_bytes``: what the slow inter-node link mus
 rank, whatever algorithm the process group uses), so ratios and bits per element come from the
 same counts the tests check against the process group.
 
+The ``summary`` adds what FSDP2's own collectives would have moved for the same calls, over all
+kinds: ``baseline_bytes`` and ``baseline_cross_node_bytes`` (FSDP2's all-gather hands its shard
+to every member, its reduce-scatter a ``1/W`` slice of its input to each, its all-reduce ``2/R``
+of its buffer to each replica; the remote members' share crosses nodes). A collective done in
+two hops (two-level gradients, the node-sharded reference's hop inside the node) records the
+baseline on each hop's kind, so per-kind ratios read against FSDP2, but counts it once there.
+
 Calls that send nothing (a weight gather that reuses unchanged weights, world size 1) count in
 ``calls`` and ``elements``, so ``bits_per_element`` is the average over every call, what the
 collective costs per step; ``sending_calls`` / ``sending_elements`` count only the calls that
@@ -70,12 +77,20 @@ class CommStats:
         self.steps = 0
         self._calls = 0
         self._calls_at_step = 0
+        self._baseline = self._baseline_cross = 0
 
     def record(
         self, kind: str, *, sent_bytes: int, recv_bytes: int, elements: int, baseline_bytes: int,
-        cross_node_bytes: int = 0,
+        cross_node_bytes: int = 0, baseline_cross_node_bytes: int = 0,
+        shares_baseline: bool = False,
     ) -> None:
+        """One call. ``baseline_cross_node_bytes``: what FSDP2's collective would have sent to
+        other nodes for it; ``shares_baseline``: another record of the same call (its other
+        hop) counts the baseline in the summary."""
         with self._lock:
+            if not shares_baseline:
+                self._baseline += int(baseline_bytes)
+                self._baseline_cross += int(baseline_cross_node_bytes)
             k = self._kinds.setdefault(kind, KindStats())
             k.calls += 1
             self._calls += 1
@@ -103,18 +118,20 @@ class CommStats:
         """``{kind: {calls, sent_bytes, recv_bytes, elements, baseline_bytes, cross_node_bytes,
         sending_calls, sending_elements, bits_per_element, sending_bits_per_element,
         ratio_vs_baseline}, "summary": {...}, "notes": [...]}``. ``summary``: ``steps``
-        (``count_step``), ``sent_bytes`` and ``cross_node_bytes`` over all kinds, and both per
-        step (0.0 before the first counted step)."""
+        (``count_step``); ``sent_bytes`` and ``cross_node_bytes`` over all kinds, and FSDP2's
+        ``baseline_bytes`` and ``baseline_cross_node_bytes`` for the same calls (module
+        docstring); each also per step (0.0 before the first counted step)."""
         with self._lock:
             out: dict = {k: v.as_dict() for k, v in sorted(self._kinds.items())}
-            sent = sum(v.sent_bytes for v in self._kinds.values())
-            cross = sum(v.cross_node_bytes for v in self._kinds.values())
-            steps = self.steps
-            out["summary"] = {
-                "steps": steps, "sent_bytes": sent, "cross_node_bytes": cross,
-                "sent_bytes_per_step": sent / steps if steps else 0.0,
-                "cross_node_bytes_per_step": cross / steps if steps else 0.0,
+            totals = {
+                "sent_bytes": sum(v.sent_bytes for v in self._kinds.values()),
+                "cross_node_bytes": sum(v.cross_node_bytes for v in self._kinds.values()),
+                "baseline_bytes": self._baseline,
+                "baseline_cross_node_bytes": self._baseline_cross,
             }
+            steps = self.steps
+            out["summary"] = {"steps": steps, **totals, **{
+                f"{k}_per_step": v / steps if steps else 0.0 for k, v in totals.items()}}
             out["notes"] = sorted(self.notes)
             return out
 
@@ -123,6 +140,7 @@ class CommStats:
             self._kinds.clear()
             self.steps = 0
             self._calls = self._calls_at_step = 0
+            self._baseline = self._baseline_cross = 0
 
 
 class TaggedStats:

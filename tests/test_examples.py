@@ -26,6 +26,15 @@ def _torchrun(tmp: Path, *args: str) -> str:
     return proc.stdout
 
 
+def _ratios(out: str) -> tuple[float, float]:
+    """The summary's two ratios to FSDP2: bytes to other nodes, and in all."""
+    m = re.search(r"per step and rank: [\d,]+ bytes to other nodes where FSDP2's collectives "
+                  r"would send [\d,]+ \(([\d.]+)x\); [\d,]+ in all against [\d,]+ \(([\d.]+)x\)",
+                  out)
+    assert m, out[-3000:]
+    return float(m[1]), float(m[2])
+
+
 def _losses(out: str) -> dict[int, str]:
     return {int(s): v for s, v in re.findall(r"^step (\d+) loss (\S+)$", out, re.M)}
 
@@ -37,8 +46,10 @@ def test_trains_saves_and_resumes_exactly(tmp_path):
     assert float(losses[11]) < 0.75 * float(losses[0])  # it learns
     # on CPU the example declares 2 ranks per node: both hops of sdp4bit are quantized
     assert "grad_inter: " in full and "4.25 bits/element" in full
-    sent = re.search(r"sent ([\d,]+) bytes where FSDP2's collectives would send ([\d,]+)", full)
-    assert sent and int(sent[1].replace(",", "")) < 0.5 * int(sent[2].replace(",", ""))
+    # to other nodes 0.048x FSDP2's fp32 collectives (measured, 12 steps); in all the 32-bit
+    # hop inside a node of the node-sharded reference comes on top: 0.89x
+    cross, total = _ratios(full)
+    assert cross < 0.1 and total < 1.0, (cross, total)
 
     ckpt = tmp_path / "ckpt"
     first = _losses(_torchrun(tmp_path, "--steps", "6", "--save", str(ckpt)))
@@ -52,3 +63,5 @@ def test_hsdp_quantizes_the_replica_all_reduce(tmp_path):
     assert sorted(_losses(out)) == [0, 1, 2]
     assert re.search(r"grad_replica: \d+ calls, 4\.25 bits/element", out), out
     assert "HSDP all-reduce across replicas: quantized 4-bit" in out
+    cross, _ = _ratios(out)  # 4.25 bits against fp32's 32: 0.133x measured
+    assert cross < 0.2, cross

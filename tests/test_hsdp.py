@@ -517,6 +517,11 @@ def test_replica_hop_is_its_own_stats_kind_with_wire_bytes(two_by_two):
     assert any(n.startswith("weight all-gather: unquantized") for n in st["notes"])
     summary = st["summary"]
     assert summary["cross_node_bytes"] == rep["cross_node_bytes"]
+    # FSDP2's fp32 all-reduce hands 2/R of each reduced shard to the other replica, per module
+    # and step; its all-gather and reduce-scatter stay inside the node
+    assert summary["baseline_cross_node_bytes"] == steps * sum(4 * m for m in t["group_numels"])
+    assert summary["baseline_bytes"] == sum(
+        st[k]["baseline_bytes"] for k in ("weight_allgather", "grad_intra", "grad_replica"))
 
 
 def test_scaling_matches_native_hsdp(two_by_two):

@@ -117,9 +117,11 @@ def reduce_scatter_cast(
         lay = topology.layout if topology is not None else None
         remote = world - 1 if lay is None else lay.remote_peers
         kind = "grad_inter" if lay is None or lay.num_nodes > 1 else "grad_intra"
+        base = input.numel() * output.element_size()
         stats.record(kind, sent_bytes=send.numel(), recv_bytes=recv.numel(),
-                     elements=world * m, baseline_bytes=input.numel() * output.element_size(),
-                     cross_node_bytes=send.numel() * remote // world)
+                     elements=world * m, baseline_bytes=base,
+                     cross_node_bytes=send.numel() * remote // world,
+                     baseline_cross_node_bytes=base * remote // world)
 
 
 def all_reduce_cast(
@@ -164,9 +166,11 @@ def all_reduce_cast(
     if stats is not None:
         remote = replicas - 1 if remote_peers is None else remote_peers
         row = mine.numel()
+        base = m * tensor.element_size()
         stats.record(kind, sent_bytes=send.numel() + row, recv_bytes=recv.numel() +
                      gathered.numel(), elements=replicas * c + c,
-                     baseline_bytes=m * tensor.element_size(), cross_node_bytes=2 * row * remote)
+                     baseline_bytes=base, cross_node_bytes=2 * row * remote,
+                     baseline_cross_node_bytes=2 * base * remote // replicas)
 
 
 __all__ = ["WIRE_DTYPE", "all_reduce_cast", "cast_all_gather", "reduce_scatter_cast"]

@@ -231,10 +231,11 @@ def reduce_scatter_quantized(
             if stats is not None:
                 # hop 2 sends one row to each node, all but one of them remote
                 stats.record(hop1.kind, sent_bytes=t1.sent, recv_bytes=t1.recv,
-                             elements=world * m, baseline_bytes=baseline)
+                             elements=world * m, baseline_bytes=baseline, shares_baseline=True)
                 stats.record(hop2.kind, sent_bytes=t2.sent, recv_bytes=t2.recv,
                              elements=lay.num_nodes * m, baseline_bytes=baseline,
-                             cross_node_bytes=t2.sent * (lay.num_nodes - 1) // lay.num_nodes)
+                             cross_node_bytes=t2.sent * (lay.num_nodes - 1) // lay.num_nodes,
+                             baseline_cross_node_bytes=baseline * lay.remote_peers // world)
             return
         if lay.num_nodes == 1:
             hop = _Hop(group, config.grad_intra_spec(), "grad_intra")
@@ -250,7 +251,8 @@ def reduce_scatter_quantized(
     if stats is not None:
         # one equal row per group rank; placement unknown counts every peer as remote
         stats.record(hop.kind, sent_bytes=t.sent, recv_bytes=t.recv, elements=world * m,
-                     baseline_bytes=baseline, cross_node_bytes=t.sent * remote // world)
+                     baseline_bytes=baseline, cross_node_bytes=t.sent * remote // world,
+                     baseline_cross_node_bytes=baseline * remote // world)
 
 
 def _spans(config: QCommConfig, world: int, m: int) -> list[tuple[int, int]]:
@@ -338,7 +340,8 @@ def reduce_scatter_plain(
         sent = input.numel() * input.element_size()
         stats.record(kind, sent_bytes=sent, recv_bytes=output.numel() * output.element_size(),
                      elements=input.numel(), baseline_bytes=sent,
-                     cross_node_bytes=sent * remote // world)
+                     cross_node_bytes=sent * remote // world,
+                     baseline_cross_node_bytes=sent * remote // world)
 
 
 def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int) -> None:

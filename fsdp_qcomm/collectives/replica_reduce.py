@@ -195,9 +195,11 @@ def all_reduce_quantized(
         flat.copy_(res)
     if stats is not None:
         remote = replicas - 1 if remote_peers is None else remote_peers
+        base = m * tensor.element_size()
         stats.record(
             kind, sent_bytes=sent, recv_bytes=recv, elements=replicas * c + c,
-            baseline_bytes=m * tensor.element_size(), cross_node_bytes=remote * row,
+            baseline_bytes=base, cross_node_bytes=remote * row,
+            baseline_cross_node_bytes=2 * base * remote // replicas,
         )
 
 
@@ -270,8 +272,10 @@ def all_reduce_plain(
     if stats is not None and replicas > 1:
         nbytes = tensor.numel() * tensor.element_size()
         remote = replicas - 1 if remote_peers is None else remote_peers
+        cross = 2 * nbytes * remote // replicas
         stats.record(kind, sent_bytes=nbytes, recv_bytes=nbytes, elements=tensor.numel(),
-                     baseline_bytes=nbytes, cross_node_bytes=2 * nbytes * remote // replicas)
+                     baseline_bytes=nbytes, cross_node_bytes=cross,
+                     baseline_cross_node_bytes=cross)
 
 
 __all__ = ["KIND", "all_reduce_plain", "all_reduce_quantized", "feedback_shapes", "feedback_sites",

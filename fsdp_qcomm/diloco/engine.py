@@ -325,11 +325,11 @@ class DiLoCo:
                 dist.broadcast(buf, group=group, group_src=0)
                 root = self.replicas.rank() == 0
                 nbytes = buf.numel() * buf.element_size()
+                cross = nbytes * self.replicas.remote_peers if root else 0
                 self._stats.record(KIND_INIT, sent_bytes=nbytes if root else 0,
                                    recv_bytes=0 if root else nbytes, elements=buf.numel(),
-                                   baseline_bytes=nbytes,
-                                   cross_node_bytes=nbytes * self.replicas.remote_peers
-                                   if root else 0)
+                                   baseline_bytes=nbytes, cross_node_bytes=cross,
+                                   baseline_cross_node_bytes=cross)
             frag.global_.copy_(buf)
             frag.write()
 

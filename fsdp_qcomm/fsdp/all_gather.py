@@ -562,6 +562,7 @@ class QuantizedAllGather(AllGather):
         self._stats.record(
             KIND, sent_bytes=base, recv_bytes=(q.nodes if sharded else q.world) * base,
             elements=q.numel, baseline_bytes=base, cross_node_bytes=base * peers,
+            baseline_cross_node_bytes=base * self._remote(),
         )
         return input
 
@@ -622,11 +623,12 @@ class QuantizedAllGather(AllGather):
         self._stats.record(
             KIND, sent_bytes=o.sent_bytes, recv_bytes=o.recv_bytes, elements=o.elements,
             baseline_bytes=o.baseline_bytes, cross_node_bytes=cross,
+            baseline_cross_node_bytes=o.baseline_bytes * self._remote(),
         )
         if o.intra is not None:  # the node-sharded reference's hop inside the node
             sent, recv, elements = o.intra
             self._stats.record(KIND_INTRA, sent_bytes=sent, recv_bytes=recv, elements=elements,
-                               baseline_bytes=sent)
+                               baseline_bytes=sent, shares_baseline=True)
 
 
 class _NoteReduction:

@@ -125,6 +125,14 @@ def test_variant_runs_and_every_byte_is_counted(results, variant):
     assert summary["measured_cumulative"].get("weight_cross_node_bytes", 0) + sum(
         cum.get(f"{g}_cross_node_bytes", 0) for g in groups - {"weight"}
     ) == stats["summary"]["cross_node_bytes"]
+    # and FSDP2's, which the handle counts per call, is what FSDP's parameter groups give
+    # (fp32 parameters and gradients here; two-level hops count their one baseline once)
+    if "qcomm/weight_bytes_per_step" in late and "qcomm/grad_bytes_per_step" in late:
+        s = stats["summary"]
+        assert s["baseline_cross_node_bytes"] == 3 * late.get(
+            "qcomm/ref_cross_node_fp32_bytes_per_step", 0.0), name
+        assert s["baseline_bytes"] == 3 * (late["qcomm/ref_weight_bytes_per_step"]
+                                           + late["qcomm/ref_grad_bytes_per_step"]), name
     # every collective FSDP2 also runs costs at most what FSDP2 hands over (the table and
     # agreement overhead included); the node-sharded reference's intra-node hop (no FSDP2
     # counterpart, no baseline) comes on top of the total ratio, never across nodes
