@@ -9,6 +9,7 @@ unhooked run.
 from __future__ import annotations
 
 import gc
+from typing import Optional
 
 import pytest
 import torch
@@ -433,16 +434,75 @@ def test_misuse_reset_load_disable_fallback_async():
 
 def _four_ranks(rank, world):
     _check_identity(rank, world, ["direct4", "qwd"], [True], 2)
+    out = {}
+    for preset in ("sdp4bit", "qsdp"):
+        runs = {raf: _reshard_run(raf, preset) for raf in (2, True)}
+        out[preset] = runs
+        # the backward computes with the forward's weights either way: the same training
+        for a, b in zip(runs[2]["params"], runs[True]["params"]):
+            assert torch.equal(a, b), preset
+        assert runs[2]["losses"] == runs[True]["losses"], preset
+    native = [_reshard_run(raf, None)["losses"] for raf in (2, True)]
+    assert native[0] == native[1]
+    for preset in ("sdp4bit", "qsdp"):
+        for ours, theirs in zip(out[preset][2]["losses"], native[0]):
+            assert abs(ours - theirs) < 0.03 * theirs, (preset, out[preset][2]["losses"], native)
+    return {p: {raf: {k: v for k, v in r.items() if k != "params"} for raf, r in runs.items()}
+            for p, runs in out.items()}
+
+
+def _reshard_run(raf, preset: Optional[str]) -> dict:
+    """3 steps of TinyLM, its blocks resharded after forward to ``raf`` (2: a node's two
+    ranks), under ``preset`` (None: FSDP2's own collectives)."""
+    torch.manual_seed(0)
     model = TinyLM()
-    fully_shard(model.blocks[0], reshard_after_forward=2)
+    for blk in model.blocks:
+        fully_shard(blk, reshard_after_forward=raf)
     fully_shard(model)
-    with pytest.raises(ValueError, match="reshard_after_forward=<int>"):
-        fsdp_qcomm.enable(model, _preset("qwd"))
-    return True
+    handle = None
+    if preset is not None:
+        handle = fsdp_qcomm.enable(model, QCommConfig.preset(preset, ranks_per_node=2))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    losses = []
+    for step in range(3):
+        loss = _lm_loss(model, _batch(step, dist.get_rank()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item())
+    out = {"losses": losses, "params": [p.full_tensor() for p in model.parameters()]}
+    if handle is not None:
+        st = handle.stats()
+        out.update(modes=handle.gather_modes(), notes=st["notes"],
+                   cross=st["weight_allgather"]["cross_node_bytes"],
+                   baseline_cross=st["summary"]["baseline_cross_node_bytes"])
+        handle.disable()
+    return out
 
 
-def test_4_ranks_identical_weights_and_refuses_reshard_to_smaller_group():
-    run_ranks(_four_ranks, 4)
+def test_4_ranks_identical_weights_and_reshard_to_a_smaller_group():
+    """``reshard_after_forward=2`` on 2 nodes of 2 ranks: the blocks' backward gathers run
+    inside the node at full precision (FSDP2's own, of the forward's weights), and train
+    exactly as ``reshard_after_forward=True``, whose backward reuses the forward's gather.
+    Before, ``enable`` refused the int."""
+    r = run_ranks(_four_ranks, 4)[0]
+    blocks = len(TinyLM().blocks)
+    for preset in ("sdp4bit", "qsdp"):
+        two, true = r[preset][2], r[preset][True]
+        assert two["modes"].get("post_forward") == 3 * blocks, two["modes"]
+        assert "post_forward" not in true["modes"]
+        # inside the node: nothing of the backward gathers crosses it, for FSDP2 neither. qWD's
+        # backward sent nothing anyway (it reuses the forward's gather); QSDP's re-sent codes
+        if preset == "sdp4bit":
+            assert two["cross"] == true["cross"]
+        else:
+            assert two["cross"] < true["cross"]
+        assert two["baseline_cross"] < true["baseline_cross"]
+        assert any(n.startswith("weight all-gather after forward (reshard_after_forward=2): "
+                                "FSDP2's own, unquantized, over 2 rank(s) inside a node")
+                   for n in two["notes"]), two["notes"]
 
 
 # ---- process-group level, without FSDP --------------------------------------------------------

@@ -70,8 +70,10 @@ class GatherOutcome:
     mode: "plain" (unquantized), "cast" (bf16 on the wire, ``collectives.cast``), "direct",
         "qwd_full" (full-precision reference reset),
         "qwd_diff" (quantized differences), "qwd_restore" (a checkpointed reference
-        re-assembled), "local" (world size 1), and "<scheme>_reuse" (nothing sent, kept
-        weights reused: "qwd_reuse", "direct_reuse", "plain_reuse").
+        re-assembled), "local" (world size 1), "post_forward" (``reshard_after_forward=<int>``:
+        the forward's weights gathered over the smaller group, unquantized), and
+        "<scheme>_reuse" (nothing sent, kept weights reused: "qwd_reuse", "direct_reuse",
+        "plain_reuse").
     sent_bytes: bytes of the input handed to the process group (summed over its calls).
     recv_bytes: bytes of the outputs the process group wrote.
     elements: values in this rank's shard (what the bytes carry per rank).

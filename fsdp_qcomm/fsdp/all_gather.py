@@ -59,6 +59,7 @@ themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -159,6 +160,9 @@ class QuantizedAllGather(AllGather):
         self.remote_peers: Optional[int] = None
         # HSDP: the replicas of this shard group, compared too by the consistency check
         self.replica_group: Optional[dist.ProcessGroup] = None
+        # reshard_after_forward=<int>: the post-forward group and its members on other nodes
+        self.post_forward_group: Optional[dist.ProcessGroup] = None
+        self.post_forward_remote = 0
         self._attached = False
         self._hooks: list[Any] = []  # forward hooks of the group's modules
         self._grad_hooks: list[Any] = []  # post-accumulate-grad hooks of its parameters
@@ -355,6 +359,8 @@ class QuantizedAllGather(AllGather):
         device: torch.device,
     ) -> torch.Tensor:
         numel = math.prod(int(s) for s in size)
+        if self.post_forward_group is not None and fsdp.sharded_post_forward(self._pg):
+            return torch.empty(*size, dtype=dtype, device=device)  # never the reference
         q = self._qwd
         if isinstance(q, QwdAllGather) and q.valid and _fits(q, numel, dtype, device):
             return q.ref.view(*size)
@@ -370,6 +376,8 @@ class QuantizedAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> Optional[dist.Work]:
+        if group is self.post_forward_group and group is not None:
+            return self._post_forward_gather(output_tensor, input_tensor, group, async_op)
         world = group.size()
         segs, why = self._fallback_reason(input_tensor, world)
         record = self._checked_record(output_tensor, segs, group)
@@ -422,6 +430,20 @@ class QuantizedAllGather(AllGather):
             segments=segs, async_op=async_op, on_done=on_done, levels=levels,
             hadamard=self._config.weight_hadamard,
         )
+
+    def _post_forward_gather(self, output: torch.Tensor, input: torch.Tensor,
+                             group: dist.ProcessGroup, async_op: bool) -> Optional[dist.Work]:
+        """``reshard_after_forward=<int>``: FSDP kept the weights this forward computed with,
+        sharded over the smaller post-forward group (inside a node when its size divides the
+        node's), and gathers them again there before their next use (backward, recomputation,
+        a second forward). FSDP2's own gather of them is exact and leaves the reference, the
+        change tracking and the keys alone: nothing to quantize or to decide."""
+
+        def record(o: GatherOutcome) -> None:
+            self._record(dataclasses.replace(
+                o, mode="post_forward", cross_node_bytes=o.sent_bytes * self.post_forward_remote))
+
+        return plain_all_gather(output, input, group, async_op=async_op, on_done=record)
 
     def _plain_fallback(
         self,
@@ -619,11 +641,12 @@ class QuantizedAllGather(AllGather):
     def _record(self, o: GatherOutcome) -> None:
         self.modes[o.mode] += 1
         # every other member receives this rank's row: the remote ones over the slow link
-        cross = o.sent_bytes * self._remote() if o.cross_node_bytes is None else o.cross_node_bytes
+        remote = self.post_forward_remote if o.mode == "post_forward" else self._remote()
+        cross = o.sent_bytes * remote if o.cross_node_bytes is None else o.cross_node_bytes
         self._stats.record(
             KIND, sent_bytes=o.sent_bytes, recv_bytes=o.recv_bytes, elements=o.elements,
             baseline_bytes=o.baseline_bytes, cross_node_bytes=cross,
-            baseline_cross_node_bytes=o.baseline_bytes * self._remote(),
+            baseline_cross_node_bytes=o.baseline_bytes * remote,
         )
         if o.intra is not None:  # the node-sharded reference's hop inside the node
             sent, recv, elements = o.intra

@@ -200,8 +200,8 @@ class QCommHandle:
 
     def gather_modes(self) -> dict[str, int]:
         """How many weight gathers ran in each mode (plain, cast, direct, qwd_full, qwd_diff,
-        qwd_restore, local, and the ones that sent nothing: qwd_reuse, direct_reuse,
-        plain_reuse), summed over modules."""
+        qwd_restore, local, post_forward, and the ones that sent nothing: qwd_reuse,
+        direct_reuse, plain_reuse), summed over modules."""
         total: dict[str, int] = {}
         for i in self._installs:
             if i.all_gather is not None:
@@ -336,6 +336,19 @@ def load_states(handles: Sequence[QCommHandle], reads: Sequence[Callable[[], Any
         [(h._installs, h.config, h.placement, read) for h, read in zip(handles, reads)], failure)
 
 
+def _gather_post_forward(i: _Install, group: dist.ProcessGroup, ranks_per_node: Optional[int],
+                         stats: CommStats) -> None:
+    """``reshard_after_forward=<int>``: the forward's weights, resharded over ``group``, are
+    gathered there by FSDP2's own all-gather (``QuantizedAllGather._post_forward_gather``)."""
+    remote = group_layout(group, ranks_per_node).remote_peers
+    i.all_gather.post_forward_group, i.all_gather.post_forward_remote = group, remote
+    where = "inside a node" if remote == 0 else "across nodes"
+    stats.note(
+        f"weight all-gather after forward (reshard_after_forward={group.size()}): FSDP2's own, "
+        f"unquantized, over {group.size()} rank(s) {where}, of the weights the forward computed "
+        "with (exact)")
+
+
 def _overlaps_on_a_thread(group: Any) -> bool:
     """Whether ``grad_overlap`` applies to an FSDP parameter group: on CPU process groups only.
     On a GPU FSDP2 calls the reduction hooks on its reduce-scatter (all-reduce) stream and
@@ -421,11 +434,6 @@ def _checked(module: FSDPModule, group: Any, name: str, index: int, group_label:
                 f"fsdp_qcomm is already enabled on FSDP module {label!r}; call "
                 "handle.disable() on the earlier handle before enabling again"
             )
-    if fsdp.uses_post_forward_mesh(group):
-        raise ValueError(
-            f"FSDP module {label!r} uses reshard_after_forward=<int> (reshard to a smaller "
-            "group after forward), which fsdp_qcomm does not support; use True or False"
-        )
     return _Install(module, group, name, index, group_label)
 
 
@@ -580,6 +588,9 @@ def enable(model: nn.Module, config: QCommConfig, *,
         i.all_gather = QuantizedAllGather(i.group, plan.weights, own, i.index,
                                           i.label if i.group_label else i.name, names)
         i.all_gather.remote_peers = group_layout(gather_group, run.ranks_per_node).remote_peers
+        post_forward = fsdp.post_forward_group(i.group)
+        if post_forward is not None:
+            _gather_post_forward(i, post_forward, run.ranks_per_node, stats)
         if plan.node_reference:
             i.all_gather.topology = node_topology(gather_group, run.ranks_per_node)
         replicas = hsdp.original_replicate_group(i.group)

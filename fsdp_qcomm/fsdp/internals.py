@@ -398,6 +398,21 @@ def uses_post_forward_mesh(group: ParamGroup) -> bool:
     return bool(group._use_post_forward_mesh)
 
 
+def post_forward_group(group: ParamGroup) -> Optional[dist.ProcessGroup]:
+    """``reshard_after_forward=<int>``: the smaller group FSDP reshards the forward's unsharded
+    parameters to, and gathers them over before they are used again (backward, a second
+    forward); None without one."""
+    if not uses_post_forward_mesh(group):
+        return None
+    return group.post_forward_mesh_info.shard_process_group
+
+
+def sharded_post_forward(group: ParamGroup) -> bool:
+    """The group's parameters are sharded over its post-forward group now, so FSDP's next
+    unshard gathers over that group (its ``allocate`` comes before the group is known)."""
+    return bool(group.is_sharded_post_forward)
+
+
 # ---- parameters -------------------------------------------------------------------------------
 def padded_shard_numel(fp: FSDPParam) -> int:
     """Elements of the parameter's padded shard in FSDP's flat all-gather buffer."""
@@ -624,8 +639,11 @@ def verify_group(group: ParamGroup) -> None:
                  "_partial_reduce_output", "post_forward_mesh_info", "gradient_divide_factor"):
         _expect(group, attr, None, where)
     for attr in ("force_sum_reduction_for_comms", "all_reduce_grads", "reduce_grads",
-                 "_use_post_forward_mesh"):
+                 "_use_post_forward_mesh", "is_sharded_post_forward"):
         _expect(group, attr, bool, where)
+    if group._use_post_forward_mesh:
+        _expect(group.post_forward_mesh_info, "shard_process_group", dist.ProcessGroup,
+                "FSDPMeshInfo (post-forward)")
     _expect(group, "_training_state", TrainingState, where)
     if torch_minor() < (2, 15) and not hasattr(group, "mp_policy"):
         raise changed("FSDPParamGroup.mp_policy is gone (expected before torch 2.15)")
@@ -683,6 +701,7 @@ __all__ = [
     "partial_reduce_output",
     "post_accumulate_grad_hooks",
     "post_divide_factor",
+    "post_forward_group",
     "reduce_grads",
     "readable_reduce_op",
     "reduce_allocation",
@@ -698,6 +717,7 @@ __all__ = [
     "set_swap_record",
     "shard_group",
     "sharded_grad_dtype",
+    "sharded_post_forward",
     "sharded_param",
     "sharded_params",
     "swap_record",
