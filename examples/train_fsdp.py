@@ -162,8 +162,8 @@ def train(args: argparse.Namespace, cuda: bool) -> None:
         s = stats["summary"]
         cross, base_cross = s["cross_node_bytes_per_step"], s["baseline_cross_node_bytes_per_step"]
         sent, base = s["sent_bytes_per_step"], s["baseline_bytes_per_step"]
-        print(f"fsdp_qcomm {args.preset}, per step and rank: {cross:,.0f} bytes to other nodes "
-              f"where FSDP2's collectives would send {base_cross:,.0f} "
+        print(f"fsdp_qcomm {args.preset}, per step and rank, in the collectives it runs: "
+              f"{cross:,.0f} bytes to other nodes where FSDP2's would send {base_cross:,.0f} "
               f"({cross / max(base_cross, 1):.3f}x); {sent:,.0f} in all against "
               f"{base:,.0f} ({sent / max(base, 1):.3f}x)")
         for kind, v in kinds.items():

@@ -14,6 +14,7 @@ to every member, its reduce-scatter a ``1/W`` slice of its input to each, its al
 of its buffer to each replica; the remote members' share crosses nodes). A collective done in
 two hops (two-level gradients, the node-sharded reference's hop inside the node) records the
 baseline on each hop's kind, so per-kind ratios read against FSDP2, but counts it once there.
+Collectives left to FSDP2 (the gradients under a weights-only preset) are in neither figure.
 
 Calls that send nothing (a weight gather that reuses unchanged weights, world size 1) count in
 ``calls`` and ``elements``, so ``bits_per_element`` is the average over every call, what the

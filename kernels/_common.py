@@ -428,7 +428,8 @@ def round_min(x, SKIND: tl.constexpr):
     """fp32 -> the largest scale-dtype value <= x, as fp32: an asymmetric group's stored
     minimum (``wire.py``). Rounded to nearest, then one step down where that went above x
     (a 16-bit pattern one down in magnitude order; below a zero, the smallest negative
-    subnormal), so no value of the group lies under the codes' origin and clamps to code 0."""
+    subnormal) unless that step gives -inf, so no value of the group lies under the codes'
+    origin and clamps to code 0. Torch twin: ``torch_codec.stored_min``."""
     if SKIND == 0:
         y = x
     else:
@@ -439,7 +440,11 @@ def round_min(x, SKIND: tl.constexpr):
             b = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
             y = b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         down = tl.where(y > 0.0, b - 1, tl.where(y < 0.0, b + 1, -32767))
-        b = tl.where(y > x, down, b).to(tl.int16)
+        if SKIND == 1:
+            below = bf16_bits_to_f32(down.to(tl.int16))
+        else:
+            below = down.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        b = tl.where((y > x) & (below > -float("inf")), down, b).to(tl.int16)
         if SKIND == 1:
             y = bf16_bits_to_f32(b)
         else:

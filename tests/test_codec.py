@@ -456,6 +456,18 @@ def test_a_16_bit_minimum_is_stored_at_or_below_the_group(scale_dtype, center, s
     assert float((y - x).abs().max()) <= 0.5 * (spread + spacing) / 255 * (1 + 2**-7)
 
 
+def test_a_float16_minimum_just_below_its_range_keeps_the_group_finite():
+    """float16 ends at -65504: a group whose minimum lies in (-65520, -65504) keeps -65504 as
+    its stored minimum (one step down is -inf) and decodes finite, its lowest values clamped
+    up to it; rounded down to -inf the whole group would decode as NaN."""
+    spec = QuantSpec(bits=8, group_size=16, symmetric=False, rounding="nearest",
+                     scale_dtype="float16")
+    x = (-65510.0 + torch.linspace(0, 40, 16))[None]
+    y = codec.dequantize(codec.quantize(x, spec), 16, spec)
+    assert bool(torch.isfinite(y).all()), y
+    assert float((y - x).abs().max()) <= 6.0 + 0.5 * 46 / 255 * 1.01
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 700),

@@ -28,9 +28,9 @@ def _torchrun(tmp: Path, *args: str) -> str:
 
 def _ratios(out: str) -> tuple[float, float]:
     """The summary's two ratios to FSDP2: bytes to other nodes, and in all."""
-    m = re.search(r"per step and rank: [\d,]+ bytes to other nodes where FSDP2's collectives "
-                  r"would send [\d,]+ \(([\d.]+)x\); [\d,]+ in all against [\d,]+ \(([\d.]+)x\)",
-                  out)
+    m = re.search(r"per step and rank, in the collectives it runs: [\d,]+ bytes to other nodes "
+                  r"where FSDP2's would send [\d,]+ \(([\d.]+)x\); [\d,]+ in all against "
+                  r"[\d,]+ \(([\d.]+)x\)", out)
     assert m, out[-3000:]
     return float(m[1]), float(m[2])
 

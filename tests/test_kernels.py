@@ -462,6 +462,17 @@ def test_quantize_a_minimum_stored_a_whole_spacing_down_as_torch(K, rounding):
 
 
 @_exact
+def test_quantize_a_float16_minimum_at_the_end_of_its_range_as_torch(K):
+    """Minima around float16's end (-65504; -65520 rounds to -inf): one step down from -65504
+    would be -inf, so it stays, and its group stays finite; further below, -inf as in torch."""
+    spec = _spec(8, False, "nearest", "float16", 16)
+    lows = torch.tensor([-65510.0, -65519.0, -65530.0, -65504.0, -65503.0, 65510.0])
+    x = lows[:, None] + torch.linspace(0, 40, 16)[None, :]
+    want = torch_codec.quantize(x, spec, KEY, None, False)
+    _same(K.quantize(_d(x), spec, KEY, None, False), want)
+
+
+@_exact
 @pytest.mark.parametrize("gs", [32, 96, 24])  # whole 32-blocks per group (pow2 or not), or not
 @pytest.mark.parametrize("ref", [False, True])
 @pytest.mark.parametrize("hadamard", [False, True])

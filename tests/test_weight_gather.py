@@ -36,6 +36,7 @@ from fsdp_qcomm.collectives import weight_gather as wg
 from fsdp_qcomm.fsdp.internals import unverified_param_groups
 from fsdp_qcomm.testing import run_ranks
 from fsdp_qcomm.testing import same_on_all_ranks as _same_on_all_ranks
+from fsdp_qcomm.titan_common.comm_stats import fsdp_reference
 
 
 def _exact(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]:
@@ -478,6 +479,11 @@ def _reshard_run(raf, preset: Optional[str]) -> dict:
         out.update(modes=handle.gather_modes(), notes=st["notes"],
                    cross=st["weight_allgather"]["cross_node_bytes"],
                    baseline_cross=st["summary"]["baseline_cross_node_bytes"])
+        # FSDP2's bytes the handle counted per call are those FSDP's groups imply, the
+        # post-forward gathers (W / r times the shard, inside the node) included
+        ref = fsdp_reference([model], ranks_per_node=2)
+        assert st["summary"]["baseline_cross_node_bytes"] == 3 * ref.cross_node_fp32_bytes
+        assert st["summary"]["baseline_bytes"] == 3 * (ref.weight_bytes + ref.grad_bytes)
         handle.disable()
     return out
 

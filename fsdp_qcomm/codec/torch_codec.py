@@ -305,14 +305,16 @@ def stored_min(mn: torch.Tensor, sdt: torch.dtype) -> torch.Tensor:
     scale dtype at or below ``mn``, so no value of the group lies under the codes' origin (a
     minimum rounded up made them clamp to code 0, up to half a 16-bit spacing of |min| away:
     many steps for a tight group far from zero). Rounded to nearest, then one 16-bit pattern
-    down where that went above; a zero is stored as +0. The Triton kernels: ``round_min``."""
+    down where that went above, unless that is -inf (a float16 minimum just below -65504 keeps
+    -65504: its group stays finite); a zero is stored as +0. The Triton kernels: ``round_min``."""
     if sdt == torch.float32:
         return mn + 0.0
     r = mn.to(sdt)
     y = r.to(torch.float32)
     b = r.view(torch.int16).to(torch.int32)
     down = torch.where(y > 0, b - 1, torch.where(y < 0, b + 1, torch.full_like(b, -32767)))
-    b = torch.where(y > mn, down, b).to(torch.int16)
+    finite = down.to(torch.int16).view(sdt).to(torch.float32) > float("-inf")
+    b = torch.where((y > mn) & finite, down, b).to(torch.int16)
     return b.view(sdt).to(torch.float32) + 0.0
 
 

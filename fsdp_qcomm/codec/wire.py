@@ -28,8 +28,10 @@ The stored ``min`` is the largest value of the scale dtype at or below the group
 every value of the group lies at or above the codes' origin. Rounded to nearest, a 16-bit
 minimum of a tight group far from zero went above values that then clamped to code 0, up to
 half its spacing away (bf16: 2^-9 of |min|; a group of 1024 values around 0.3 spread over
-0.001 decoded 199 steps off, 1.9 now: ``tests/test_codec.py``). A float16 scale or minimum
-beyond 65504 is infinite and its group decodes as non-finite values.
+0.001 decoded 199 steps off, 1.9 now: ``tests/test_codec.py``). float16 ends at 65504: a
+minimum in (-65520, -65504) is kept at -65504 (values under it clamp to code 0), one further
+below is -inf, and such a group, like one whose scale overflows (a range over 65504 x qmax),
+decodes as non-finite values.
 
 Encoding divides by the scale as a multiplication by its reciprocal, taken once per group:
 ``t = (x * f) * (1 / (scale * f))`` (asymmetric: ``x - min`` for ``x``), each operation rounded

@@ -320,8 +320,8 @@ class QuantizedAllGather(AllGather):
 
     # ---- layout ------------------------------------------------------------------------------
     def _segments(self) -> tuple[Optional[tuple[int, ...]], str]:
-        """Per-parameter shard sizes of the flat buffer, or None and why not. (Parameters
-        resharded to a smaller group after forward are refused by ``enable``.)"""
+        """Per-parameter shard sizes of the flat buffer, or None and why not. (Gathers over
+        the post-forward group of ``reshard_after_forward=<int>`` never get here.)"""
         segs = []
         for fp in fsdp.fsdp_params(self._pg):
             if fsdp.has_pre_all_gather_extension(fp):
@@ -584,7 +584,7 @@ class QuantizedAllGather(AllGather):
         self._stats.record(
             KIND, sent_bytes=base, recv_bytes=(q.nodes if sharded else q.world) * base,
             elements=q.numel, baseline_bytes=base, cross_node_bytes=base * peers,
-            baseline_cross_node_bytes=base * self._remote(),
+            shares_baseline=True,  # the gather that follows counts FSDP2's one gather
         )
         return input
 

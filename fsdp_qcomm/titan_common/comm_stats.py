@@ -309,18 +309,21 @@ def _dtype_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def fsdp_reference(model_parts: Iterable[torch.nn.Module], microbatches: int = 1) -> Reference:
+def fsdp_reference(model_parts: Iterable[torch.nn.Module], microbatches: int = 1,
+                   ranks_per_node: Optional[int] = None) -> Reference:
     """Sum :class:`Reference` over every FSDP parameter group of ``model_parts``.
 
     Per group of padded shard size ``s`` elements on ``W`` ranks, with ``m`` microbatches: the
     all-gather is handed ``s`` elements in ``param_dtype``, ``m`` times in forward plus ``m``
-    times in backward if the group reshards after forward; the reduce-scatter is handed
-    ``W * s`` elements in ``reduce_dtype``, ``m`` times; under HSDP the replica all-reduce is
-    handed the ``s`` reduced elements, ``m`` times (FSDP all-reduces every microbatch unless
-    ``set_requires_all_reduce(False)``, in which case it does so once per step; once per step
-    too when an adapter's active ``accumulation.ReplicaSync`` is attached to the parts). Reads
-    FSDP2 internals; dtypes are final only after FSDP's lazy init (the first forward), so call
-    it after the first step.
+    times in backward if the group reshards after forward (``W / r * s`` elements over the
+    post-forward group of ``r`` ranks with ``reshard_after_forward=r``); the reduce-scatter is
+    handed ``W * s`` elements in ``reduce_dtype``, ``m`` times; under HSDP the replica
+    all-reduce is handed the ``s`` reduced elements, ``m`` times (FSDP all-reduces every
+    microbatch unless ``set_requires_all_reduce(False)``, in which case it does so once per
+    step; once per step too when an adapter's active ``accumulation.ReplicaSync`` is attached
+    to the parts). Node-crossing bytes need the node size: the parts' handles', else
+    ``ranks_per_node``. Reads FSDP2 internals; dtypes are final only after FSDP's lazy init
+    (the first forward), so call it after the first step.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -328,7 +331,7 @@ def fsdp_reference(model_parts: Iterable[torch.nn.Module], microbatches: int = 1
     atts = attachment_of(model_parts)
     once = any(getattr(a.replica_sync, "active", False) for a in atts)
     rpn = next((h.placement.ranks_per_node for h in (a.handle for a in atts)
-                if h is not None and getattr(h, "placement", None) is not None), None)
+                if h is not None and getattr(h, "placement", None) is not None), ranks_per_node)
     ref = Reference()
     seen: set[int] = set()
     for part in model_parts:
@@ -369,23 +372,29 @@ def _group_reference(group, microbatches: int, once: bool = False,
                     replicas=replica.size() if replica is not None else 1,
                     crossing=frozenset(crossing))
     world = ref.world_size
-    # the group re-gathers in backward iff it reshards after forward
-    gathers = microbatches * (2 if fsdp.reshards_after_forward(group) else 1)
+    # the group re-gathers in backward iff it reshards after forward: with
+    # reshard_after_forward=<int> over the smaller post-forward group, W / r times the shard
+    regathers = microbatches if fsdp.reshards_after_forward(group) else 0
+    post = fsdp.post_forward_group(group)
     all_reduces = 1 if once or not fsdp.all_reduce_grads(group) else microbatches
     remote = (_remote_members(fsdp.shard_group(group), rpn),
               _remote_members(fsdp.reduce_scatter_group(group), rpn),
               _remote_members(replica, rpn) if ref.replicas > 1 else 0)
+    remote_post = remote[0] if post is None else _remote_members(post, rpn)
     for fp in fsdp.fsdp_params(group):
         numel = fsdp.padded_shard_numel(fp)
+        post_numel = numel if post is None else numel * world // post.size()
+        gathered = microbatches * numel + regathers * post_numel
         _, pdt, rdt = fsdp.param_dtypes(fp)
         for attr, wsize, gsize in (("cross_node_fp32_bytes", 4, 4),
                                    ("cross_node_bf16_fp32_bytes", 2, 4)):
-            cross = (gathers * numel * wsize * remote[0] + microbatches * numel * gsize * remote[1]
+            cross = ((microbatches * numel * remote[0] + regathers * post_numel * remote_post)
+                     * wsize + microbatches * numel * gsize * remote[1]
                      + (2 * all_reduces * numel * gsize * remote[2] / ref.replicas
                         if ref.replicas > 1 else 0.0))
             setattr(ref, attr, getattr(ref, attr) + cross)
-        ref.weight_elements += gathers * numel
-        ref.weight_bytes += gathers * numel * _dtype_size(pdt)
+        ref.weight_elements += gathered
+        ref.weight_bytes += gathered * _dtype_size(pdt)
         ref.grad_elements += microbatches * world * numel
         ref.grad_bytes += microbatches * world * numel * _dtype_size(rdt)
         if ref.replicas > 1:
