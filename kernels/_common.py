@@ -435,20 +435,13 @@ def round_min(x, SKIND: tl.constexpr):
     else:
         if SKIND == 1:
             b = f32_to_bf16_bits(x).to(tl.int32)
-            y = bf16_bits_to_f32(b.to(tl.int16))
         else:
             b = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-            y = b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        y = bits_to_scale(b.to(tl.int16), SKIND)
         down = tl.where(y > 0.0, b - 1, tl.where(y < 0.0, b + 1, -32767))
-        if SKIND == 1:
-            below = bf16_bits_to_f32(down.to(tl.int16))
-        else:
-            below = down.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        b = tl.where((y > x) & (below > -float("inf")), down, b).to(tl.int16)
-        if SKIND == 1:
-            y = bf16_bits_to_f32(b)
-        else:
-            y = b.to(tl.float16, bitcast=True).to(tl.float32)
+        below = bits_to_scale(down.to(tl.int16), SKIND)
+        y = bits_to_scale(tl.where((y > x) & (below > -float("inf")), down, b).to(tl.int16),
+                          SKIND)
     return y
 
 

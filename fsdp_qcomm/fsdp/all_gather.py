@@ -439,9 +439,8 @@ class QuantizedAllGather(AllGather):
         a second forward). FSDP2's own gather of them is exact and leaves the reference, the
         change tracking and the keys alone: nothing to quantize or to decide."""
 
-        def record(o: GatherOutcome) -> None:
-            self._record(dataclasses.replace(
-                o, mode="post_forward", cross_node_bytes=o.sent_bytes * self.post_forward_remote))
+        def record(o: GatherOutcome) -> None:  # ``_record`` counts the group's remote members
+            self._record(dataclasses.replace(o, mode="post_forward"))
 
         return plain_all_gather(output, input, group, async_op=async_op, on_done=record)
 

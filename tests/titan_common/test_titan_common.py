@@ -667,15 +667,17 @@ def _handles_state_refused_for_one_part_on_one_rank(rank: int, world: int) -> di
             out[case] = "loaded"
         except fsdp_qcomm.CheckpointMismatch as e:
             out[case] = str(e)
-        after = entry.state_dict()
-        out[case + " unchanged"] = all(
-            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-            for a, b in zip(_leaves(before), _leaves(after)))
+        out[case + " unchanged"] = _same_state(before, entry.state_dict())
     entry.load_state_dict(saved)  # accepted everywhere: loads
-    out["loaded"] = not all(
-        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-        for a, b in zip(_leaves(before), _leaves(entry.state_dict())))
+    out["loaded"] = not _same_state(before, entry.state_dict())
     return out
+
+
+def _same_state(a, b) -> bool:
+    """Equal nested states: the same leaves (tensors bit for bit, everything else by value)."""
+    la, lb = _leaves(a), _leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
 
 
 def _leaves(x):
