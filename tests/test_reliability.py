@@ -193,6 +193,82 @@ def test_checkpoint_resume_is_bit_identical_4_ranks_two_level(tmp_path):
         assert max(abs(a - b) / abs(b) for a, b in zip(no_state, ref)) < 0.05
 
 
+def _first_step_modes(model, opt, handle, step, rank) -> tuple[float, dict[str, int]]:
+    loss = _train_step(model, opt, step, rank)
+    return loss, handle.gather_modes()
+
+
+def _minus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b))
+            if a.get(k, 0) != b.get(k, 0)}
+
+
+_EVALUATED = {
+    # 4 ranks as 2 nodes x 2: the node-sharded reference, two-level gradients
+    "node-sharded": (4, _SDP4),
+    # 2 ranks, one node, quantized: the full reference, which FSDP's output buffer aliases
+    "full": (2, QCommConfig.preset("qwd", weight_group_size=32, **_ONE_NODE, seed=9)),
+}
+
+
+def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
+    # Train, evaluate (a no-grad forward: its gathers bring the reference up to the stepped
+    # weights), save. The uninterrupted run's next forward sends nothing; so must the resumed
+    # run's, proven by the digest of the shard saved with the reference.
+    ckpt = os.path.join(root, "evaluated")
+    cfg = _EVALUATED[kind][1]
+    model, handle, opt = _build(cfg)
+    for s in range(n_before):
+        _train_step(model, opt, s, rank)
+    with torch.no_grad():
+        _loss(model, 90_000, rank)
+    saved = handle.state_dict()
+    _save(ckpt, model, opt, handle)
+    before = handle.gather_modes()
+    ref = [_train_step(model, opt, s, rank) for s in range(n_before, n_before + n_after)]
+    sent_after_save = _minus(handle.gather_modes(), before)
+    units = len(_units(model))
+    (entry,) = saved.values()
+    digests = [m.get("reference_digest") for m in entry["modules"].values()]
+    assert len(digests) == units and all(isinstance(d, int) for d in digests), digests
+
+    # resumed: bit for bit, and the first forward re-assembles the reference and sends nothing
+    model_b, handle_b, opt_b = _build(cfg)
+    _load(ckpt, model_b, opt_b, handle_b)
+    first_b, modes_b = _first_step_modes(model_b, opt_b, handle_b, n_before, rank)
+    got = [first_b] + [_train_step(model_b, opt_b, s, rank)
+                       for s in range(n_before + 1, n_before + n_after)]
+    assert "qwd_diff" not in modes_b, modes_b  # the first step sent no difference
+    assert _minus(handle_b.gather_modes(), {"qwd_restore": units}) == sent_after_save
+    assert got == ref, (got, ref)
+    assert _full_digests(model_b) == _full_digests(model)
+
+    # one rank's shard written through .data after the load (no version bump): its digest no
+    # longer matches, and every rank sends that module's difference (CONTENT is or-ed)
+    model_c, handle_c, opt_c = _build(cfg)
+    _load(ckpt, model_c, opt_c, handle_c)
+    if rank == 0:
+        model_c.blocks[0].fc1.weight.to_local().data.mul_(1.01)
+    _, modes_c = _first_step_modes(model_c, opt_c, handle_c, n_before, rank)
+    assert _minus(modes_c, modes_b) == {"qwd_diff": 1, "qwd_reuse": -1}, (modes_c, modes_b)
+
+    # a state without the digest (saved before it existed, or with a change pending): every
+    # module sends its difference, as a load always did
+    for m in entry["modules"].values():
+        m["reference_digest"] = None
+    model_d, handle_d, opt_d = _build(cfg)
+    _load(ckpt, model_d, opt_d)
+    handle_d.load_state_dict(saved)
+    _, modes_d = _first_step_modes(model_d, opt_d, handle_d, n_before, rank)
+    assert _minus(modes_d, modes_b) == {"qwd_diff": units, "qwd_reuse": -units}, modes_d
+    return True
+
+
+@pytest.mark.parametrize("kind", list(_EVALUATED))
+def test_resume_after_an_evaluation_forward_is_bit_identical(tmp_path, kind):
+    run_ranks(_resume_after_evaluation, _EVALUATED[kind][0], str(tmp_path), kind, 3, 3)
+
+
 def _accumulate_step(model, opt, step, rank, k: int = 2) -> list[float]:
     losses = []
     for m in range(k):

@@ -86,7 +86,7 @@ from ..config import QCommConfig
 from ..stats import CommStats
 from . import checkpoint
 from . import internals as fsdp
-from .change_tracker import Agreement, Change, ChangeTracker, describe, plan
+from .change_tracker import Agreement, Change, ChangeTracker, describe, loaded_unchanged, plan
 from .consistency import consistency_error, stop_everywhere
 from .internals import AllGather
 
@@ -270,23 +270,25 @@ class QuantizedAllGather(AllGather):
         checkpoint.load_gather_state(self, state)
 
     # ---- decisions ---------------------------------------------------------------------------
-    def _decide(self, backward: bool, group: dist.ProcessGroup) -> int:
-        """The agreed change code of this gather (``change_tracker``): inside backward the
-        declared events only; in a root forward the code agreed before it (the first gather of
-        the forward consumes it; later ones in the same forward see declared events only);
-        elsewhere one agreement round over the gather group, here."""
+    def _decide(self, backward: bool, group: dist.ProcessGroup) -> tuple[int, bool]:
+        """The agreed change code of this gather (``change_tracker``), and whether it came from
+        an agreement round (which compared every rank's shard with its digest: its ``CONTENT``
+        is the group's): inside backward the declared events only; in a root forward the code
+        agreed before it (the first gather of the forward consumes it; later ones in the same
+        forward see declared events only); elsewhere one agreement round over the gather
+        group, here."""
         t = self.tracker
         assert t is not None
         if backward:
-            return t.local_flags(backward=True)
+            return t.local_flags(backward=True), False
         if not self._config.verify_weight_writes:  # this rank's own facts, no collective
-            return t.local_flags(backward=False)
+            return t.local_flags(backward=False), False
         if t.pending is not None:
-            return t.pending
+            return t.pending, True
         if self.session is not None and self.session.in_root_forward:
-            return t.local_flags(backward=True)
+            return t.local_flags(backward=True), False
         where = f"a gather of FSDP module {self.name!r} outside the root module's forward"
-        return Agreement(group, self._stats).agree([t], where)[0]
+        return Agreement(group, self._stats).agree([t], where)[0], True
 
     # ---- backward exactness ----------------------------------------------------------------
     def _refuse_in_backward(self, change: str) -> None:
@@ -388,13 +390,13 @@ class QuantizedAllGather(AllGather):
             return self._plain_fallback(output_tensor, input_tensor, group, why, async_op, record)
 
         self._watch_grads()
-        code = self._decide(backward, group)
+        code, compared = self._decide(backward, group)
         exchange, full = plan(code)
         if exchange and backward and self.tracker.gathered_once and self._scheme != "none":
             self._refuse_in_backward(describe(code))  # every rank alike, before anything is sent
         if self._scheme == "qwd":
             return self._qwd_gather(output_tensor, input_tensor, group, segs, backward, code,
-                                    async_op, record)
+                                    compared, async_op, record)
         self.tracker.gathered(backward)
         if exchange:
             self._counter += 1  # new weights: a new key (direct) and a new generation
@@ -498,6 +500,7 @@ class QuantizedAllGather(AllGather):
         segs: tuple[int, ...],
         backward: bool,
         code: int,
+        compared: bool,
         async_op: bool,
         record: Any,
     ) -> Optional[dist.Work]:
@@ -522,6 +525,8 @@ class QuantizedAllGather(AllGather):
         if self._pending_ref is not None:
             input = self._restore_reference(q, input, aliased)
             full = False  # the loaded reference belongs to these weights
+            if compared and loaded_unchanged(code):
+                exchange = False  # what the uninterrupted run sends here: nothing
         elif full and q.valid and code & ~int(Change.FIRST | Change.RESET):
             self._stats.note(
                 f"{self.name}: parameters changed outside a torch.optim optimizer step "
@@ -577,6 +582,7 @@ class QuantizedAllGather(AllGather):
             # which reads it below: its memory must not be reused before that read has run
             pending.record_stream(torch.cuda.current_stream(pending.device))
         base = q.restore(pending)
+        self._gen += 1  # the module's weights are the loaded ones from here
         self.modes["qwd_restore"] += 1
         sharded = isinstance(q, NodeShardedQwd)
         peers = (q.nodes - 1) if sharded else self._remote()

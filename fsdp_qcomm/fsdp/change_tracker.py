@@ -44,7 +44,9 @@ with the weights its forward used, and those flags are SPMD facts.
 What an agreed code means (``plan``): nothing to exchange for no flag or ``REDUCED`` alone;
 full precision for ``FIRST``, ``RESET``, ``WRITE``, and ``CONTENT`` that no ``STEP``,
 ``LOADED`` or ``REDUCED`` explains; a quantized difference otherwise. ``LOADED`` has its own
-path (the saved reference is re-assembled).
+path: the saved reference is re-assembled, and then nothing is sent when the load set each
+rank's previous digest to the one saved with that reference and no rank's loaded shard
+differs from it (``loaded_unchanged``), else a quantized difference.
 
 Cost: one digest pass over this rank's shard per forward gather decision (integer view, a
 position-weighted int64 sum), and one all-gather of ``8 * modules`` bytes per root forward
@@ -111,6 +113,17 @@ def plan(code: int) -> tuple[bool, bool]:
             c |= Change.STEP
     c &= ~Change.REDUCED
     return bool(c), bool(c & FULL)
+
+
+def loaded_unchanged(code: int) -> bool:
+    """Whether an agreed code from an agreement round (which compared every rank's shard with
+    its digest) says a checkpoint load left every shard as the one its saved qWD reference was
+    gathered from: ``LOADED`` without ``CONTENT``, and nothing else that re-sends. Optimizer
+    steps since then changed no value (torch's ``set_state_dict`` initializes an optimizer's
+    state with a step at learning rate 0). The re-assembled reference is then the uninterrupted
+    run's, which sends nothing here."""
+    return bool(code & Change.LOADED) and not code & ~(Change.LOADED | Change.STEP
+                                                       | Change.REDUCED)
 
 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
@@ -226,6 +239,7 @@ class ChangeTracker:
         self._digest: Optional[torch.Tensor] = None  # at the previous forward gather
         self._digest_now: Optional[torch.Tensor] = None
         self._optim_tracked = False  # a torch.optim step over these parameters was seen
+        self._unproven = False  # loaded without a digest: its shard counts as changed
         self.pending: Optional[int] = None  # agreed code for the next forward gather
         self.gathered_once = False
 
@@ -239,9 +253,33 @@ class ChangeTracker:
     def reset(self) -> None:
         self._flags |= Change.RESET
 
-    def loaded(self) -> None:
+    def loaded(self, restored: bool = False, digest: Optional[int] = None) -> None:
+        """A checkpoint was loaded. ``restored``: it holds the reference this group's next
+        gather re-assembles, which stands in for a first gather. ``digest``: the saved
+        ``clean_digest``, the shard that reference was gathered from; the next agreement
+        compares the loaded shard with it (``CONTENT``), and without one the loaded shard
+        counts as changed."""
         self._flags |= Change.LOADED
+        if restored:
+            self._flags &= ~Change.FIRST
         self._expected = None
+        self._digest_now = None
+        self._unproven = digest is None
+        self._digest = None if digest is None else torch.tensor(
+            digest, dtype=torch.int64, device=self.shard_device())
+
+    def clean_digest(self) -> Optional[int]:
+        """The digest of the shard this group's reference was last gathered from (or loaded
+        for), unless a full re-send is pending (``FIRST``, ``RESET``, a signature write, an
+        unproven load); else None. Saved with the qWD reference, it lets the first gather after
+        a load send nothing when the loaded shard is still that one: where the uninterrupted
+        run sends nothing (a checkpoint written after an evaluation forward). A step since that
+        gather changed the shard, so it is sent. One host read."""
+        flags = self.local_flags(backward=False)
+        if self._digest is None or self.pending is not None or flags & (
+                Change.FIRST | Change.RESET | Change.WRITE | Change.CONTENT):
+            return None
+        return int(self._digest)
 
     def optimizer_step_pre(self, param_ids: set[int]) -> None:
         """Before an optimizer step: parameters it covers must still be as last explained."""
@@ -281,6 +319,8 @@ class ChangeTracker:
         flags = self._flags
         if self._expected is not None and self._signature() != self._expected:
             flags |= Change.WRITE
+        if self._unproven:
+            flags |= Change.CONTENT
         return int(flags)
 
     def shards(self) -> list[torch.Tensor]:
@@ -291,6 +331,11 @@ class ChangeTracker:
     def device(self) -> torch.device:
         """FSDP's compute device for this group (the shards' device unless offloaded)."""
         return fsdp.group_device(self._pg)
+
+    def shard_device(self) -> torch.device:
+        """Where this rank's shards, and so their digest, live."""
+        shards = self.shards()
+        return shards[0].device if shards else self.device
 
     def _signature(self) -> list[tuple]:
         return [fsdp.param_signature(fp) for fp in fsdp.fsdp_params(self._pg)]
@@ -306,6 +351,7 @@ class ChangeTracker:
             self._flags &= ~(Change.FIRST | Change.STEP | Change.RESET | Change.LOADED)
             return
         self._flags = Change.NONE
+        self._unproven = False
         self._expected = self._signature()
         if self._digest_now is not None:
             self._digest = self._digest_now
@@ -321,7 +367,7 @@ def content_changes(trackers: Sequence[ChangeTracker]) -> list[torch.Tensor]:
     by_device: dict[torch.device, list[tuple[int, list[torch.Tensor]]]] = {}
     for k, t in enumerate(trackers):
         shards = t.shards()
-        device = shards[0].device if shards else t.device
+        device = shards[0].device if shards else t.device  # t.shard_device(), read once
         by_device.setdefault(device, []).append((k, shards))
     out: list[Optional[torch.Tensor]] = [None] * len(trackers)
     for items in by_device.values():
@@ -421,4 +467,4 @@ def _disagreement(name: str, codes: list[int], where: str,
 
 
 __all__ = ["KIND", "Agreement", "Change", "ChangeTracker", "FULL", "SPMD", "content_changes",
-           "describe", "plan", "shard_digests"]
+           "describe", "loaded_unchanged", "plan", "shard_digests"]
