@@ -261,6 +261,35 @@ def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
     handle_d.load_state_dict(saved)
     _, modes_d = _first_step_modes(model_d, opt_d, handle_d, n_before, rank)
     assert _minus(modes_d, modes_b) == {"qwd_diff": units, "qwd_reuse": -units}, modes_d
+
+    # handle.reset() after a load re-sends full precision, as it does anywhere else
+    model_e, handle_e, opt_e = _build(cfg)
+    _load(ckpt, model_e, opt_e, handle_e)
+    handle_e.reset()
+    _, modes_e = _first_step_modes(model_e, opt_e, handle_e, n_before, rank)
+    assert _minus(modes_e, modes_b) == {"qwd_full": units, "qwd_reuse": -units}, modes_e
+
+    # a digest is saved only where the uninterrupted run's next gather sends nothing
+    def saved_digests():
+        (e,) = handle.state_dict().values()
+        return [m["reference_digest"] for m in e["modules"].values()]
+
+    assert saved_digests() == [None] * units  # an optimizer step since the last gather
+    with torch.no_grad():
+        _loss(model, 90_001, rank)
+    assert None not in saved_digests()
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    _train_step(model, opt, 99, rank)  # a step that changes no value still sends
+    assert saved_digests() == [None] * units
+    with torch.no_grad():
+        _loss(model, 90_002, rank)
+    if rank == 0:  # a write without a version bump since that gather: on this rank only
+        model.blocks[1].fc2.bias.to_local().data.add_(1.0)
+    assert [d is None for d in saved_digests()] == [
+        rank == 0 and name == "blocks.1" for name in entry["modules"]], saved_digests()
+    handle.reset()
+    assert saved_digests() == [None] * units
     return True
 
 

@@ -52,9 +52,10 @@ Checkpoints (``checkpoint_state`` / ``load_checkpoint_state``, gathered by
 ``QCommHandle.state_dict``, in ``fsdp.checkpoint``): the RNG call counter, the learned level
 table, and for qWD this rank's shard of the reference (``own_ref``) as one tensor per parameter.
 A loaded reference is re-assembled by one full-precision all-gather of the shards at the next
-gather, which then sends the usual difference: the resumed run computes with the bits the
-uninterrupted run would have used. Without a loaded reference the next gather sends the weights
-themselves.
+gather, which then sends the usual difference, or nothing when every rank's loaded shard is the
+one its reference was gathered from (the digest saved with it): the resumed run computes with
+the bits the uninterrupted run would have used. Without a loaded reference the next gather
+sends the weights themselves.
 """
 
 from __future__ import annotations
@@ -524,7 +525,7 @@ class QuantizedAllGather(AllGather):
         exchange, full = plan(code)
         if self._pending_ref is not None:
             input = self._restore_reference(q, input, aliased)
-            full = False  # the loaded reference belongs to these weights
+            full = bool(code & Change.RESET)  # the loaded reference belongs to these weights
             if compared and loaded_unchanged(code):
                 exchange = False  # what the uninterrupted run sends here: nothing
         elif full and q.valid and code & ~int(Change.FIRST | Change.RESET):

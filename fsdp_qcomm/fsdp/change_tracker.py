@@ -134,8 +134,10 @@ _PRIME = 65521
 def shard_digests(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     """An exact integer digest of each group of flat tensors (an int64 vector, one value per
     group, on their device; the groups on one device): the raw bits of each value weighted by
-    its position in its group. Any single changed value, and any exchange of two values, changes
-    it; equal inputs give equal digests on every device and in any order of summation (integer
+    its position in its group (modulo 65521). Any single changed value, and any exchange of two
+    values fewer than 65521 positions apart, changes it; other changes are missed with a
+    64-bit checksum's odds (what a resume that sends nothing relies on, ``loaded_unchanged``);
+    equal inputs give equal digests on every device and in any order of summation (integer
     arithmetic wraps modulo 2^64, deterministically). CPU tensors take the C codec's one-pass
     loop (``codec.cpu_native.digest``), CUDA tensors one launch of the Triton kernel over every
     group per element width (``kernels/digest.py``; ``_kernel_plan``), others the torch formula
@@ -255,13 +257,14 @@ class ChangeTracker:
 
     def loaded(self, restored: bool = False, digest: Optional[int] = None) -> None:
         """A checkpoint was loaded. ``restored``: it holds the reference this group's next
-        gather re-assembles, which stands in for a first gather. ``digest``: the saved
+        gather re-assembles, which stands in for a first gather and for any earlier
+        ``reset()`` (a ``reset()`` after the load still re-sends). ``digest``: the saved
         ``clean_digest``, the shard that reference was gathered from; the next agreement
         compares the loaded shard with it (``CONTENT``), and without one the loaded shard
         counts as changed."""
         self._flags |= Change.LOADED
         if restored:
-            self._flags &= ~Change.FIRST
+            self._flags &= ~(Change.FIRST | Change.RESET)
         self._expected = None
         self._digest_now = None
         self._unproven = digest is None
@@ -270,15 +273,20 @@ class ChangeTracker:
 
     def clean_digest(self) -> Optional[int]:
         """The digest of the shard this group's reference was last gathered from (or loaded
-        for), unless a full re-send is pending (``FIRST``, ``RESET``, a signature write, an
-        unproven load); else None. Saved with the qWD reference, it lets the first gather after
-        a load send nothing when the loaded shard is still that one: where the uninterrupted
-        run sends nothing (a checkpoint written after an evaluation forward). A step since that
-        gather changed the shard, so it is sent. One host read."""
+        for), when the next gather of the uninterrupted run would send nothing: no declared
+        event but a load (an optimizer step, ``mark_changed``, ``handle.reset()``, the first
+        gather), no write found by signature or content; else None. Saved with the qWD
+        reference, it lets the first gather after a load send nothing when the loaded shard is
+        still that one (a checkpoint written after an evaluation forward). One digest pass and
+        one host read."""
         flags = self.local_flags(backward=False)
         if self._digest is None or self.pending is not None or flags & (
                 Change.FIRST | Change.RESET | Change.WRITE | Change.CONTENT):
             return None
+        if flags & Change.STEP and not flags & Change.LOADED:
+            return None  # the uninterrupted run sends a difference even if no value changed
+        if not bool(shard_digests([self.shards()])[0].to(self._digest.device) == self._digest):
+            return None  # written without a version bump since (the next gather re-sends)
         return int(self._digest)
 
     def optimizer_step_pre(self, param_ids: set[int]) -> None:

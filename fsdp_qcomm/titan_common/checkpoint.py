@@ -9,9 +9,11 @@ stopped. Each adapter adds one :class:`HandlesState` entry to the states its che
 saves and loads, next to ``model``, ``optimizer``, ``lr_scheduler``, ``dataloader`` and
 ``train_state``: then a resume is bit for bit the uninterrupted run.
 
-Checkpoints written without the entry (older fsdp_qcomm, or no hooks installed) lack the key;
-load them with ``--checkpoint.exclude_from_loading qcomm``: the handles then start fresh and
-the first gathers send full precision, as before.
+Checkpoints written without the entry (older fsdp_qcomm, or no hooks installed) lack the key,
+and ones written before the qWD ``reference_digest`` existed (2026-12-07) lack that one (DCP:
+"Missing key in checkpoint state_dict: qcomm…reference_digest"); load them with
+``--checkpoint.exclude_from_loading qcomm``: the handles then start fresh and the first gathers
+send full precision, as before.
 
 With ``[diloco] enable`` (torchtitan 0.2.2 and 0.3) a second entry, ``"diloco"``
 (:class:`DiLoCoState`), holds DiLoCo's outer state and each replica group's own weights and inner
