@@ -208,15 +208,28 @@ _EVALUATED = {
     "node-sharded": (4, _SDP4),
     # 2 ranks, one node, quantized: the full reference, which FSDP's output buffer aliases
     "full": (2, QCommConfig.preset("qwd", weight_group_size=32, **_ONE_NODE, seed=9)),
+    # direct 4-bit weights keyed by the counter, re-sent by every forward (no kept weights)
+    "direct": (2, QCommConfig.preset("qsdp", weight_group_size=32, grad_group_size=32, **_ONE_NODE,
+                                  seed=8)),
+    # the same keeping the gathered weights: a load drops them, the first gather re-sends
+    "direct-kept": (2, QCommConfig.preset("qsdp", weight_group_size=32, grad_group_size=32,
+                                       weight_reuse_unchanged=True, **_ONE_NODE, seed=8)),
 }
 
 
+def _calls(handle) -> dict[str, int]:
+    """Each FSDP module's weight-gather counter (one per gather that sent new weights)."""
+    (entry,) = handle.state_dict().values()
+    return {k: m["weight_calls"] for k, m in entry["modules"].items()}
+
+
 def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
-    # Train, evaluate (a no-grad forward: its gathers bring the reference up to the stepped
-    # weights), save. The uninterrupted run's next forward sends nothing; so must the resumed
-    # run's, proven by the digest of the shard saved with the reference.
+    # Train, evaluate (a no-grad forward: its gathers send the stepped weights), save. The
+    # uninterrupted run's next forward sends nothing (qWD) or the same bits under the same key
+    # (direct): so must the resumed run's, proven by the digest saved with the state.
     ckpt = os.path.join(root, "evaluated")
     cfg = _EVALUATED[kind][1]
+    qwd = not kind.startswith("direct")
     model, handle, opt = _build(cfg)
     for s in range(n_before):
         _train_step(model, opt, s, rank)
@@ -229,50 +242,61 @@ def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
     sent_after_save = _minus(handle.gather_modes(), before)
     units = len(_units(model))
     (entry,) = saved.values()
-    digests = [m.get("reference_digest") for m in entry["modules"].values()]
+    digests = [m.get("gathered_digest") for m in entry["modules"].values()]
     assert len(digests) == units and all(isinstance(d, int) for d in digests), digests
 
-    # resumed: bit for bit, and the first forward re-assembles the reference and sends nothing
+    # resumed: bit for bit, with the uninterrupted run's counters; qWD re-assembles the
+    # reference and its first forward sends nothing
     model_b, handle_b, opt_b = _build(cfg)
     _load(ckpt, model_b, opt_b, handle_b)
     first_b, modes_b = _first_step_modes(model_b, opt_b, handle_b, n_before, rank)
+    calls_b = _calls(handle_b)
     got = [first_b] + [_train_step(model_b, opt_b, s, rank)
                        for s in range(n_before + 1, n_before + n_after)]
-    assert "qwd_diff" not in modes_b, modes_b  # the first step sent no difference
-    assert _minus(handle_b.gather_modes(), {"qwd_restore": units}) == sent_after_save
+    if qwd:
+        assert "qwd_diff" not in modes_b, modes_b  # the first step sent no difference
+        assert _minus(handle_b.gather_modes(), {"qwd_restore": units}) == sent_after_save
     assert got == ref, (got, ref)
     assert _full_digests(model_b) == _full_digests(model)
+    assert _calls(handle_b) == _calls(handle)
+    assert calls_b == {k: m["weight_calls"] for k, m in entry["modules"].items()}
 
     # one rank's shard written through .data after the load (no version bump): its digest no
-    # longer matches, and every rank sends that module's difference (CONTENT is or-ed)
+    # longer matches, and every rank sends that module (CONTENT is or-ed over the ranks)
     model_c, handle_c, opt_c = _build(cfg)
     _load(ckpt, model_c, opt_c, handle_c)
     if rank == 0:
         model_c.blocks[0].fc1.weight.to_local().data.mul_(1.01)
     _, modes_c = _first_step_modes(model_c, opt_c, handle_c, n_before, rank)
-    assert _minus(modes_c, modes_b) == {"qwd_diff": 1, "qwd_reuse": -1}, (modes_c, modes_b)
+    assert _minus(_calls(handle_c), calls_b) == {"blocks.0": 1}
+    if qwd:
+        assert _minus(modes_c, modes_b) == {"qwd_diff": 1, "qwd_reuse": -1}, (modes_c, modes_b)
 
     # a state without the digest (saved before it existed, or with a change pending): every
-    # module sends its difference, as a load always did
+    # module sends, as a load always did
     for m in entry["modules"].values():
-        m["reference_digest"] = None
+        m["gathered_digest"] = None
     model_d, handle_d, opt_d = _build(cfg)
     _load(ckpt, model_d, opt_d)
     handle_d.load_state_dict(saved)
     _, modes_d = _first_step_modes(model_d, opt_d, handle_d, n_before, rank)
-    assert _minus(modes_d, modes_b) == {"qwd_diff": units, "qwd_reuse": -units}, modes_d
+    assert _minus(_calls(handle_d), calls_b) == {k: 1 for k in calls_b}
+    if qwd:
+        assert _minus(modes_d, modes_b) == {"qwd_diff": units, "qwd_reuse": -units}, modes_d
 
-    # handle.reset() after a load re-sends full precision, as it does anywhere else
+    # handle.reset() after a load re-sends (qWD: at full precision), as it does anywhere else
     model_e, handle_e, opt_e = _build(cfg)
     _load(ckpt, model_e, opt_e, handle_e)
     handle_e.reset()
     _, modes_e = _first_step_modes(model_e, opt_e, handle_e, n_before, rank)
-    assert _minus(modes_e, modes_b) == {"qwd_full": units, "qwd_reuse": -units}, modes_e
+    assert _minus(_calls(handle_e), calls_b) == {k: 1 for k in calls_b}
+    if qwd:
+        assert _minus(modes_e, modes_b) == {"qwd_full": units, "qwd_reuse": -units}, modes_e
 
-    # a digest is saved only where the uninterrupted run's next gather sends nothing
+    # a digest is saved only where the uninterrupted run's next gather sends nothing new
     def saved_digests():
         (e,) = handle.state_dict().values()
-        return [m["reference_digest"] for m in e["modules"].values()]
+        return [m["gathered_digest"] for m in e["modules"].values()]
 
     assert saved_digests() == [None] * units  # an optimizer step since the last gather
     with torch.no_grad():

@@ -393,6 +393,10 @@ class QuantizedAllGather(AllGather):
         self._watch_grads()
         code, compared = self._decide(backward, group)
         exchange, full = plan(code)
+        if compared and loaded_unchanged(code) and self._scheme != "qwd":
+            # the loaded counter keys what the uninterrupted run's last gather sent (its kept
+            # weights did not survive the load): re-sent as they were, under the same key
+            exchange = False
         if exchange and backward and self.tracker.gathered_once and self._scheme != "none":
             self._refuse_in_backward(describe(code))  # every rank alike, before anything is sent
         if self._scheme == "qwd":
@@ -583,7 +587,6 @@ class QuantizedAllGather(AllGather):
             # which reads it below: its memory must not be reused before that read has run
             pending.record_stream(torch.cuda.current_stream(pending.device))
         base = q.restore(pending)
-        self._gen += 1  # the module's weights are the loaded ones from here
         self.modes["qwd_restore"] += 1
         sharded = isinstance(q, NodeShardedQwd)
         peers = (q.nodes - 1) if sharded else self._remote()

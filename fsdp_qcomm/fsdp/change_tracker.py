@@ -44,9 +44,10 @@ with the weights its forward used, and those flags are SPMD facts.
 What an agreed code means (``plan``): nothing to exchange for no flag or ``REDUCED`` alone;
 full precision for ``FIRST``, ``RESET``, ``WRITE``, and ``CONTENT`` that no ``STEP``,
 ``LOADED`` or ``REDUCED`` explains; a quantized difference otherwise. ``LOADED`` has its own
-path: the saved reference is re-assembled, and then nothing is sent when the load set each
-rank's previous digest to the one saved with that reference and no rank's loaded shard
-differs from it (``loaded_unchanged``), else a quantized difference.
+path: qWD's saved reference is re-assembled; then, when the load set each rank's previous
+digest to the one saved with the state and no rank's loaded shard differs from it
+(``loaded_unchanged``), qWD sends nothing and direct schemes re-send under the loaded counter
+(no new key), else the next gather sends as after an optimizer step.
 
 Cost: one digest pass over this rank's shard per forward gather decision (integer view, a
 position-weighted int64 sum), and one all-gather of ``8 * modules`` bytes per root forward
@@ -117,11 +118,12 @@ def plan(code: int) -> tuple[bool, bool]:
 
 def loaded_unchanged(code: int) -> bool:
     """Whether an agreed code from an agreement round (which compared every rank's shard with
-    its digest) says a checkpoint load left every shard as the one its saved qWD reference was
-    gathered from: ``LOADED`` without ``CONTENT``, and nothing else that re-sends. Optimizer
-    steps since then changed no value (torch's ``set_state_dict`` initializes an optimizer's
-    state with a step at learning rate 0). The re-assembled reference is then the uninterrupted
-    run's, which sends nothing here."""
+    its digest) says a checkpoint load left every shard as the one the saved state's last
+    gather was made from: ``LOADED`` without ``CONTENT``, and nothing else that re-sends.
+    Optimizer steps since then changed no value (torch's ``set_state_dict`` initializes an
+    optimizer's state with a step at learning rate 0). The uninterrupted run sends nothing
+    here: qWD's re-assembled reference is its reference, and a direct scheme's loaded counter
+    keys the weights it kept."""
     return bool(code & Change.LOADED) and not code & ~(Change.LOADED | Change.STEP
                                                        | Change.REDUCED)
 

@@ -19,7 +19,7 @@ tensors come back on the GPU index that saved them) and any per-rank checkpointe
             "weight_calls": int, "grad_calls": int, "replica_calls": int,  # RNG call counters
             "weight_levels": {...}, "grad_levels": {...},    # learned level tables (LevelSync)
             "reference_valid": 0 | 1, "reference": {param name: its padded shard},   # qWD
-            "reference_digest": int | None,   # the shard the reference was gathered from
+            "gathered_digest": int | None,   # the shard the last gather was made from
             "grad_residuals": {"<hook>.<site>": flat residual}}}}}      # error feedback
 
 Why the key carries the rank: torch.distributed.checkpoint saves a plain tensor or object once
@@ -164,17 +164,20 @@ def _reference_pieces(g: Any, flat: torch.Tensor, segs: tuple[int, ...]) -> dict
 
 
 def gather_state(g: Any) -> dict[str, Any]:
-    """``g``'s RNG call counter, its learned level table, and for qWD this rank's shard of the
-    reference (its ``own_ref``; zeros with ``reference_valid`` 0 before the first gather) with
-    the digest of the shard it was gathered from when nothing changed since
-    (``ChangeTracker.clean_digest``; None otherwise): a run resumed from a checkpoint written
-    after an evaluation forward then sends nothing where the uninterrupted run sends nothing."""
+    """``g``'s RNG call counter, its learned level table, for qWD this rank's shard of the
+    reference (its ``own_ref``; zeros with ``reference_valid`` 0 before the first gather), and
+    for every scheme that decides on changes the digest of the shard the last gather was made
+    from when nothing changed since (``ChangeTracker.clean_digest``; None otherwise): a run
+    resumed from a checkpoint written after an evaluation forward then sends nothing where the
+    uninterrupted run sends nothing (qWD), or re-sends under the same key (direct schemes)."""
     device = fsdp.group_device(g._pg)
     state: dict[str, Any] = {"weight_calls": g._counter}
     if g.levels is not None:
         state["weight_levels"] = g.levels.checkpoint_state(device)
     layout = reference_layout(g)
     if layout is None:
+        if g.tracker is not None:  # direct schemes: their counter keys the next gather
+            state["gathered_digest"] = g.tracker.clean_digest()
         return state
     dtype, segs = layout
     q = g._qwd
@@ -186,8 +189,7 @@ def gather_state(g: Any) -> dict[str, Any]:
         flat, valid = torch.zeros(sum(segs), dtype=dtype, device=device), 0
     state["reference_valid"] = valid
     state["reference"] = _reference_pieces(g, flat, segs)
-    clean = g.tracker.clean_digest() if valid and g.tracker is not None else None
-    state["reference_digest"] = clean
+    state["gathered_digest"] = g.tracker.clean_digest() if valid else None
     return state
 
 
@@ -197,15 +199,15 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
     if g.levels is not None:
         g.levels.check_checkpoint_state(_need(state, "weight_levels", g.name),
                                         f"FSDP module {g.name!r}, weight levels")
-    if reference_layout(g) is None or not state.get("reference_valid"):
-        return
-    digest = state.get("reference_digest")
+    digest = state.get("gathered_digest")
     if digest is not None and (not isinstance(digest, int) or isinstance(digest, bool)
                                or not -(1 << 63) <= digest < (1 << 63)):
         raise CheckpointMismatch(
-            f"FSDP module {g.name!r}: the saved reference_digest is {digest!r}, not an int64 "
+            f"FSDP module {g.name!r}: the saved gathered_digest is {digest!r}, not an int64 "
             f"or None; the state was written by something else than fsdp_qcomm. {_DROP}"
         )
+    if reference_layout(g) is None or not state.get("reference_valid"):
+        return
     ref = _need(state, "reference", g.name)
     ref = _by_state_name(ref) if isinstance(ref, dict) else ref
     _, segs = reference_layout(g)
@@ -229,13 +231,17 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
     if g.levels is not None:
         g.levels.load_checkpoint_state(state["weight_levels"], device)
     layout = reference_layout(g)
-    restored = layout is not None and bool(state.get("reference_valid"))
+    # what the next gather needs came back: the qWD reference, or a direct scheme's counter
+    restored = layout is None or bool(state.get("reference_valid"))
     if g.tracker is not None:  # the next gather exchanges unless the shards match the digest
-        g.tracker.loaded(restored, state.get("reference_digest") if restored else None)
+        g.tracker.loaded(restored, state.get("gathered_digest") if restored else None)
+    g._gen += 1  # the module's weights are the loaded ones from here
     g._forward_gathers = 0
     g._pending_ref = None
     if g._kept is not None:
         g._kept.invalidate()
+    if layout is None:
+        return
     if not restored:
         g.reset()
         return

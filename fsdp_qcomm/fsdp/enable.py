@@ -242,7 +242,8 @@ class QCommHandle:
         every FSDP module's mesh and parameter shapes) and, per FSDP module, the RNG call
         counters (``weight_calls``, ``grad_calls``, ``replica_calls``), the learned level
         tables (``weight_levels``, ``grad_levels``), this rank's shard of the qWD reference
-        (``reference_valid``, ``reference``, ``reference_digest``) and the error-feedback residuals
+        (``reference_valid``, ``reference``), the digest of the shard the last weight gather was
+        made from (``gathered_digest``) and the error-feedback residuals
         (``grad_residuals``). Plain copies only (``fsdp.checkpoint``): any per-rank
         checkpointer can save it. With torch.distributed.checkpoint pass the handle itself (a
         ``Stateful``); with a checkpointer that keeps one copy for all ranks, use

@@ -10,8 +10,8 @@ saves and loads, next to ``model``, ``optimizer``, ``lr_scheduler``, ``dataloade
 ``train_state``: then a resume is bit for bit the uninterrupted run.
 
 Checkpoints written without the entry (older fsdp_qcomm, or no hooks installed) lack the key,
-and ones written before the qWD ``reference_digest`` existed (2026-12-07) lack that one (DCP:
-"Missing key in checkpoint state_dict: qcomm…reference_digest"); load them with
+and ones written before ``gathered_digest`` existed (2026-12-07) lack that one (DCP:
+"Missing key in checkpoint state_dict: qcomm…gathered_digest"); load them with
 ``--checkpoint.exclude_from_loading qcomm``: the handles then start fresh and the first gathers
 send full precision, as before.
 
