@@ -342,6 +342,45 @@ def test_state_is_plain_and_refused_where_it_does_not_belong(tmp_path):
         res[0]["write"]
 
 
+def _key_paths(state, path=""):
+    if isinstance(state, dict):
+        return {p for k, v in state.items() for p in _key_paths(v, f"{path}/{k}")}
+    return {path}
+
+
+def _layouts(rank: int, world: int) -> dict:
+    """The state's key paths per weight scheme, under each value of the fields a state does
+    not depend on that decide what a gather keeps or measures, before and after a step."""
+    out = {}
+    for scheme in ("none", "bf16", "direct", "qwd"):
+        for reuse in (False, True):
+            for verify in (False, True):
+                cfg = QCommConfig(weight_scheme=scheme, grad_scheme="none", weight_group_size=32,
+                                  quantize_intra_node=True, weight_reuse_unchanged=reuse,
+                                  verify_weight_writes=verify)
+                model, handle, opt = _build(cfg)
+                (empty,) = handle.state_dict().values()
+                _step(model, opt, 0, rank)
+                (stepped,) = handle.state_dict().values()
+                out[scheme, reuse, verify] = (sorted(_key_paths(empty["modules"])),
+                                              sorted(_key_paths(stepped["modules"])))
+                handle.disable()
+    return out
+
+
+def test_state_keys_do_not_depend_on_fields_it_does_not_save():
+    """DCP loads into a template of the loading run's keys, and stops on a key the checkpoint
+    lacks: a run resumed with ``weight_reuse_unchanged`` or ``verify_weight_writes`` changed
+    (both in ``NOT_SAVED_FIELDS``) must ask for the keys the saving run wrote."""
+    for r in run_ranks(_layouts, 2):
+        for scheme in ("none", "bf16", "direct", "qwd"):
+            layouts = [v for (s, *_), v in r.items() if s == scheme]
+            assert all(v == layouts[0] for v in layouts), (scheme, layouts)
+            empty, stepped = layouts[0]
+            assert empty == stepped
+            assert any(p.endswith("/gathered_digest") for p in empty), empty
+
+
 def test_every_config_field_is_classified():
     """A new QCommConfig field must say whether a saved state depends on it."""
     fields = {f.name for f in dataclasses.fields(QCommConfig)}

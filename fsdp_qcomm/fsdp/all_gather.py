@@ -53,9 +53,10 @@ Checkpoints (``checkpoint_state`` / ``load_checkpoint_state``, gathered by
 table, and for qWD this rank's shard of the reference (``own_ref``) as one tensor per parameter.
 A loaded reference is re-assembled by one full-precision all-gather of the shards at the next
 gather, which then sends the usual difference, or nothing when every rank's loaded shard is the
-one its reference was gathered from (the digest saved with it): the resumed run computes with
-the bits the uninterrupted run would have used. Without a loaded reference the next gather
-sends the weights themselves.
+one its reference was gathered from (the digest saved with the state); a direct scheme's next
+gather then re-sends under the loaded counter, without drawing a new key. Either way the resumed
+run computes with the bits the uninterrupted run would have used. Without a loaded reference
+the next qWD gather sends the weights themselves.
 """
 
 from __future__ import annotations
@@ -261,8 +262,8 @@ class QuantizedAllGather(AllGather):
         return self._names
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """RNG call counter, level table and, for qWD, this rank's shard of the reference, as
-        copies (``fsdp.checkpoint.gather_state``)."""
+        """RNG call counter, level table, the digest of the shard last gathered and, for qWD,
+        this rank's shard of the reference, as copies (``fsdp.checkpoint.gather_state``)."""
         return checkpoint.gather_state(self)
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:

@@ -121,9 +121,9 @@ def loaded_unchanged(code: int) -> bool:
     its digest) says a checkpoint load left every shard as the one the saved state's last
     gather was made from: ``LOADED`` without ``CONTENT``, and nothing else that re-sends.
     Optimizer steps since then changed no value (torch's ``set_state_dict`` initializes an
-    optimizer's state with a step at learning rate 0). The uninterrupted run sends nothing
-    here: qWD's re-assembled reference is its reference, and a direct scheme's loaded counter
-    keys the weights it kept."""
+    optimizer's state with a step at learning rate 0). The uninterrupted run sends no new
+    weights here: qWD's re-assembled reference is its reference (nothing is sent), and a direct
+    scheme's loaded counter keys the bits it computes with (re-sent under the same key)."""
     return bool(code & Change.LOADED) and not code & ~(Change.LOADED | Change.STEP
                                                        | Change.REDUCED)
 
@@ -258,10 +258,10 @@ class ChangeTracker:
         self._flags |= Change.RESET
 
     def loaded(self, restored: bool = False, digest: Optional[int] = None) -> None:
-        """A checkpoint was loaded. ``restored``: it holds the reference this group's next
-        gather re-assembles, which stands in for a first gather and for any earlier
-        ``reset()`` (a ``reset()`` after the load still re-sends). ``digest``: the saved
-        ``clean_digest``, the shard that reference was gathered from; the next agreement
+        """A checkpoint was loaded. ``restored``: it holds what this group's next gather needs
+        (qWD's reference, a direct scheme's counter), which stands in for a first gather and
+        for any earlier ``reset()`` (a ``reset()`` after the load still re-sends). ``digest``:
+        the saved ``clean_digest``, the shard the saved state was gathered from; the agreement
         compares the loaded shard with it (``CONTENT``), and without one the loaded shard
         counts as changed."""
         self._flags |= Change.LOADED
@@ -274,13 +274,13 @@ class ChangeTracker:
             digest, dtype=torch.int64, device=self.shard_device())
 
     def clean_digest(self) -> Optional[int]:
-        """The digest of the shard this group's reference was last gathered from (or loaded
-        for), when the next gather of the uninterrupted run would send nothing: no declared
-        event but a load (an optimizer step, ``mark_changed``, ``handle.reset()``, the first
-        gather), no write found by signature or content; else None. Saved with the qWD
-        reference, it lets the first gather after a load send nothing when the loaded shard is
-        still that one (a checkpoint written after an evaluation forward). One digest pass and
-        one host read."""
+        """The digest of the shard this group's last forward gather was made from (or a load
+        restored), when the uninterrupted run's next gather would send no new weights: no
+        declared event but a load (an optimizer step, ``mark_changed``, ``handle.reset()``, the
+        first gather), no write found by signature or content; else None. Saved with the
+        state, it lets the first gather after a load keep what that gather sent when the loaded
+        shard is still that one (a checkpoint written after an evaluation forward): qWD sends
+        nothing, a direct scheme keeps its key. One digest pass and one host read."""
         flags = self.local_flags(backward=False)
         if self._digest is None or self.pending is not None or flags & (
                 Change.FIRST | Change.RESET | Change.WRITE | Change.CONTENT):

@@ -17,9 +17,9 @@ tensors come back on the GPU index that saved them) and any per-rank checkpointe
                                 "params": [[name, global shape, local shape], ...]}}},
         "modules": {label: {                      # "<root>" is the model itself
             "weight_calls": int, "grad_calls": int, "replica_calls": int,  # RNG call counters
+            "gathered_digest": int | None,   # the shard the last weight gather was made from
             "weight_levels": {...}, "grad_levels": {...},    # learned level tables (LevelSync)
             "reference_valid": 0 | 1, "reference": {param name: its padded shard},   # qWD
-            "gathered_digest": int | None,   # the shard the last gather was made from
             "grad_residuals": {"<hook>.<site>": flat residual}}}}}      # error feedback
 
 Why the key carries the rank: torch.distributed.checkpoint saves a plain tensor or object once
@@ -44,7 +44,8 @@ qcomm.rank<r>_of_<W>…"); a state whose tensors changed shape (another bit widt
 model) can fail there too, with DCP's "Size mismatch … for qcomm.rank…".
 
 The weight gather's part (``gather_state`` / ``load_gather_state``: its RNG counter, level
-table and qWD reference) is here as well; ``QuantizedAllGather`` delegates to it.
+table, the digest of the shard it last gathered and the qWD reference) is here as well;
+``QuantizedAllGather`` delegates to it.
 """
 
 from __future__ import annotations
@@ -164,19 +165,21 @@ def _reference_pieces(g: Any, flat: torch.Tensor, segs: tuple[int, ...]) -> dict
 
 
 def gather_state(g: Any) -> dict[str, Any]:
-    """``g``'s RNG call counter, its learned level table, for qWD this rank's shard of the
-    reference (its ``own_ref``; zeros with ``reference_valid`` 0 before the first gather), and
-    for every scheme that decides on changes the digest of the shard the last gather was made
-    from when nothing changed since (``ChangeTracker.clean_digest``; None otherwise): a run
-    resumed from a checkpoint written after an evaluation forward then sends nothing where the
-    uninterrupted run sends nothing (qWD), or re-sends under the same key (direct schemes)."""
+    """``g``'s RNG call counter, its learned level table, the digest of the shard its last
+    gather was made from when nothing changed since (``ChangeTracker.clean_digest``; None
+    otherwise, and always None for exact gathers: the key is there for every gather, so DCP's
+    templates match whatever the gathers keep), and for qWD this rank's shard of the reference
+    (its ``own_ref``; zeros with ``reference_valid`` 0 before the first gather). A run resumed
+    from a checkpoint written after an evaluation forward then sends nothing where the
+    uninterrupted run sends nothing (qWD), or re-sends the same bits under the same key (direct
+    schemes)."""
     device = fsdp.group_device(g._pg)
-    state: dict[str, Any] = {"weight_calls": g._counter}
+    state: dict[str, Any] = {"weight_calls": g._counter, "gathered_digest": None}
     if g.levels is not None:
         state["weight_levels"] = g.levels.checkpoint_state(device)
     layout = reference_layout(g)
     if layout is None:
-        if g.tracker is not None:  # direct schemes: their counter keys the next gather
+        if g.tracker is not None and not g._plain_like:  # the counter keys the next gather
             state["gathered_digest"] = g.tracker.clean_digest()
         return state
     dtype, segs = layout
@@ -225,7 +228,8 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
 
 def load_gather_state(g: Any, state: dict[str, Any]) -> None:
     """Restore the counter and the level table; adopt a saved qWD reference (re-assembled by
-    the next gather), or make the next gather send full precision when there is none."""
+    the next gather; without one the next gather sends full precision) and the digest the next
+    gather's decision compares the loaded shard with."""
     device = fsdp.group_device(g._pg)
     g._counter = int(state["weight_calls"])
     if g.levels is not None:
@@ -235,7 +239,8 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
     restored = layout is None or bool(state.get("reference_valid"))
     if g.tracker is not None:  # the next gather exchanges unless the shards match the digest
         g.tracker.loaded(restored, state.get("gathered_digest") if restored else None)
-    g._gen += 1  # the module's weights are the loaded ones from here
+    if g.tracker is not None and not g._plain_like:
+        g._gen += 1  # forwards before the load computed with other weights
     g._forward_gathers = 0
     g._pending_ref = None
     if g._kept is not None:

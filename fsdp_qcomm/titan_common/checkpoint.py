@@ -12,8 +12,8 @@ saves and loads, next to ``model``, ``optimizer``, ``lr_scheduler``, ``dataloade
 Checkpoints written without the entry (older fsdp_qcomm, or no hooks installed) lack the key,
 and ones written before ``gathered_digest`` existed (2026-12-07) lack that one (DCP:
 "Missing key in checkpoint state_dict: qcomm…gathered_digest"); load them with
-``--checkpoint.exclude_from_loading qcomm``: the handles then start fresh and the first gathers
-send full precision, as before.
+``--checkpoint.exclude_from_loading qcomm``: the handles then start fresh (the first qWD gathers
+send full precision, direct schemes draw new keys), as before.
 
 With ``[diloco] enable`` (torchtitan 0.2.2 and 0.3) a second entry, ``"diloco"``
 (:class:`DiLoCoState`), holds DiLoCo's outer state and each replica group's own weights and inner
