@@ -342,6 +342,34 @@ def test_state_is_plain_and_refused_where_it_does_not_belong(tmp_path):
         res[0]["write"]
 
 
+def _async_saved(rank: int, world: int, root: str) -> dict:
+    """Evaluate after the steps, then ``dcp.async_save`` (its own gloo group, as any async save
+    beside training collectives needs: on the default group plain FSDP2's next collectives
+    abort), train on while it writes, resume from it in a fresh model."""
+    cfg = QCommConfig.preset("sdp4bit", seed=4, **G)
+    model, handle, opt = _build(cfg)
+    for s in range(3):
+        _step(model, opt, s, rank)
+    with torch.no_grad():
+        model(torch.randn(6, 5, generator=torch.Generator().manual_seed(rank)))
+    msd, osd = get_state_dict(model, opt)
+    future = dcp.async_save({"model": msd, "optim": osd, "qcomm": handle}, checkpoint_id=root,
+                            process_group=dist.new_group(backend="gloo"))
+    ref = [_step(model, opt, s, rank) for s in range(3, 6)]
+    future.result()
+    model_b, handle_b, opt_b = _build(cfg)
+    _load(root, model_b, opt_b, handle_b)
+    got = [_step(model_b, opt_b, s, rank) for s in range(3, 6)]
+    return dict(ref=ref, got=got, same=_shards(model) == _shards(model_b),
+                modes=handle_b.gather_modes())
+
+
+def test_async_save_after_an_evaluation_resumes_bit_for_bit(tmp_path):
+    for r in run_ranks(_async_saved, 4, str(tmp_path), timeout=600):
+        assert r["got"] == r["ref"] and r["same"], r
+        assert r["modes"].get("qwd_restore") and not r["modes"].get("qwd_full"), r["modes"]
+
+
 def _key_paths(state, path=""):
     if isinstance(state, dict):
         return {p for k, v in state.items() for p in _key_paths(v, f"{path}/{k}")}
