@@ -258,8 +258,10 @@ class QCommHandle:
         anything, a state that another rank, world size, placement, ``QCommConfig`` or model
         wrote; refused on one rank, it is refused on every rank, so all take the same branch.
         The next gather of each qWD module re-assembles the saved reference with one
-        full-precision all-gather; modules saved without a reference send full-precision
-        weights. Either way no rank computes with stale weights."""
+        full-precision all-gather, and sends nothing more when every rank's loaded shard is
+        the one that reference was gathered from (``gathered_digest``), else a difference;
+        modules saved without a reference send full-precision weights. Either way no rank
+        computes with stale weights."""
         self._load_state_from(lambda: state)
 
     def _load_state_from(self, read: Callable[[], Any]) -> None:
