@@ -366,7 +366,7 @@ def _async_saved(rank: int, world: int, root: str) -> dict:
 
 def test_async_save_after_an_evaluation_resumes_bit_for_bit(tmp_path):
     for r in run_ranks(_async_saved, 4, str(tmp_path), timeout=600):
-        assert r["got"] == r["ref"] and r["same"], r
+        assert r["got"] == r["ref"] and r["same"], r  # the digest's part: after an evaluation
         assert r["modes"].get("qwd_restore") and not r["modes"].get("qwd_full"), r["modes"]
 
 

@@ -79,7 +79,8 @@ def _accelerate(rank: int, world: int, root: str) -> dict:
     qacc.register(acc, handle)
     _gpt_steps(acc, model, opt, rank, range(3))
     with torch.no_grad():  # the Trainer's order at a step that does both: evaluate, then save
-        model(input_ids=torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(7)))
+        model(input_ids=torch.randint(0, 64, (2, 16),
+                                      generator=torch.Generator().manual_seed(7 + rank)))
     acc.save_state(good)
     ref = _gpt_steps(acc, model, opt, rank, range(3, 6))
     acc_b, model_b, opt_b, handle_b = _accelerator_model()

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import fsdp_qcomm
 import fsdp_qcomm.fsdp.all_gather as ag_mod
-from fsdp_qcomm import QCommConfig
+from fsdp_qcomm import CheckpointMismatch, QCommConfig
 from fsdp_qcomm.fsdp.internals import unverified_param_groups
 from fsdp_qcomm.testing import digest as _digest
 from fsdp_qcomm.testing import run_ranks
@@ -249,6 +249,8 @@ def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
     # reference and its first forward sends nothing
     model_b, handle_b, opt_b = _build(cfg)
     _load(ckpt, model_b, opt_b, handle_b)
+    (again,) = handle_b.state_dict().values()  # saved again before any gather: the same digests
+    assert [m["gathered_digest"] for m in again["modules"].values()] == digests
     first_b, modes_b = _first_step_modes(model_b, opt_b, handle_b, n_before, rank)
     calls_b = _calls(handle_b)
     got = [first_b] + [_train_step(model_b, opt_b, s, rank)
@@ -272,12 +274,23 @@ def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
     if qwd:
         assert _minus(modes_c, modes_b) == {"qwd_diff": 1, "qwd_reuse": -1}, (modes_c, modes_b)
 
+    # loaded where writes are not verified: no digest is compared, every module sends
+    model_f, handle_f, opt_f = _build(cfg.replace(verify_weight_writes=False))
+    _load(ckpt, model_f, opt_f, handle_f)
+    _first_step_modes(model_f, opt_f, handle_f, n_before, rank)
+    assert _minus(_calls(handle_f), calls_b) == {k: 1 for k in calls_b}
+
     # a state without the digest (saved before it existed, or with a change pending): every
-    # module sends, as a load always did
-    for m in entry["modules"].values():
-        m["gathered_digest"] = None
+    # module sends, as a load always did; a digest that is no int64 is refused
     model_d, handle_d, opt_d = _build(cfg)
     _load(ckpt, model_d, opt_d)
+    for bad in ("1", True, 1 << 63):
+        for m in entry["modules"].values():
+            m["gathered_digest"] = bad
+        with pytest.raises(CheckpointMismatch, match="gathered_digest"):
+            handle_d.load_state_dict(saved)
+    for m in entry["modules"].values():
+        m["gathered_digest"] = None
     handle_d.load_state_dict(saved)
     _, modes_d = _first_step_modes(model_d, opt_d, handle_d, n_before, rank)
     assert _minus(_calls(handle_d), calls_b) == {k: 1 for k in calls_b}

@@ -53,10 +53,10 @@ Checkpoints (``checkpoint_state`` / ``load_checkpoint_state``, gathered by
 table, and for qWD this rank's shard of the reference (``own_ref``) as one tensor per parameter.
 A loaded reference is re-assembled by one full-precision all-gather of the shards at the next
 gather, which then sends the usual difference, or nothing when every rank's loaded shard is the
-one its reference was gathered from (the digest saved with the state); a direct scheme's next
-gather then re-sends under the loaded counter, without drawing a new key. Either way the resumed
-run computes with the bits the uninterrupted run would have used. Without a loaded reference
-the next qWD gather sends the weights themselves.
+one its reference was gathered from (the digest saved with the state). Likewise, when the
+digest matches, a direct scheme's next gather re-sends under the loaded counter's key. Either
+way the resumed run computes with the bits the uninterrupted run would have used. Without a
+loaded reference the next qWD gather sends the weights themselves.
 """
 
 from __future__ import annotations
@@ -394,15 +394,15 @@ class QuantizedAllGather(AllGather):
         self._watch_grads()
         code, compared = self._decide(backward, group)
         exchange, full = plan(code)
-        if compared and loaded_unchanged(code) and self._scheme != "qwd":
-            # the loaded counter keys what the uninterrupted run's last gather sent (its kept
-            # weights did not survive the load): re-sent as they were, under the same key
+        if compared and loaded_unchanged(code):
+            # what the uninterrupted run does here: qWD sends nothing (after re-assembling the
+            # loaded reference), a direct scheme re-sends under the loaded counter's key
             exchange = False
         if exchange and backward and self.tracker.gathered_once and self._scheme != "none":
             self._refuse_in_backward(describe(code))  # every rank alike, before anything is sent
         if self._scheme == "qwd":
             return self._qwd_gather(output_tensor, input_tensor, group, segs, backward, code,
-                                    compared, async_op, record)
+                                    exchange, full, async_op, record)
         self.tracker.gathered(backward)
         if exchange:
             self._counter += 1  # new weights: a new key (direct) and a new generation
@@ -506,7 +506,8 @@ class QuantizedAllGather(AllGather):
         segs: tuple[int, ...],
         backward: bool,
         code: int,
-        compared: bool,
+        exchange: bool,
+        full: bool,
         async_op: bool,
         record: Any,
     ) -> Optional[dist.Work]:
@@ -527,12 +528,9 @@ class QuantizedAllGather(AllGather):
                     output.copy_(q.ref)
                     record(o)
 
-        exchange, full = plan(code)
         if self._pending_ref is not None:
             input = self._restore_reference(q, input, aliased)
             full = bool(code & Change.RESET)  # the loaded reference belongs to these weights
-            if compared and loaded_unchanged(code):
-                exchange = False  # what the uninterrupted run sends here: nothing
         elif full and q.valid and code & ~int(Change.FIRST | Change.RESET):
             self._stats.note(
                 f"{self.name}: parameters changed outside a torch.optim optimizer step "

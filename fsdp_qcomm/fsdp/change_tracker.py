@@ -47,7 +47,8 @@ full precision for ``FIRST``, ``RESET``, ``WRITE``, and ``CONTENT`` that no ``ST
 path: qWD's saved reference is re-assembled; then, when the load set each rank's previous
 digest to the one saved with the state and no rank's loaded shard differs from it
 (``loaded_unchanged``), qWD sends nothing and direct schemes re-send under the loaded counter
-(no new key), else the next gather sends as after an optimizer step.
+(no new key); else a quantized difference under a new key (full precision after ``reset()``
+or without a saved reference).
 
 Cost: one digest pass over this rank's shard per forward gather decision (integer view, a
 position-weighted int64 sum), and one all-gather of ``8 * modules`` bytes per root forward
@@ -121,7 +122,8 @@ def loaded_unchanged(code: int) -> bool:
     its digest) says a checkpoint load left every shard as the one the saved state's last
     gather was made from: ``LOADED`` without ``CONTENT``, and nothing else that re-sends.
     Optimizer steps since then changed no value (torch's ``set_state_dict`` initializes an
-    optimizer's state with a step at learning rate 0). The uninterrupted run sends no new
+    optimizer's state with a step at learning rate 0; a ``mark_changed()`` or a step after the
+    load that changes no value is not told apart from it). The uninterrupted run sends no new
     weights here: qWD's re-assembled reference is its reference (nothing is sent), and a direct
     scheme's loaded counter keys the bits it computes with (re-sent under the same key)."""
     return bool(code & Change.LOADED) and not code & ~(Change.LOADED | Change.STEP
@@ -136,9 +138,11 @@ _PRIME = 65521
 def shard_digests(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     """An exact integer digest of each group of flat tensors (an int64 vector, one value per
     group, on their device; the groups on one device): the raw bits of each value weighted by
-    its position in its group (modulo 65521). Any single changed value, and any exchange of two
-    values fewer than 65521 positions apart, changes it; other changes are missed with a
-    64-bit checksum's odds (what a resume that sends nothing relies on, ``loaded_unchanged``);
+    its position in its group (modulo 65521). For 16- and 32-bit values any single changed
+    value, and any exchange of two values fewer than 65521 positions apart, changes it; other
+    changes are missed with a 64-bit checksum's odds (what a resume that sends nothing relies
+    on, ``loaded_unchanged``). float64 values are weaker: a change of only their top bits (a
+    sign flip) is missed where the weight is even;
     equal inputs give equal digests on every device and in any order of summation (integer
     arithmetic wraps modulo 2^64, deterministically). CPU tensors take the C codec's one-pass
     loop (``codec.cpu_native.digest``), CUDA tensors one launch of the Triton kernel over every
@@ -243,7 +247,6 @@ class ChangeTracker:
         self._digest: Optional[torch.Tensor] = None  # at the previous forward gather
         self._digest_now: Optional[torch.Tensor] = None
         self._optim_tracked = False  # a torch.optim step over these parameters was seen
-        self._unproven = False  # loaded without a digest: its shard counts as changed
         self.pending: Optional[int] = None  # agreed code for the next forward gather
         self.gathered_once = False
 
@@ -269,7 +272,6 @@ class ChangeTracker:
             self._flags &= ~(Change.FIRST | Change.RESET)
         self._expected = None
         self._digest_now = None
-        self._unproven = digest is None
         self._digest = None if digest is None else torch.tensor(
             digest, dtype=torch.int64, device=self.shard_device())
 
@@ -287,7 +289,7 @@ class ChangeTracker:
             return None
         if flags & Change.STEP and not flags & Change.LOADED:
             return None  # the uninterrupted run sends a difference even if no value changed
-        if not bool(shard_digests([self.shards()])[0].to(self._digest.device) == self._digest):
+        if not bool(shard_digests([self.shards()])[0] == self._digest):
             return None  # written without a version bump since (the next gather re-sends)
         return int(self._digest)
 
@@ -329,8 +331,8 @@ class ChangeTracker:
         flags = self._flags
         if self._expected is not None and self._signature() != self._expected:
             flags |= Change.WRITE
-        if self._unproven:
-            flags |= Change.CONTENT
+        if flags & Change.LOADED and self._digest is None:
+            flags |= Change.CONTENT  # loaded without a digest: the shard counts as changed
         return int(flags)
 
     def shards(self) -> list[torch.Tensor]:
@@ -361,7 +363,6 @@ class ChangeTracker:
             self._flags &= ~(Change.FIRST | Change.STEP | Change.RESET | Change.LOADED)
             return
         self._flags = Change.NONE
-        self._unproven = False
         self._expected = self._signature()
         if self._digest_now is not None:
             self._digest = self._digest_now

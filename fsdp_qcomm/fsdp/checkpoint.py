@@ -17,7 +17,7 @@ tensors come back on the GPU index that saved them) and any per-rank checkpointe
                                 "params": [[name, global shape, local shape], ...]}}},
         "modules": {label: {                      # "<root>" is the model itself
             "weight_calls": int, "grad_calls": int, "replica_calls": int,  # RNG call counters
-            "gathered_digest": int | None,   # the shard the last weight gather was made from
+            "gathered_digest": int | None,   # digest of the shard last gathered
             "weight_levels": {...}, "grad_levels": {...},    # learned level tables (LevelSync)
             "reference_valid": 0 | 1, "reference": {param name: its padded shard},   # qWD
             "grad_residuals": {"<hook>.<site>": flat residual}}}}}      # error feedback
@@ -166,33 +166,29 @@ def _reference_pieces(g: Any, flat: torch.Tensor, segs: tuple[int, ...]) -> dict
 
 def gather_state(g: Any) -> dict[str, Any]:
     """``g``'s RNG call counter, its learned level table, the digest of the shard its last
-    gather was made from when nothing changed since (``ChangeTracker.clean_digest``; None
-    otherwise, and always None for exact gathers: the key is there for every gather, so DCP's
-    templates match whatever the gathers keep), and for qWD this rank's shard of the reference
-    (its ``own_ref``; zeros with ``reference_valid`` 0 before the first gather). A run resumed
-    from a checkpoint written after an evaluation forward then sends nothing where the
-    uninterrupted run sends nothing (qWD), or re-sends the same bits under the same key (direct
-    schemes)."""
+    gather was made from when nothing changed since (``ChangeTracker.clean_digest``; else None,
+    always None for exact gathers: the key is in every gather's state, so DCP's templates match
+    whatever the gathers keep), and for qWD this rank's shard of the reference (its
+    ``own_ref``; zeros with ``reference_valid`` 0 before the first gather)."""
     device = fsdp.group_device(g._pg)
     state: dict[str, Any] = {"weight_calls": g._counter, "gathered_digest": None}
     if g.levels is not None:
         state["weight_levels"] = g.levels.checkpoint_state(device)
     layout = reference_layout(g)
-    if layout is None:
-        if g.tracker is not None and not g._plain_like:  # the counter keys the next gather
-            state["gathered_digest"] = g.tracker.clean_digest()
-        return state
-    dtype, segs = layout
-    q = g._qwd
-    if g._pending_ref is not None:
-        flat, valid = g._pending_ref, 1
-    elif q is not None and q.valid and q.segments == segs and q.own_ref.dtype == dtype:
-        flat, valid = q.own_ref, 1
-    else:  # nothing gathered yet (or a template for loading): placeholders
-        flat, valid = torch.zeros(sum(segs), dtype=dtype, device=device), 0
-    state["reference_valid"] = valid
-    state["reference"] = _reference_pieces(g, flat, segs)
-    state["gathered_digest"] = g.tracker.clean_digest() if valid else None
+    valid = 1
+    if layout is not None:
+        dtype, segs = layout
+        q = g._qwd
+        if g._pending_ref is not None:
+            flat = g._pending_ref
+        elif q is not None and q.valid and q.segments == segs and q.own_ref.dtype == dtype:
+            flat = q.own_ref
+        else:  # nothing gathered yet (or a template for loading): placeholders
+            flat, valid = torch.zeros(sum(segs), dtype=dtype, device=device), 0
+        state["reference_valid"] = valid
+        state["reference"] = _reference_pieces(g, flat, segs)
+    if g.tracker is not None and not g._plain_like and valid:
+        state["gathered_digest"] = g.tracker.clean_digest()
     return state
 
 
@@ -203,8 +199,7 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
         g.levels.check_checkpoint_state(_need(state, "weight_levels", g.name),
                                         f"FSDP module {g.name!r}, weight levels")
     digest = state.get("gathered_digest")
-    if digest is not None and (not isinstance(digest, int) or isinstance(digest, bool)
-                               or not -(1 << 63) <= digest < (1 << 63)):
+    if digest is not None and (type(digest) is not int or not -(1 << 63) <= digest < (1 << 63)):
         raise CheckpointMismatch(
             f"FSDP module {g.name!r}: the saved gathered_digest is {digest!r}, not an int64 "
             f"or None; the state was written by something else than fsdp_qcomm. {_DROP}"
@@ -238,9 +233,9 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
     # what the next gather needs came back: the qWD reference, or a direct scheme's counter
     restored = layout is None or bool(state.get("reference_valid"))
     if g.tracker is not None:  # the next gather exchanges unless the shards match the digest
-        g.tracker.loaded(restored, state.get("gathered_digest") if restored else None)
-    if g.tracker is not None and not g._plain_like:
-        g._gen += 1  # forwards before the load computed with other weights
+        g.tracker.loaded(restored, state.get("gathered_digest"))
+        if not g._plain_like:
+            g._gen += 1  # forwards before the load computed with other weights
     g._forward_gathers = 0
     g._pending_ref = None
     if g._kept is not None:
