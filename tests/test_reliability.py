@@ -217,6 +217,12 @@ _EVALUATED = {
 }
 
 
+def _digests(handle) -> list:
+    """Each FSDP module's ``gathered_digest`` in the state the handle would save now."""
+    (entry,) = handle.state_dict().values()
+    return [m["gathered_digest"] for m in entry["modules"].values()]
+
+
 def _calls(handle) -> dict[str, int]:
     """Each FSDP module's weight-gather counter (one per gather that sent new weights)."""
     (entry,) = handle.state_dict().values()
@@ -249,8 +255,7 @@ def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
     # reference and its first forward sends nothing
     model_b, handle_b, opt_b = _build(cfg)
     _load(ckpt, model_b, opt_b, handle_b)
-    (again,) = handle_b.state_dict().values()  # saved again before any gather: the same digests
-    assert [m["gathered_digest"] for m in again["modules"].values()] == digests
+    assert _digests(handle_b) == digests  # saved again before any gather: the same digests
     first_b, modes_b = _first_step_modes(model_b, opt_b, handle_b, n_before, rank)
     calls_b = _calls(handle_b)
     got = [first_b] + [_train_step(model_b, opt_b, s, rank)
@@ -307,26 +312,22 @@ def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
         assert _minus(modes_e, modes_b) == {"qwd_full": units, "qwd_reuse": -units}, modes_e
 
     # a digest is saved only where the uninterrupted run's next gather sends nothing new
-    def saved_digests():
-        (e,) = handle.state_dict().values()
-        return [m["gathered_digest"] for m in e["modules"].values()]
-
-    assert saved_digests() == [None] * units  # an optimizer step since the last gather
+    assert _digests(handle) == [None] * units  # an optimizer step since the last gather
     with torch.no_grad():
         _loss(model, 90_001, rank)
-    assert None not in saved_digests()
+    assert None not in _digests(handle)
     for group in opt.param_groups:
         group["lr"] = 0.0
     _train_step(model, opt, 99, rank)  # a step that changes no value still sends
-    assert saved_digests() == [None] * units
+    assert _digests(handle) == [None] * units
     with torch.no_grad():
         _loss(model, 90_002, rank)
     if rank == 0:  # a write without a version bump since that gather: on this rank only
         model.blocks[1].fc2.bias.to_local().data.add_(1.0)
-    assert [d is None for d in saved_digests()] == [
-        rank == 0 and name == "blocks.1" for name in entry["modules"]], saved_digests()
+    assert [d is None for d in _digests(handle)] == [
+        rank == 0 and name == "blocks.1" for name in entry["modules"]], _digests(handle)
     handle.reset()
-    assert saved_digests() == [None] * units
+    assert _digests(handle) == [None] * units
     return True
 
 

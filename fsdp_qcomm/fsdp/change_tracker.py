@@ -285,7 +285,7 @@ class ChangeTracker:
         nothing, a direct scheme keeps its key. One digest pass and one host read."""
         flags = self.local_flags(backward=False)
         if self._digest is None or self.pending is not None or flags & (
-                Change.FIRST | Change.RESET | Change.WRITE | Change.CONTENT):
+                Change.FIRST | Change.RESET | Change.WRITE):
             return None
         if flags & Change.STEP and not flags & Change.LOADED:
             return None  # the uninterrupted run sends a difference even if no value changed
@@ -344,9 +344,10 @@ class ChangeTracker:
         """FSDP's compute device for this group (the shards' device unless offloaded)."""
         return fsdp.group_device(self._pg)
 
-    def shard_device(self) -> torch.device:
-        """Where this rank's shards, and so their digest, live."""
-        shards = self.shards()
+    def shard_device(self, shards: Optional[list[torch.Tensor]] = None) -> torch.device:
+        """Where this rank's shards (``shards()``, read here unless given), and so their
+        digest, live."""
+        shards = self.shards() if shards is None else shards
         return shards[0].device if shards else self.device
 
     def _signature(self) -> list[tuple]:
@@ -378,8 +379,7 @@ def content_changes(trackers: Sequence[ChangeTracker]) -> list[torch.Tensor]:
     by_device: dict[torch.device, list[tuple[int, list[torch.Tensor]]]] = {}
     for k, t in enumerate(trackers):
         shards = t.shards()
-        device = shards[0].device if shards else t.device  # t.shard_device(), read once
-        by_device.setdefault(device, []).append((k, shards))
+        by_device.setdefault(t.shard_device(shards), []).append((k, shards))
     out: list[Optional[torch.Tensor]] = [None] * len(trackers)
     for items in by_device.values():
         now = shard_digests([shards for _, shards in items])
