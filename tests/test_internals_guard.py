@@ -40,7 +40,8 @@ GROUP_ATTRS = [
     "fsdp_params", "modules", "device", "mesh_info", "_all_gather_comm", "_reduce_scatter_comm",
     "_all_reduce_hook", "_partial_reduce_output", "post_forward_mesh_info",
     "gradient_divide_factor", "force_sum_reduction_for_comms", "all_reduce_grads",
-    "reduce_grads", "_use_post_forward_mesh", "is_sharded_post_forward", "_training_state",
+    "reduce_grads", "_use_post_forward_mesh", "is_sharded_post_forward", "is_sharded",
+    "_training_state",
 ] + (["mp_policy"] if internals.torch_minor() < (2, 15) else [])
 #: attributes of each FSDPParam
 PARAM_ATTRS = [

@@ -17,6 +17,7 @@ import pytest
 import torch
 from _models import Capture, TinyLM, batch, lm_loss, shard
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import fsdp_qcomm
 from fsdp_qcomm import QCommConfig
@@ -285,3 +286,86 @@ def test_weight_reuse_unchanged_false_turns_qwd_reuse_off():
         units = r["qwd"]["qwd_full"]
         assert r["qwd"] == {"qwd_full": units, "qwd_reuse": 2 * units}, r
         assert r["qwd_no_reuse"] == {"qwd_full": units, "qwd_diff": 2 * units}, r
+
+
+# ---- weights FSDP still holds from before a change --------------------------------------------
+# FSDP2 gathers nothing for a module it holds unsharded (or sharded over its post-forward group):
+# an optimizer step taken while it holds them leaves the next forward on the old weights, with
+# no error. Each pattern below does that in one step of a loop users write.
+HELD = ("evaluation_before_step", "reshard_after_backward_false", "unshard_before_step")
+
+
+def _held(rank, world, how):
+    out = {}
+    for name in ("fsdp", "qwd", "direct"):
+        for variant in ("as_usual", how):
+            crash_note(f"_held({name!r}, {variant!r})")
+            torch.manual_seed(0)
+            model = TinyLM()
+            for blk in model.blocks:
+                fully_shard(blk)
+            fully_shard(model)  # FSDP2's default: the root keeps its weights after forward
+            sharded = {f"{m}.{p}": t for m, mod in model.named_modules()
+                       for p, t in mod.named_parameters(recurse=False)}
+            cfg = SCHEMES[name]
+            handle = fsdp_qcomm.enable(model, cfg) if cfg is not None else None
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+            if variant == "reshard_after_backward_false":
+                model.set_reshard_after_backward(False)
+            lm_loss(model, batch(0, rank)).backward()
+            if variant == "evaluation_before_step":
+                with torch.no_grad():
+                    lm_loss(model, batch(1, rank))
+            elif variant == "unshard_before_step":
+                model.unshard()
+            opt.step()
+            opt.zero_grad()
+            new = {k: t.full_tensor().detach().clone() for k, t in sharded.items()}
+            cap = Capture(model)
+            error, t0 = None, time.monotonic()
+            try:
+                used = _forward(model, cap, rank, 2)
+            except RuntimeError as e:
+                error, seconds = str(e), time.monotonic() - t0
+                for mod in model.modules():  # what the error says recovers
+                    if isinstance(mod, FSDPModule):
+                        mod.reshard()
+                used = _forward(model, cap, rank, 2)
+            out[name, variant] = {"error": error, "used": used, "new": new,
+                                  "seconds": seconds if error else 0.0}
+            cap.remove()
+            if handle is not None:
+                handle.disable()
+    return out
+
+
+@pytest.fixture(scope="module")
+def held() -> dict:
+    return {how: run_ranks(_held, 2, how, timeout=300) for how in HELD}
+
+
+@pytest.mark.parametrize("how", HELD)
+def test_a_forward_on_weights_held_from_before_a_step_fails_on_every_rank(held, how):
+    root = ("emb.weight", "head.weight", "norm.weight", "norm.bias")
+    for r in held[how]:
+        usual = r["fsdp", "as_usual"]
+        assert usual["error"] is None and _err(usual["used"], usual["new"]) == 0.0
+        # FSDP2 alone: no error, and the root computes with the weights from before the step
+        fsdp = r["fsdp", how]
+        assert fsdp["error"] is None, fsdp["error"]
+        assert _err({k: fsdp["used"][k] for k in root}, {k: fsdp["new"][k] for k in root}) > 0
+        for name in ("qwd", "direct"):
+            got, want = r[name, how], r[name, "as_usual"]
+            assert want["error"] is None, want["error"]
+            error = got["error"]
+            assert error is not None and got["seconds"] < 30, (name, error)
+            assert "FSDP module(s) '<root>' (unsharded; since then: an optimizer step" in error
+            assert "set_reshard_after_backward(True)" in error and "reshard()" in error, error
+            if how == "reshard_after_backward_false":  # the blocks are held too
+                assert "'blocks.0' (unsharded" in error and "'blocks.1' (unsharded" in error
+            # after the resharding the error asks for, the forward computes with the weights
+            # the usual loop computes with (the same gathers: bit for bit)
+            assert got["used"].keys() == want["used"].keys()
+            for k, v in want["used"].items():
+                assert torch.equal(got["used"][k], v), (name, k)
+    assert held[how][0]["qwd", how]["error"] == held[how][1]["qwd", how]["error"]

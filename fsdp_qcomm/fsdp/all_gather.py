@@ -299,7 +299,10 @@ class QuantizedAllGather(AllGather):
             f"computed with, but they changed since that forward ({change}). Under "
             f"weight_scheme={self._scheme!r} the backward would compute with other weights than "
             "the forward did. Step the optimizer, write parameters, call handle.reset() or load "
-            "checkpoints after the backward, not between a forward and its backward."
+            "checkpoints after the backward, not between a forward and its backward. If the "
+            "forward ran on weights FSDP still held from before such a change "
+            "(set_reshard_after_backward(False), unshard() or a forward without backward before "
+            "the optimizer step), reshard() the module before the change."
         )
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:

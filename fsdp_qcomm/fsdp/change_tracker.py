@@ -130,6 +130,14 @@ def loaded_unchanged(code: int) -> bool:
                                                        | Change.REDUCED)
 
 
+def values_changed(code: int) -> bool:
+    """Whether an agreed code says the shards' values changed since the previous gather (an
+    optimizer step, ``mark_changed()``, a write, a load that left another shard), not only
+    that the next gather re-sends (the first gather, ``reset()``, an unchanged load)."""
+    return bool(code & (Change.STEP | Change.WRITE | Change.CONTENT | Change.LOADED)) \
+        and not loaded_unchanged(code)
+
+
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
          torch.float16: torch.int16}
 _PRIME = 65521
@@ -335,6 +343,11 @@ class ChangeTracker:
             flags |= Change.CONTENT  # loaded without a digest: the shard counts as changed
         return int(flags)
 
+    def holds_gathered(self) -> Optional[str]:
+        """How FSDP holds this group's weights of an earlier gather, which its next forward
+        computes with (``internals.holds_gathered``), or None when it holds the shards."""
+        return fsdp.holds_gathered(self._pg)
+
     def shards(self) -> list[torch.Tensor]:
         """This rank's flat shards of the group's parameters (what the digest reads)."""
         return [fsdp.local_shard(fp) for fp in fsdp.fsdp_params(self._pg)]
@@ -478,4 +491,4 @@ def _disagreement(name: str, codes: list[int], where: str,
 
 
 __all__ = ["KIND", "Agreement", "Change", "ChangeTracker", "FULL", "SPMD", "content_changes",
-           "describe", "loaded_unchanged", "plan", "shard_digests"]
+           "describe", "loaded_unchanged", "plan", "shard_digests", "values_changed"]

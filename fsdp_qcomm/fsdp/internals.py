@@ -413,6 +413,18 @@ def sharded_post_forward(group: ParamGroup) -> bool:
     return bool(group.is_sharded_post_forward)
 
 
+def holds_gathered(group: ParamGroup) -> Optional[str]:
+    """How the group's module holds the weights of an earlier all-gather, or None when it holds
+    its sharded parameters (``SHARDED``). Unsharded, its next forward gathers nothing; sharded
+    over its post-forward group, it gathers those shards: either way it computes with what
+    the earlier gather delivered, whatever was written to the sharded parameters since."""
+    if group.is_sharded:
+        return None
+    if group.is_sharded_post_forward:
+        return "sharded over its post-forward group (reshard_after_forward=<int>) by a forward"
+    return "unsharded"
+
+
 # ---- parameters -------------------------------------------------------------------------------
 def padded_shard_numel(fp: FSDPParam) -> int:
     """Elements of the parameter's padded shard in FSDP's flat all-gather buffer."""
@@ -639,7 +651,7 @@ def verify_group(group: ParamGroup) -> None:
                  "_partial_reduce_output", "post_forward_mesh_info", "gradient_divide_factor"):
         _expect(group, attr, None, where)
     for attr in ("force_sum_reduction_for_comms", "all_reduce_grads", "reduce_grads",
-                 "_use_post_forward_mesh", "is_sharded_post_forward"):
+                 "_use_post_forward_mesh", "is_sharded_post_forward", "is_sharded"):
         _expect(group, attr, bool, where)
     if group._use_post_forward_mesh:
         _expect(group.post_forward_mesh_info, "shard_process_group", dist.ProcessGroup,
@@ -683,6 +695,7 @@ __all__ = [
     "group_device",
     "group_modules",
     "has_pre_all_gather_extension",
+    "holds_gathered",
     "in_backward",
     "installed_comms",
     "is_hsdp",
