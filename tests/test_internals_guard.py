@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: attributes of a live FSDPParamGroup fsdp_qcomm reads (``internals.verify_group``)
 GROUP_ATTRS = [
     "fsdp_params", "modules", "device", "mesh_info", "_all_gather_comm", "_reduce_scatter_comm",
-    "_all_reduce_hook", "_partial_reduce_output", "post_forward_mesh_info",
+    "_all_reduce_hook", "_all_gather_result", "_partial_reduce_output", "post_forward_mesh_info",
     "gradient_divide_factor", "force_sum_reduction_for_comms", "all_reduce_grads",
     "reduce_grads", "_use_post_forward_mesh", "is_sharded_post_forward", "is_sharded",
     "_training_state",

@@ -134,8 +134,9 @@ def values_changed(code: int) -> bool:
     """Whether an agreed code says the shards' values changed since the previous gather (an
     optimizer step, ``mark_changed()``, a write, a load that left another shard), not only
     that the next gather re-sends (the first gather, ``reset()``, an unchanged load)."""
-    return bool(code & (Change.STEP | Change.WRITE | Change.CONTENT | Change.LOADED)) \
-        and not loaded_unchanged(code)
+    changed = code & (Change.STEP | Change.WRITE | Change.CONTENT | Change.LOADED
+                      | Change.REDUCED)
+    return bool(changed & ~Change.REDUCED) and not loaded_unchanged(changed)
 
 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,

@@ -415,9 +415,13 @@ def sharded_post_forward(group: ParamGroup) -> bool:
 
 def holds_gathered(group: ParamGroup) -> Optional[str]:
     """How the group's module holds the weights of an earlier all-gather, or None when it holds
-    its sharded parameters (``SHARDED``). Unsharded, its next forward gathers nothing; sharded
-    over its post-forward group, it gathers those shards: either way it computes with what
-    the earlier gather delivered, whatever was written to the sharded parameters since."""
+    only its sharded parameters (``SHARDED``, nothing gathered pending). Unsharded, its next
+    forward gathers nothing; sharded over its post-forward group, it gathers those shards; with
+    an ``unshard(async_op=True)`` not yet waited on, it copies out that gather: either way it
+    computes with what the earlier gather delivered, whatever was written to the sharded
+    parameters since."""
+    if group._all_gather_result is not None:
+        return "gathered by an unshard(async_op=True) not yet waited on"
     if group.is_sharded:
         return None
     if group.is_sharded_post_forward:
@@ -648,6 +652,7 @@ def verify_group(group: ParamGroup) -> None:
     if isinstance(info, DDPMeshInfo):
         _expect(info, "replicate_process_group", dist.ProcessGroup, "DDPMeshInfo")
     for attr in ("_all_gather_comm", "_reduce_scatter_comm", "_all_reduce_hook",
+                 "_all_gather_result",
                  "_partial_reduce_output", "post_forward_mesh_info", "gradient_divide_factor"):
         _expect(group, attr, None, where)
     for attr in ("force_sum_reduction_for_comms", "all_reduce_grads", "reduce_grads",

@@ -85,8 +85,8 @@ class Session:
         self.check_installed()
         trackers = self.agreeing
         codes = self.agreement.agree(trackers, "before the root module's forward")
-        _refuse_stale_weights(list(zip(trackers, codes)) + [
-            (t, t.local_flags(backward=False)) for t in self.trackers
+        _refuse_stale_weights([(t, c, True) for t, c in zip(trackers, codes)] + [
+            (t, t.local_flags(backward=False), False) for t in self.trackers
             if t not in trackers and t.holds_gathered()])
         for t, c in zip(trackers, codes):
             t.pending = c
@@ -155,38 +155,41 @@ class Session:
 
 
 def _what_changed(code: int) -> str:
-    """The value changes in an agreed code, in words (a content change an optimizer step or a
-    load explains is that event)."""
-    c = Change(code) & (Change.STEP | Change.WRITE | Change.LOADED | Change.CONTENT)
-    if c & (Change.STEP | Change.LOADED):
-        c &= ~Change.CONTENT
-    return describe(c)
+    """The value changes in a code, in words: a content change is the optimizer step or load
+    that explains it, or the gradient reduction (an optimizer of another kind) that does."""
+    c = Change(code)
+    shown = c & (Change.STEP | Change.WRITE | Change.LOADED)
+    if c & Change.CONTENT and not c & (Change.STEP | Change.LOADED):
+        shown |= Change.REDUCED if c & Change.REDUCED else Change.CONTENT
+    return describe(shown)
 
 
-def _refuse_stale_weights(decided: list[tuple[ChangeTracker, int]]) -> None:
-    """Raise, on every rank alike (agreed codes, SPMD module states), when a module's forward
-    would compute with weights older than its shards: FSDP holds an earlier gather's weights,
-    which it uses without gathering the shards again, and the shards changed since that gather.
-    FSDP2 alone computes with the old weights, without an error (an optimizer step after an
-    evaluation forward that left the root unsharded, with ``set_reshard_after_backward(False)``
-    on the last micro-batch, or after ``unshard()``)."""
-    stale = [(t.name, held, _what_changed(c)) for t, c in decided
-             if values_changed(c) and (held := t.holds_gathered()) is not None]
+def _refuse_stale_weights(decided: list[tuple[ChangeTracker, int, bool]]) -> None:
+    """Raise when a module's forward would compute with weights older than its shards: FSDP
+    holds an earlier gather's weights, which it uses without gathering the shards again, and
+    the shards changed since that gather. ``decided``: (tracker, code, whether the code is an
+    agreement's, which compared every rank's shard with its digest; else this rank's declared
+    and signature facts, where a load counts as a change). Every rank raises alike: the codes
+    are agreed (or SPMD facts) and FSDP's states follow the same program on every rank. FSDP2
+    alone computes with the old weights, without an error (``docs/known_issues.md``)."""
+    stale = [(t.name, held, _what_changed(c)) for t, c, compared in decided
+             if (values_changed(c) or (not compared and c & Change.LOADED))
+             and (held := t.holds_gathered()) is not None]
     if not stale:
         return
     shown = "; ".join(f"{name or '<root>'!r} ({held}; since then: {what})"
                       for name, held, what in stale[:8])
     more = f" and {len(stale) - 8} more" if len(stale) > 8 else ""
     raise RuntimeError(
-        f"fsdp_qcomm: FSDP module(s) {shown}{more} still hold the weights of an all-gather made "
-        "before their parameters changed, and FSDP does not gather a module it holds: this "
-        "forward would compute with the weights from before the change, as FSDP2 alone does "
-        "without an error. Let FSDP reshard them before the optimizer step (or write): "
-        "set_reshard_after_backward(True) for the last micro-batch's backward, no unshard() "
-        "before the step, and after a forward without backward (an evaluation between backward "
-        "and step) call reshard() on every FSDP module, for example `for m in model.modules(): "
-        "isinstance(m, FSDPModule) and m.reshard()`. Calling that now, before this forward, "
-        "also recovers."
+        f"fsdp_qcomm: FSDP module(s) {shown}{more} hold weights gathered before their "
+        "parameters changed, and FSDP does not gather them again: this forward would compute "
+        "with the weights from before the change, as FSDP2 alone does without an error. "
+        "Before the optimizer step (or write), leave every FSDP module resharded: "
+        "set_reshard_after_backward(True) for the last micro-batch, no unshard() before the "
+        "step, reshard() after a forward without backward (an evaluation between backward and "
+        "step), and reshard_after_forward=True (set_reshard_after_forward) for a model that "
+        "runs forwards only. To go on from here, call reshard() on each module named (after "
+        "unshard() on one with an unshard(async_op=True) pending), then run this forward again."
     )
 
 
