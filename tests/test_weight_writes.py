@@ -295,11 +295,13 @@ def test_weight_reuse_unchanged_false_turns_qwd_reuse_off():
 # error. Each pattern below does that in one step of a loop users write.
 HELD = ("evaluation_before_step", "evaluation_before_step_post_forward",
         "reshard_after_backward_false", "unshard_before_step", "unshard_async_before_step")
+#: a gather with no change tracker (FSDP's own weights), qWD's and a direct scheme's
+HELD_SCHEMES = ("none", "qwd", "direct")
 
 
 def _held(rank, world, how):
     out = {}
-    for name in ("fsdp", "qwd", "direct"):
+    for name in ("fsdp",) + HELD_SCHEMES:
         for variant in ("as_usual", how):
             crash_note(f"_held({name!r}, {variant!r})")
             torch.manual_seed(0)
@@ -365,7 +367,7 @@ def test_a_forward_on_weights_held_from_before_a_step_fails_on_every_rank(held, 
         fsdp = r["fsdp", how]
         assert fsdp["error"] is None, fsdp["error"]
         assert _err({k: fsdp["used"][k] for k in root}, {k: fsdp["new"][k] for k in root}) > 0
-        for name in ("qwd", "direct"):
+        for name in HELD_SCHEMES:
             got, want = r[name, how], r[name, "as_usual"]
             assert want["error"] is None, want["error"]
             error = got["error"]
@@ -380,5 +382,5 @@ def test_a_forward_on_weights_held_from_before_a_step_fails_on_every_rank(held, 
             assert got["used"].keys() == want["used"].keys()
             for k, v in want["used"].items():
                 assert torch.equal(got["used"][k], v), (name, k)
-    for name in ("qwd", "direct"):
+    for name in HELD_SCHEMES:
         assert len({r[name, how]["error"] for r in held[how]}) == 1

@@ -149,6 +149,7 @@ class QuantizedAllGather(AllGather):
             self.tracker = ChangeTracker(param_group, self.name)
         # take part in the agreement before each root forward (``verify_weight_writes``)
         self.agrees = self.tracker is not None and config.verify_weight_writes
+        self.changed_while_held = False  # without a tracker: ``note_change``
         self.session: Optional[Any] = None
         self.levels: Optional[LevelSync] = None
         if config.weight_levels == "learned":
@@ -186,6 +187,16 @@ class QuantizedAllGather(AllGather):
         forward gather sends a quantized difference (a new key for direct schemes)."""
         if self.tracker is not None:
             self.tracker.mark_changed()
+        else:
+            self.note_change()
+
+    def note_change(self) -> None:
+        """Without a tracker (FSDP's own weights, nothing decided): the shards changed, by an
+        optimizer step or ``mark_changed()``; remembered while FSDP holds weights gathered
+        before it (``internals.holds_gathered``), which the next root forward refuses
+        (``session``), until a gather from the shards."""
+        if fsdp.holds_gathered(self._pg) is not None:
+            self.changed_while_held = True
 
     def attach(self) -> None:
         """Install the hooks the gathers decide with (once ``enable`` installed the gather):
@@ -385,6 +396,7 @@ class QuantizedAllGather(AllGather):
     ) -> Optional[dist.Work]:
         if group is self.post_forward_group and group is not None:
             return self._post_forward_gather(output_tensor, input_tensor, group, async_op)
+        self.changed_while_held = False  # gathered from the shards as they are now
         world = group.size()
         segs, why = self._fallback_reason(input_tensor, world)
         record = self._checked_record(output_tensor, segs, group)

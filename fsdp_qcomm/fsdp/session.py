@@ -54,7 +54,8 @@ class Session:
         self.enabled = True
         self.in_root_forward = False
         self._model_ref = weakref.ref(model)
-        self._param_ids = {id(p) for i in installs for p in fsdp.sharded_params(i.group)}
+        self._install_ids = [{id(p) for p in fsdp.sharded_params(i.group)} for i in installs]
+        self._param_ids = set().union(*self._install_ids)
         # not traced by torch.compile (like FSDP's own hooks); wrapped here, not at import
         before = torch.compiler.disable(self._before_root_forward)
         after = torch.compiler.disable(self._after_root_forward)
@@ -85,12 +86,38 @@ class Session:
         self.check_installed()
         trackers = self.agreeing
         codes = self.agreement.agree(trackers, "before the root module's forward")
-        _refuse_stale_weights([(t, c, True) for t, c in zip(trackers, codes)] + [
-            (t, t.local_flags(backward=False), False) for t in self.trackers
-            if t not in trackers and t.holds_gathered()])
+        _refuse_stale_weights(self._held_stale(trackers, codes))
         for t, c in zip(trackers, codes):
             t.pending = c
         self.in_root_forward = True
+
+    def _held_stale(self, agreed: list[ChangeTracker], codes: list[int]
+                    ) -> list[tuple[str, str, str]]:
+        """(module, how FSDP holds its weights, what changed since) for every module whose
+        next forward would compute with weights gathered before its shards changed: from the
+        agreed codes (which compared every rank's shard with its digest), from this rank's
+        declared and signature facts for trackers outside the agreement (a load counts as a
+        change there), and from the optimizer steps and ``mark_changed()`` calls seen while
+        held for gathers without a tracker."""
+        out = []
+        for t, c in zip(agreed, codes):
+            if values_changed(c) and (held := t.holds_gathered()) is not None:
+                out.append((t.name, held, _what_changed(c)))
+        for i in self.installs:
+            g = i.all_gather
+            if g is None or (g.tracker is not None and g.agrees):
+                continue
+            held = fsdp.holds_gathered(i.group)
+            if g.tracker is not None:
+                c = g.tracker.local_flags(backward=False) if held is not None else 0
+                if values_changed(c) or c & Change.LOADED:
+                    out.append((g.name, held, _what_changed(c)))
+            elif g.changed_while_held:
+                if held is None:  # resharded since: the next gather reads the shards
+                    g.changed_while_held = False
+                else:
+                    out.append((g.name, held, describe(Change.STEP)))
+        return out
 
     def _after_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.in_root_forward = False
@@ -130,6 +157,9 @@ class Session:
             return
         for t in self.trackers:
             t.optimizer_step_post(ids)
+        for i, own in zip(self.installs, self._install_ids):
+            if i.all_gather is not None and i.all_gather.tracker is None and ids & own:
+                i.all_gather.note_change()
         self.stats.count_step()
 
     def close(self) -> None:
@@ -164,17 +194,13 @@ def _what_changed(code: int) -> str:
     return describe(shown)
 
 
-def _refuse_stale_weights(decided: list[tuple[ChangeTracker, int, bool]]) -> None:
-    """Raise when a module's forward would compute with weights older than its shards: FSDP
-    holds an earlier gather's weights, which it uses without gathering the shards again, and
-    the shards changed since that gather. ``decided``: (tracker, code, whether the code is an
-    agreement's, which compared every rank's shard with its digest; else this rank's declared
-    and signature facts, where a load counts as a change). Every rank raises alike: the codes
-    are agreed (or SPMD facts) and FSDP's states follow the same program on every rank. FSDP2
-    alone computes with the old weights, without an error (``docs/known_issues.md``)."""
-    stale = [(t.name, held, _what_changed(c)) for t, c, compared in decided
-             if (values_changed(c) or (not compared and c & Change.LOADED))
-             and (held := t.holds_gathered()) is not None]
+def _refuse_stale_weights(stale: list[tuple[str, str, str]]) -> None:
+    """Raise when a module's forward would compute with weights older than its shards
+    (``Session._held_stale``: module, how FSDP holds them, what changed): FSDP holds an earlier
+    gather's weights, which it uses without gathering the shards again. Every rank raises
+    alike: the facts are agreed or SPMD ones, and FSDP's states follow the same program on every
+    rank. FSDP2 alone computes with the old weights, without an error
+    (``docs/known_issues.md``)."""
     if not stale:
         return
     shown = "; ".join(f"{name or '<root>'!r} ({held}; since then: {what})"
