@@ -336,6 +336,46 @@ def test_resume_after_an_evaluation_forward_is_bit_identical(tmp_path, kind):
     run_ranks(_resume_after_evaluation, _EVALUATED[kind][0], str(tmp_path), kind, 3, 3)
 
 
+def _resume_after_a_resend(rank, world, root, kind):
+    # A checkpoint written while the next gather must re-send full precision (handle.reset(),
+    # or a write found by version counter, as DiLoCo's global_weights() makes on exit): the
+    # resumed run re-sends too (its state holds no reference), bit for bit.
+    cfg = _EVALUATED[kind][1]
+    for how in ("reset", "write"):
+        ckpt = os.path.join(root, how)
+        model, handle, opt = _build(cfg)
+        for s in range(2):
+            _train_step(model, opt, s, rank)
+        if how == "reset":
+            handle.reset()
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.99)
+        _save(ckpt, model, opt, handle)
+        before = handle.gather_modes()
+        ref = [_train_step(model, opt, s, rank) for s in range(2, 4)]
+        sent = _minus(handle.gather_modes(), before)
+        model_b, handle_b, opt_b = _build(cfg)
+        _load(ckpt, model_b, opt_b, handle_b)
+        got = [_train_step(model_b, opt_b, s, rank) for s in range(2, 4)]
+        assert got == ref, (how, got, ref)
+        assert _full_digests(model_b) == _full_digests(model), how
+        assert _calls(handle_b) == _calls(handle), how
+        if not kind.startswith("direct"):  # full precision first, as the uninterrupted run
+            units = len(_units(model))
+            assert sent.get("qwd_full") == units and handle_b.gather_modes() == sent, (
+                how, handle_b.gather_modes(), sent)
+        handle.disable()
+        handle_b.disable()
+    return True
+
+
+@pytest.mark.parametrize("kind", ["node-sharded", "full", "direct"])
+def test_resume_after_a_reset_or_a_write_is_bit_identical(tmp_path, kind):
+    run_ranks(_resume_after_a_resend, _EVALUATED[kind][0], str(tmp_path), kind)
+
+
 def _accumulate_step(model, opt, step, rank, k: int = 2) -> list[float]:
     losses = []
     for m in range(k):

@@ -302,6 +302,13 @@ class ChangeTracker:
             return None  # written without a version bump since (the next gather re-sends)
         return int(self._digest)
 
+    def resends_full(self) -> bool:
+        """Whether the facts every rank has alike (the first gather, ``handle.reset()``, a write
+        found by signature) make the next forward gather re-send full precision: a checkpoint
+        saved now needs no qWD reference, and one loaded without it re-sends (the same bits)."""
+        return bool(self.local_flags(backward=False)
+                    & (Change.FIRST | Change.RESET | Change.WRITE))
+
     def optimizer_step_pre(self, param_ids: set[int]) -> None:
         """Before an optimizer step: parameters it covers must still be as last explained."""
         if self._expected is None:

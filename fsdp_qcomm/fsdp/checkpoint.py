@@ -169,7 +169,8 @@ def gather_state(g: Any) -> dict[str, Any]:
     gather was made from when nothing changed since (``ChangeTracker.clean_digest``; else None,
     always None for exact gathers: the key is in every gather's state, so DCP's templates match
     whatever the gathers keep), and for qWD this rank's shard of the reference (its
-    ``own_ref``; zeros with ``reference_valid`` 0 before the first gather)."""
+    ``own_ref``; zeros with ``reference_valid`` 0 before the first gather, and when the next
+    gather re-sends full precision anyway: ``ChangeTracker.resends_full``)."""
     device = fsdp.group_device(g._pg)
     state: dict[str, Any] = {"weight_calls": g._counter, "gathered_digest": None}
     if g.levels is not None:
@@ -179,7 +180,11 @@ def gather_state(g: Any) -> dict[str, Any]:
     if layout is not None:
         dtype, segs = layout
         q = g._qwd
-        if g._pending_ref is not None:
+        if g.tracker is not None and g.tracker.resends_full():
+            # the next gather re-sends full precision (reset(), a write): the resumed run does
+            # the same from a state without a reference, whatever the reference was
+            flat, valid = torch.zeros(sum(segs), dtype=dtype, device=device), 0
+        elif g._pending_ref is not None:
             flat = g._pending_ref
         elif q is not None and q.valid and q.segments == segs and q.own_ref.dtype == dtype:
             flat = q.own_ref
