@@ -309,7 +309,9 @@ def _resume_after_evaluation(rank, world, root, kind, n_before, n_after):
     _, modes_e = _first_step_modes(model_e, opt_e, handle_e, n_before, rank)
     assert _minus(_calls(handle_e), calls_b) == {k: 1 for k in calls_b}
     if qwd:
-        assert _minus(modes_e, modes_b) == {"qwd_full": units, "qwd_reuse": -units}, modes_e
+        # and re-assembles no loaded reference first
+        assert _minus(modes_e, modes_b) == {"qwd_full": units, "qwd_reuse": -units,
+                                            "qwd_restore": -units}, modes_e
 
     # a digest is saved only where the uninterrupted run's next gather sends nothing new
     assert _digests(handle) == [None] * units  # an optimizer step since the last gather
@@ -340,8 +342,10 @@ def _resume_after_a_resend(rank, world, root, kind):
     # A checkpoint written while the next gather must re-send full precision (handle.reset(),
     # or a write found by version counter, as DiLoCo's global_weights() makes on exit): the
     # resumed run re-sends too (its state holds no reference), bit for bit.
+    # A write then mark_changed() after the save: a quantized difference in both runs.
     cfg = _EVALUATED[kind][1]
-    for how in ("reset", "write"):
+    qwd = not kind.startswith("direct")
+    for how in ("reset", "write", "write_then_mark_changed"):
         ckpt = os.path.join(root, how)
         model, handle, opt = _build(cfg)
         for s in range(2):
@@ -352,19 +356,31 @@ def _resume_after_a_resend(rank, world, root, kind):
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.99)
+        saved = handle.state_dict()
         _save(ckpt, model, opt, handle)
+        if how == "write_then_mark_changed":
+            handle.mark_changed()
         before = handle.gather_modes()
         ref = [_train_step(model, opt, s, rank) for s in range(2, 4)]
         sent = _minus(handle.gather_modes(), before)
         model_b, handle_b, opt_b = _build(cfg)
         _load(ckpt, model_b, opt_b, handle_b)
+        if how == "write_then_mark_changed":
+            handle_b.mark_changed()
         got = [_train_step(model_b, opt_b, s, rank) for s in range(2, 4)]
         assert got == ref, (how, got, ref)
         assert _full_digests(model_b) == _full_digests(model), how
         assert _calls(handle_b) == _calls(handle), how
-        if not kind.startswith("direct"):  # full precision first, as the uninterrupted run
+        if qwd:  # what the first gather sent, as in the uninterrupted run
             units = len(_units(model))
-            assert sent.get("qwd_full") == units and handle_b.gather_modes() == sent, (
+            (entry,) = saved.values()
+            valid = {m["reference_valid"] for m in entry["modules"].values()}
+            assert valid == {0 if how == "reset" else 2}, (how, valid)
+            first = "qwd_diff" if how == "write_then_mark_changed" else "qwd_full"
+            assert sent.get(first, 0) >= units, (how, sent)
+            # no reference is re-assembled where full precision is re-sent
+            restored = units if how == "write_then_mark_changed" else 0
+            assert _minus(handle_b.gather_modes(), {"qwd_restore": restored}) == sent, (
                 how, handle_b.gather_modes(), sent)
         handle.disable()
         handle_b.disable()

@@ -543,9 +543,11 @@ class QuantizedAllGather(AllGather):
                     output.copy_(q.ref)
                     record(o)
 
+        if self._pending_ref is not None and code & (Change.RESET | Change.WRITE):
+            self._pending_ref = None  # re-sent at full precision: no loaded reference needed
         if self._pending_ref is not None:
             input = self._restore_reference(q, input, aliased)
-            full = bool(code & Change.RESET)  # the loaded reference belongs to these weights
+            full = False  # the loaded reference belongs to these weights
         elif full and q.valid and code & ~int(Change.FIRST | Change.RESET):
             self._stats.note(
                 f"{self.name}: parameters changed outside a torch.optim optimizer step "

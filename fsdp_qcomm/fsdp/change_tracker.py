@@ -256,6 +256,7 @@ class ChangeTracker:
         self._digest: Optional[torch.Tensor] = None  # at the previous forward gather
         self._digest_now: Optional[torch.Tensor] = None
         self._optim_tracked = False  # a torch.optim step over these parameters was seen
+        self._written = False  # a write saved with a loaded state, still pending (``loaded``)
         self.pending: Optional[int] = None  # agreed code for the next forward gather
         self.gathered_once = False
 
@@ -265,21 +266,27 @@ class ChangeTracker:
         difference, and their current signatures are explained."""
         self._flags |= Change.STEP
         self._expected = None
+        self._written = False
 
     def reset(self) -> None:
         self._flags |= Change.RESET
 
-    def loaded(self, restored: bool = False, digest: Optional[int] = None) -> None:
+    def loaded(self, restored: bool = False, digest: Optional[int] = None,
+               written: bool = False) -> None:
         """A checkpoint was loaded. ``restored``: it holds what this group's next gather needs
         (qWD's reference, a direct scheme's counter), which stands in for a first gather and
         for any earlier ``reset()`` (a ``reset()`` after the load still re-sends). ``digest``:
         the saved ``clean_digest``, the shard the saved state was gathered from; the agreement
         compares the loaded shard with it (``CONTENT``), and without one the loaded shard
-        counts as changed."""
+        counts as changed. ``written``: the state was saved with a write found by signature
+        pending (``written()``): it stays pending, as in the run that saved it, until
+        ``mark_changed()`` explains it or a gather sends it (not through optimizer steps:
+        ``set_state_dict`` takes one at learning rate 0 after the load)."""
         self._flags |= Change.LOADED
         if restored:
             self._flags &= ~(Change.FIRST | Change.RESET)
         self._expected = None
+        self._written = written
         self._digest_now = None
         self._digest = None if digest is None else torch.tensor(
             digest, dtype=torch.int64, device=self.shard_device())
@@ -303,11 +310,17 @@ class ChangeTracker:
         return int(self._digest)
 
     def resends_full(self) -> bool:
-        """Whether the facts every rank has alike (the first gather, ``handle.reset()``, a write
-        found by signature) make the next forward gather re-send full precision: a checkpoint
-        saved now needs no qWD reference, and one loaded without it re-sends (the same bits)."""
-        return bool(self.local_flags(backward=False)
-                    & (Change.FIRST | Change.RESET | Change.WRITE))
+        """Whether a declared event (the first gather, ``handle.reset()``: alike on every rank,
+        and nothing but a gather clears it) makes the next forward gather re-send full
+        precision: a checkpoint saved now needs no qWD reference, and one loaded without it
+        re-sends (the same bits)."""
+        return bool(self._flags & (Change.FIRST | Change.RESET))
+
+    def written(self) -> bool:
+        """A write found by signature is pending (the next forward gather re-sends full
+        precision, unless ``mark_changed()`` explains it first); saved with the state
+        (``loaded(written=True)``)."""
+        return bool(self.local_flags(backward=False) & Change.WRITE)
 
     def optimizer_step_pre(self, param_ids: set[int]) -> None:
         """Before an optimizer step: parameters it covers must still be as last explained."""
@@ -345,7 +358,7 @@ class ChangeTracker:
         if backward:
             return int(self._flags & (Change.FIRST | Change.STEP | Change.RESET | Change.LOADED))
         flags = self._flags
-        if self._expected is not None and self._signature() != self._expected:
+        if self._written or (self._expected is not None and self._signature() != self._expected):
             flags |= Change.WRITE
         if flags & Change.LOADED and self._digest is None:
             flags |= Change.CONTENT  # loaded without a digest: the shard counts as changed
@@ -384,6 +397,7 @@ class ChangeTracker:
         if backward:
             self._flags &= ~(Change.FIRST | Change.STEP | Change.RESET | Change.LOADED)
             return
+        self._written = False  # sent
         self._flags = Change.NONE
         self._expected = self._signature()
         if self._digest_now is not None:
