@@ -105,9 +105,11 @@ def _by_state_name(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 _DROP = ("load the model and optimizer without the fsdp_qcomm state instead (leave the handle "
-         "out of dcp.load, or skip fsdp_qcomm's files): the next weight gathers then send full "
-         "precision and the RNG counters and level tables start afresh, which is correct, only "
-         "not the bits of an uninterrupted run")
+         "out of dcp.load; torchtitan: --checkpoint.exclude_from_loading qcomm; Accelerate: "
+         "load_state before fsdp_qcomm.integrations.accelerate.register, or .remove() the hooks "
+         "it returned; Lightning: fabric.load instead of fsdp_qcomm.integrations.lightning.load): "
+         "the next weight gathers then send full precision and the RNG counters and level "
+         "tables start afresh, which is correct, only not the bits of an uninterrupted run")
 
 _PER_RANK = ("Each rank's fsdp_qcomm state is its own (its shard of the qWD reference, its "
              "error-feedback residuals): every rank must load the state it saved itself. A "

@@ -91,8 +91,11 @@ def _read_rank_state(folder: Path) -> Any:
         if not found:
             raise CheckpointMismatch(
                 f"fsdp_qcomm: no fsdp_qcomm state in {str(folder)!r} (saved without it?). To "
-                "resume without it, do not load it: the next weight gathers send full precision "
-                "and the RNG counters and level tables start afresh"
+                "resume without it, do not load it (Accelerate: load_state before "
+                "fsdp_qcomm.integrations.accelerate.register, or .remove() the two hooks it "
+                "returned, then register again; Lightning: fabric.load instead of "
+                "fsdp_qcomm.integrations.lightning.load): the next weight gathers send full "
+                "precision and the RNG counters and level tables start afresh"
             )
         worlds = sorted({w for _, w in found})
         raise CheckpointMismatch(
