@@ -342,30 +342,39 @@ def _resume_after_a_resend(rank, world, root, kind):
     # A checkpoint written while the next gather must re-send full precision (handle.reset(),
     # or a write found by version counter, as DiLoCo's global_weights() makes on exit): the
     # resumed run re-sends too (its state holds no reference), bit for bit.
-    # A write then mark_changed() after the save: a quantized difference in both runs.
+    # A write then mark_changed() after the save: a quantized difference in both runs; a write
+    # an optimizer step took in before the save: full precision in both, mark_changed() or not.
     cfg = _EVALUATED[kind][1]
     qwd = not kind.startswith("direct")
-    for how in ("reset", "write", "write_then_mark_changed"):
+    hows = ("reset", "write", "write_then_mark_changed", "write_stepped_then_mark_changed")
+    for how in hows:
         ckpt = os.path.join(root, how)
         model, handle, opt = _build(cfg)
         for s in range(2):
             _train_step(model, opt, s, rank)
         if how == "reset":
             handle.reset()
+        elif how == "write_stepped_then_mark_changed":
+            _loss(model, 2, rank).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.99)
+            opt.step()
+            opt.zero_grad()
         else:
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.99)
         saved = handle.state_dict()
         _save(ckpt, model, opt, handle)
-        if how == "write_then_mark_changed":
+        if how.endswith("mark_changed"):
             handle.mark_changed()
         before = handle.gather_modes()
         ref = [_train_step(model, opt, s, rank) for s in range(2, 4)]
         sent = _minus(handle.gather_modes(), before)
         model_b, handle_b, opt_b = _build(cfg)
         _load(ckpt, model_b, opt_b, handle_b)
-        if how == "write_then_mark_changed":
+        if how.endswith("mark_changed"):
             handle_b.mark_changed()
         got = [_train_step(model_b, opt_b, s, rank) for s in range(2, 4)]
         assert got == ref, (how, got, ref)
@@ -375,7 +384,7 @@ def _resume_after_a_resend(rank, world, root, kind):
             units = len(_units(model))
             (entry,) = saved.values()
             valid = {m["reference_valid"] for m in entry["modules"].values()}
-            assert valid == {0 if how == "reset" else 2}, (how, valid)
+            assert valid == {0 if how == "reset" else 3 if "stepped" in how else 2}, (how, valid)
             first = "qwd_diff" if how == "write_then_mark_changed" else "qwd_full"
             assert sent.get(first, 0) >= units, (how, sent)
             # no reference is re-assembled where full precision is re-sent

@@ -272,21 +272,23 @@ class ChangeTracker:
         self._flags |= Change.RESET
 
     def loaded(self, restored: bool = False, digest: Optional[int] = None,
-               written: bool = False) -> None:
+               written: int = 0) -> None:
         """A checkpoint was loaded. ``restored``: it holds what this group's next gather needs
         (qWD's reference, a direct scheme's counter), which stands in for a first gather and
         for any earlier ``reset()`` (a ``reset()`` after the load still re-sends). ``digest``:
         the saved ``clean_digest``, the shard the saved state was gathered from; the agreement
         compares the loaded shard with it (``CONTENT``), and without one the loaded shard
-        counts as changed. ``written``: the state was saved with a write found by signature
-        pending (``written()``): it stays pending, as in the run that saved it, until
-        ``mark_changed()`` explains it or a gather sends it (not through optimizer steps:
-        ``set_state_dict`` takes one at learning rate 0 after the load)."""
+        counts as changed. ``written``: the state was saved with a write pending
+        (``written()``): it stays pending as in the run that saved it, until ``mark_changed()``
+        explains it (1 only) or a gather sends it. A load does not turn 1 into 2 through
+        optimizer steps: ``set_state_dict`` takes one at learning rate 0 after every load."""
         self._flags |= Change.LOADED
         if restored:
             self._flags &= ~(Change.FIRST | Change.RESET)
+        if written == 2:
+            self._flags |= Change.WRITE
         self._expected = None
-        self._written = written
+        self._written = written == 1
         self._digest_now = None
         self._digest = None if digest is None else torch.tensor(
             digest, dtype=torch.int64, device=self.shard_device())
@@ -316,11 +318,14 @@ class ChangeTracker:
         re-sends (the same bits)."""
         return bool(self._flags & (Change.FIRST | Change.RESET))
 
-    def written(self) -> bool:
-        """A write found by signature is pending (the next forward gather re-sends full
-        precision, unless ``mark_changed()`` explains it first); saved with the state
-        (``loaded(written=True)``)."""
-        return bool(self.local_flags(backward=False) & Change.WRITE)
+    def written(self) -> int:
+        """A write is pending, which the next forward gather re-sends at full precision: 0
+        none; 1 found by signature, which ``mark_changed()`` may still explain; 2 found by an
+        optimizer step that covered the written parameters (only a gather clears it). Saved
+        with the state (``loaded(written=...)``)."""
+        if self._flags & Change.WRITE:
+            return 2
+        return 1 if self.local_flags(backward=False) & Change.WRITE else 0
 
     def optimizer_step_pre(self, param_ids: set[int]) -> None:
         """Before an optimizer step: parameters it covers must still be as last explained."""

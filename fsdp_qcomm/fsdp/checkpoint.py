@@ -19,7 +19,7 @@ tensors come back on the GPU index that saved them) and any per-rank checkpointe
             "weight_calls": int, "grad_calls": int, "replica_calls": int,  # RNG call counters
             "gathered_digest": int | None,   # digest of the shard last gathered
             "weight_levels": {...}, "grad_levels": {...},    # learned level tables (LevelSync)
-            "reference_valid": 0 | 1 | 2, "reference": {param name: its padded shard},  # qWD
+            "reference_valid": 0 to 3, "reference": {param name: its padded shard},  # qWD
             "grad_residuals": {"<hook>.<site>": flat residual}}}}}      # error feedback
 
 Why the key carries the rank: torch.distributed.checkpoint saves a plain tensor or object once
@@ -166,8 +166,9 @@ def _reference_pieces(g: Any, flat: torch.Tensor, segs: tuple[int, ...]) -> dict
     return out
 
 
-#: ``reference_valid`` of a reference saved with a write found by signature pending
-WRITTEN = 2
+#: ``reference_valid`` of a reference saved with a write pending, by ``ChangeTracker.written``:
+#: found by signature (``mark_changed()`` may still explain it), or taken into an optimizer step
+WRITTEN = {1: 2, 2: 3}
 
 
 def gather_state(g: Any) -> dict[str, Any]:
@@ -176,8 +177,8 @@ def gather_state(g: Any) -> dict[str, Any]:
     always None for exact gathers: the key is in every gather's state, so DCP's templates match
     whatever the gathers keep), and for qWD this rank's shard of the reference (its
     ``own_ref``; zeros with ``reference_valid`` 0 before the first gather, and when the next
-    gather re-sends full precision anyway: ``ChangeTracker.resends_full``; ``WRITTEN`` with a
-    write found by signature pending, which the resumed run then finds again)."""
+    gather re-sends full precision anyway: ``ChangeTracker.resends_full``; 2 or 3, ``WRITTEN``,
+    with a write pending, which the resumed run then finds again)."""
     device = fsdp.group_device(g._pg)
     state: dict[str, Any] = {"weight_calls": g._counter, "gathered_digest": None}
     if g.levels is not None:
@@ -197,8 +198,9 @@ def gather_state(g: Any) -> dict[str, Any]:
             flat = q.own_ref
         else:  # nothing gathered yet (or a template for loading): placeholders
             flat, valid = torch.zeros(sum(segs), dtype=dtype, device=device), 0
-        if valid and g.tracker is not None and g.tracker.written():
-            valid = WRITTEN  # the resumed run finds the write again (``load_gather_state``)
+        written = g.tracker.written() if valid and g.tracker is not None else 0
+        if written:  # the resumed run finds the write again (``load_gather_state``)
+            valid = WRITTEN[written]
         state["reference_valid"] = valid
         state["reference"] = _reference_pieces(g, flat, segs)
     if g.tracker is not None and not g._plain_like and valid:
@@ -219,10 +221,10 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
             f"or None; the state was written by something else than fsdp_qcomm. {_DROP}"
         )
     valid = state.get("reference_valid")
-    if valid not in (None, 0, 1, WRITTEN):
+    if valid not in (None, 0, 1, *WRITTEN.values()):
         raise CheckpointMismatch(
-            f"FSDP module {g.name!r}: the saved reference_valid is {valid!r}, not 0, 1 or "
-            f"{WRITTEN}; the state was written by something else than fsdp_qcomm. {_DROP}"
+            f"FSDP module {g.name!r}: the saved reference_valid is {valid!r}, not one of 0 to "
+            f"3; the state was written by something else than fsdp_qcomm. {_DROP}"
         )
     if reference_layout(g) is None or not valid:
         return
@@ -253,8 +255,9 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
     # what the next gather needs came back: the qWD reference, or a direct scheme's counter
     restored = layout is None or bool(state.get("reference_valid"))
     if g.tracker is not None:  # the next gather exchanges unless the shards match the digest
+        by_value = {v: k for k, v in WRITTEN.items()}
         g.tracker.loaded(restored, state.get("gathered_digest"),
-                         written=state.get("reference_valid") == WRITTEN)
+                         written=by_value.get(state.get("reference_valid"), 0))
         if not g._plain_like:
             g._gen += 1  # forwards before the load computed with other weights
     g._forward_gathers = 0
