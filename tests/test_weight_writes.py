@@ -384,3 +384,35 @@ def test_a_forward_on_weights_held_from_before_a_step_fails_on_every_rank(held, 
                 assert torch.equal(got["used"][k], v), (name, k)
     for name in HELD_SCHEMES:
         assert len({r[name, how]["error"] for r in held[how]}) == 1
+
+
+def _one_rank_prefetch(rank, world):
+    # One rank: FSDP calls no all-gather and copies the shards when an unshard is waited on, so
+    # a prefetch before the step computes with the stepped weights: nothing to refuse.
+    out = {}
+    for name in ("fsdp", "none"):
+        torch.manual_seed(0)
+        model = TinyLM()
+        for blk in model.blocks:
+            fully_shard(blk)
+        fully_shard(model)
+        sharded = {f"{m}.{p}": t for m, mod in model.named_modules()
+                   for p, t in mod.named_parameters(recurse=False)}
+        cfg = SCHEMES[name]
+        handle = fsdp_qcomm.enable(model, cfg) if cfg is not None else None
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        lm_loss(model, batch(0, rank)).backward()
+        model.unshard(async_op=True)
+        opt.step()
+        new = {k: t.full_tensor().detach().clone() for k, t in sharded.items()}
+        cap = Capture(model)
+        out[name] = _err(_forward(model, cap, rank, 2), new)
+        cap.remove()
+        if handle is not None:
+            handle.disable()
+    return out
+
+
+def test_a_prefetch_before_the_step_on_one_rank_computes_with_the_stepped_weights():
+    (r,) = run_ranks(_one_rank_prefetch, 1)
+    assert r == {"fsdp": 0.0, "none": 0.0}, r

@@ -194,7 +194,11 @@ class QuantizedAllGather(AllGather):
         """Without a tracker (FSDP's own weights, nothing decided): the shards changed, by an
         optimizer step or ``mark_changed()``; remembered while FSDP holds weights gathered
         before it (``internals.holds_gathered``), which the next root forward refuses
-        (``session``), until a gather from the shards."""
+        (``session``), until a gather from the shards. Not for a one-rank gather group: FSDP
+        calls no all-gather there (it copies the shards at every unshard's wait), so no call
+        here would clear it."""
+        if self._pg is None or fsdp.shard_group(self._pg).size() == 1:
+            return
         if fsdp.holds_gathered(self._pg) is not None:
             self.changed_while_held = True
 
