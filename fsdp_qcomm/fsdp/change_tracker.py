@@ -369,11 +369,6 @@ class ChangeTracker:
             flags |= Change.CONTENT  # loaded without a digest: the shard counts as changed
         return int(flags)
 
-    def holds_gathered(self) -> Optional[str]:
-        """How FSDP holds this group's weights of an earlier gather, which its next forward
-        computes with (``internals.holds_gathered``), or None when it holds the shards."""
-        return fsdp.holds_gathered(self._pg)
-
     def shards(self) -> list[torch.Tensor]:
         """This rank's flat shards of the group's parameters (what the digest reads)."""
         return [fsdp.local_shard(fp) for fp in fsdp.fsdp_params(self._pg)]

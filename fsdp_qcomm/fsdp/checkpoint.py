@@ -104,12 +104,16 @@ def _by_state_name(saved: dict[str, Any]) -> dict[str, Any]:
     return {state_name(k): v for k, v in saved.items()}
 
 
-_DROP = ("load the model and optimizer without the fsdp_qcomm state instead (leave the handle "
-         "out of dcp.load; torchtitan: --checkpoint.exclude_from_loading qcomm; Accelerate: "
-         "load_state before fsdp_qcomm.integrations.accelerate.register, or .remove() the hooks "
-         "it returned; Lightning: fabric.load instead of fsdp_qcomm.integrations.lightning.load): "
-         "the next weight gathers then send full precision and the RNG counters and level "
-         "tables start afresh, which is correct, only not the bits of an uninterrupted run")
+# How to resume without the fsdp_qcomm state, in each integration's own terms (one text for
+# every error that offers it: CheckpointMismatch here, the per-rank files' in integrations).
+RESUME_WITHOUT_STATE = (
+    "load the model and optimizer without the fsdp_qcomm state instead (leave the handle out of "
+    "dcp.load; torchtitan: --checkpoint.exclude_from_loading qcomm; Accelerate: load_state "
+    "before fsdp_qcomm.integrations.accelerate.register, or .remove() the two hooks it returned "
+    "and register again after; Lightning: fabric.load instead of "
+    "fsdp_qcomm.integrations.lightning.load): the next weight gathers then send full precision "
+    "and the RNG counters and level tables start afresh, which is correct, only not the bits of "
+    "an uninterrupted run")
 
 _PER_RANK = ("Each rank's fsdp_qcomm state is its own (its shard of the qWD reference, its "
              "error-feedback residuals): every rank must load the state it saved itself. A "
@@ -169,6 +173,7 @@ def _reference_pieces(g: Any, flat: torch.Tensor, segs: tuple[int, ...]) -> dict
 #: ``reference_valid`` of a reference saved with a write pending, by ``ChangeTracker.written``:
 #: found by signature (``mark_changed()`` may still explain it), or taken into an optimizer step
 WRITTEN = {1: 2, 2: 3}
+_WRITTEN_OF = {v: k for k, v in WRITTEN.items()}  # the load's way back
 
 
 def gather_state(g: Any) -> dict[str, Any]:
@@ -218,13 +223,15 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
     if digest is not None and (type(digest) is not int or not -(1 << 63) <= digest < (1 << 63)):
         raise CheckpointMismatch(
             f"FSDP module {g.name!r}: the saved gathered_digest is {digest!r}, not an int64 "
-            f"or None; the state was written by something else than fsdp_qcomm. {_DROP}"
+            f"or None; the state was written by something else than fsdp_qcomm. "
+            f"{RESUME_WITHOUT_STATE}"
         )
     valid = state.get("reference_valid")
     if valid not in (None, 0, 1, *WRITTEN.values()):
         raise CheckpointMismatch(
             f"FSDP module {g.name!r}: the saved reference_valid is {valid!r}, not one of 0 to "
-            f"3; the state was written by something else than fsdp_qcomm. {_DROP}"
+            f"3; the state was written by something else than fsdp_qcomm. "
+            f"{RESUME_WITHOUT_STATE}"
         )
     if reference_layout(g) is None or not valid:
         return
@@ -239,7 +246,7 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
             raise CheckpointMismatch(
                 f"FSDP module {g.name!r}: the saved qWD reference of {name!r} is {got}, this "
                 f"rank's padded shard has {seg} values; it was saved from another model or "
-                f"sharding. Load the matching checkpoint, or {_DROP}"
+                f"sharding. Load the matching checkpoint, or {RESUME_WITHOUT_STATE}"
             )
 
 
@@ -255,9 +262,8 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
     # what the next gather needs came back: the qWD reference, or a direct scheme's counter
     restored = layout is None or bool(state.get("reference_valid"))
     if g.tracker is not None:  # the next gather exchanges unless the shards match the digest
-        by_value = {v: k for k, v in WRITTEN.items()}
         g.tracker.loaded(restored, state.get("gathered_digest"),
-                         written=by_value.get(state.get("reference_valid"), 0))
+                         written=_WRITTEN_OF.get(state.get("reference_valid"), 0))
         if not g._plain_like:
             g._gen += 1  # forwards before the load computed with other weights
     g._forward_gathers = 0
@@ -285,7 +291,8 @@ def _need(state: Any, key: str, label: str) -> Any:
     if not isinstance(state, dict) or key not in state:
         raise CheckpointMismatch(
             f"FSDP module {label!r}: the saved fsdp_qcomm state has no {key!r} entry, which "
-            f"this run's configuration keeps: it was saved by another configuration; {_DROP}"
+            f"this run's configuration keeps: it was saved by another configuration; "
+            f"{RESUME_WITHOUT_STATE}"
         )
     return state[key]
 
@@ -380,7 +387,7 @@ def load_handle_state(parts: list[tuple[list[Any], Any, Any, Callable[[], Any]]]
     except Exception as e:  # an unreadable file, a malformed entry: the type every rank raises
         failure = CheckpointMismatch(
             f"the fsdp_qcomm state could not be read or checked ({type(e).__name__}: {e}); "
-            f"{_DROP}")
+            f"{RESUME_WITHOUT_STATE}")
         failure.__cause__ = e
     gather_unless_failed(None, failure, None, _REFUSED, raises=CheckpointMismatch)
     for (installs, *_), modules in zip(parts, saved):
@@ -413,7 +420,8 @@ def _checked_modules(installs: list[Any], config: Any, placement: Any,
     if not isinstance(saved, dict) or sorted(saved) != sorted(mine["modules"]):
         raise CheckpointMismatch(
             f"the saved fsdp_qcomm state has no module entries for "
-            f"{sorted(set(mine['modules']) - set(saved or {}))}; it is incomplete; {_DROP}"
+            f"{sorted(set(mine['modules']) - set(saved or {}))}; it is incomplete; "
+            f"{RESUME_WITHOUT_STATE}"
         )
     try:
         for i in installs:
@@ -421,7 +429,7 @@ def _checked_modules(installs: list[Any], config: Any, placement: Any,
     except CheckpointMismatch:
         raise
     except ValueError as e:  # a level table or residual of another size
-        raise CheckpointMismatch(f"{e}; {_DROP}") from None
+        raise CheckpointMismatch(f"{e}; {RESUME_WITHOUT_STATE}") from None
     return saved
 
 
@@ -452,7 +460,7 @@ def _own_entry(state: Any, mine: dict[str, Any]) -> dict[str, Any]:
             raise CheckpointMismatch(
                 f"this fsdp_qcomm state has format {state.get('version')!r} (an fsdp_qcomm "
                 f"release before {FORMAT}: one dict for every rank, without its owner), which "
-                f"this release cannot tell apart per rank; {_DROP}"
+                f"this release cannot tell apart per rank; {RESUME_WITHOUT_STATE}"
             )
         raise CheckpointMismatch(
             f"not a QCommHandle state (keys {sorted(map(str, state))[:6]}, expected one "
@@ -467,7 +475,7 @@ def _own_entry(state: Any, mine: dict[str, Any]) -> dict[str, Any]:
                 f"fsdp_qcomm: rank {rank} of a run of {world} ranks was given the fsdp_qcomm "
                 f"state of rank(s) {ranks} of a run of {' / '.join(map(str, worlds))} ranks. "
                 "That state is per rank (qWD reference shards, residuals, level tables) and "
-                f"cannot move to another world size; {_DROP}"
+                f"cannot move to another world size; {RESUME_WITHOUT_STATE}"
             )
         raise CheckpointMismatch(
             f"fsdp_qcomm: rank {rank} of {world} was given the fsdp_qcomm state that rank(s) "
@@ -478,7 +486,7 @@ def _own_entry(state: Any, mine: dict[str, Any]) -> dict[str, Any]:
         got = entry.get("version") if isinstance(entry, dict) else type(entry).__name__
         raise CheckpointMismatch(
             f"the fsdp_qcomm state under {key!r} has format {got!r}, this release reads "
-            f"format {FORMAT}; {_DROP}"
+            f"format {FORMAT}; {RESUME_WITHOUT_STATE}"
         )
     owner = entry["owner"]
     if not isinstance(owner, dict) or (owner.get("rank"), owner.get("world_size")) != (rank,
@@ -532,7 +540,7 @@ def _check_owner(saved: dict[str, Any], mine: dict[str, Any]) -> None:
             f"fsdp_qcomm: the fsdp_qcomm state for rank {mine['rank']} of {mine['world_size']} "
             f"was saved by a run that differs from this one:\n{lines}\nResume with the same "
             "QCommConfig, node size, meshes and fully_shard layout as the run that saved it, "
-            f"or {_DROP}."
+            f"or {RESUME_WITHOUT_STATE}."
         )
 
 

@@ -99,24 +99,27 @@ class Session:
         declared and signature facts for trackers outside the agreement (a load counts as a
         change there), and from the optimizer steps and ``mark_changed()`` calls seen while
         held for gathers without a tracker."""
+        agreed_code = {id(t): c for t, c in zip(agreed, codes)}
         out = []
-        for t, c in zip(agreed, codes):
-            if values_changed(c) and (held := t.holds_gathered()) is not None:
-                out.append((t.name, held, _what_changed(c)))
         for i in self.installs:
             g = i.all_gather
-            if g is None or (g.tracker is not None and g.agrees):
+            if g is None:
                 continue
             held = fsdp.holds_gathered(i.group)
-            if g.tracker is not None:
-                c = g.tracker.local_flags(backward=False) if held is not None else 0
-                if values_changed(c) or c & Change.LOADED:
-                    out.append((g.name, held, _what_changed(c)))
-            elif g.changed_while_held:
-                if held is None:  # resharded since: the next gather reads the shards
-                    g.changed_while_held = False
-                else:
+            if g.tracker is None:  # no digest: the steps and mark_changed() seen while held
+                if held is None:
+                    g.changed_while_held = False  # resharded since: the next gather reads shards
+                elif g.changed_while_held:
                     out.append((g.name, held, describe(Change.STEP)))
+            elif held is not None:
+                c = agreed_code.get(id(g.tracker))
+                if c is None:  # outside the agreement: this rank's facts, where a load counts
+                    c = g.tracker.local_flags(backward=False)
+                    stale = values_changed(c) or bool(c & Change.LOADED)
+                else:
+                    stale = values_changed(c)
+                if stale:
+                    out.append((g.name, held, _what_changed(c)))
         return out
 
     def _after_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.agreement import gather_unless_failed, stopped_on_ranks
-from ..fsdp.checkpoint import CheckpointMismatch, parse_rank_key, rank_key
+from ..fsdp.checkpoint import RESUME_WITHOUT_STATE, CheckpointMismatch, parse_rank_key, rank_key
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -90,12 +90,8 @@ def _read_rank_state(folder: Path) -> Any:
                                    for f in folder.glob("rank*_of_*.pt")) if o)
         if not found:
             raise CheckpointMismatch(
-                f"fsdp_qcomm: no fsdp_qcomm state in {str(folder)!r} (saved without it?). To "
-                "resume without it, do not load it (Accelerate: load_state before "
-                "fsdp_qcomm.integrations.accelerate.register, or .remove() the two hooks it "
-                "returned, then register again; Lightning: fabric.load instead of "
-                "fsdp_qcomm.integrations.lightning.load): the next weight gathers send full "
-                "precision and the RNG counters and level tables start afresh"
+                f"fsdp_qcomm: no fsdp_qcomm state in {str(folder)!r} (saved without it?); "
+                f"{RESUME_WITHOUT_STATE}"
             )
         worlds = sorted({w for _, w in found})
         raise CheckpointMismatch(
