@@ -162,8 +162,9 @@ class QCommConfig:
     module and, on CUDA, one host read per forward), so writes through ``p.data`` reach the next
     forward and a write on some ranks only raises on every rank. ``False`` decides from this
     rank's own optimizer hooks and version counters with no collective and no host read: writes
-    through ``p.data`` are then missed until ``handle.mark_changed()``, and a write on some
-    ranks only hangs the group instead of raising.
+    through ``p.data``, and an optimizer's writes to parameters without a gradient (which
+    ``torch.optim`` never makes), are then missed until ``handle.mark_changed()``, and a write on
+    some ranks only hangs the group instead of raising.
 
     ``weight_reference`` (qWD): "node" keeps on each rank only the reference of the shards of
     the ranks with its local index on every node (``1/ranks_per_node`` of the model: ZeRO++'s

@@ -33,7 +33,7 @@ class LoRA(nn.Module):
         return self.base(x) + (x @ self.a.t()) @ self.b.t()
 
 
-def _train(rank: int, world: int, preset, **overrides) -> dict:
+def _train(rank: int, world: int, preset, all_params: bool = False, **overrides) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
     model.requires_grad_(False)
@@ -44,7 +44,8 @@ def _train(rank: int, world: int, preset, **overrides) -> dict:
               if not p.requires_grad}
     handle = fsdp_qcomm.enable(model, QCommConfig.preset(preset, ranks_per_node=1, **overrides)) \
         if preset else None
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if all_params or p.requires_grad],
+                            lr=1e-2)
     losses = [train_step(lm_loss(model, batch(step, rank)), opt) for step in range(STEPS)]
     out = {
         "losses": losses,
@@ -92,3 +93,17 @@ def test_adapters_train_and_frozen_weights_stay_exact(preset, overrides, first, 
         assert modes == {first: 2 * STEPS}, modes
     else:
         assert modes == {first: 1, reused: 2 * STEPS - 1}, modes
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+def test_frozen_weights_left_in_the_optimizer_are_sent_once(verify):
+    """``AdamW(model.parameters())`` over the frozen weights too (a common fine-tuning loop):
+    torch.optim skips a parameter without a gradient, so nothing changed and qWD sends the
+    frozen root once, as when the optimizer holds the adapters only; same bits as that run."""
+    only = run_ranks(_train, 2, "sdp4bit", timeout=300, verify_weight_writes=verify)
+    res = run_ranks(_train, 2, "sdp4bit", timeout=300, all_params=True,
+                    verify_weight_writes=verify)
+    for r, o in zip(res, only):
+        assert r["frozen_unchanged"]
+        assert r["losses"] == o["losses"] and r["adapters"] == o["adapters"]
+        assert r["root_modes"] == {"qwd_full": 1, "qwd_reuse": 2 * STEPS - 1}, r["root_modes"]

@@ -246,11 +246,19 @@ class _Dispatch:
             self._handles = []
 
     def _call(self, method: str) -> Callable[[Any, Any, Any], None]:
+        stepped = method == "optimizer_step_post"
+
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             sessions = list(self._sessions)
             if not sessions:
                 return
-            ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            # Before the step every parameter it covers must be as last explained; after it,
+            # only those with a gradient count as stepped: torch.optim leaves a parameter
+            # without one untouched, so a frozen module left in the optimizer sends nothing
+            # under qWD. FSDP2 gives every rank's shard a gradient (an empty one too) or none,
+            # so every rank counts alike; a write without a gradient is found by content.
+            ids = {id(p) for g in optimizer.param_groups for p in g["params"]
+                   if not stepped or p.grad is not None}
             for s in sessions:
                 getattr(s, method)(ids)
 
