@@ -364,8 +364,8 @@ def run_ranks(
 
 def digest(t) -> str:
     """SHA-1 of a tensor's raw bytes, on any device: equal digests mean bit-identical tensors
-    (NaNs included)."""
-    raw = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    (NaNs included); 0-dim tensors too (a step-counter buffer)."""
+    raw = t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
     return hashlib.sha1(raw).hexdigest()
 
 

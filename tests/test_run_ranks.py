@@ -204,3 +204,17 @@ def test_every_gloo_group_of_a_rank_runs_one_worker_thread():
         for name, (threads, backend, seq, is_gloo, is_patched) in got.items():
             assert (threads, backend, is_gloo, is_patched) == (1, "gloo", True, True), (name, got)
             assert seq >= 1, (name, got)
+
+
+def test_digest_tells_tensors_apart_bit_for_bit_in_any_shape():
+    """``testing.digest``: 0-dim tensors (a step-counter buffer) included; the sign of a zero
+    counts; the layout does not."""
+    import torch
+
+    from fsdp_qcomm.testing import digest
+
+    assert digest(torch.tensor(1.0)) == digest(torch.tensor([1.0]))  # the same bytes
+    assert digest(torch.tensor(1.0)) != digest(torch.tensor(2.0))
+    assert digest(torch.tensor(3, dtype=torch.int64)) != digest(torch.tensor(4))
+    assert digest(torch.tensor(0.0)) != digest(torch.tensor(-0.0))
+    assert digest(torch.ones(2, 3).t()) == digest(torch.ones(3, 2))
