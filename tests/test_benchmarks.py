@@ -650,7 +650,8 @@ def test_gpu_codec_model_one_rank_per_node_step_adds_no_pass_beside_the_codec():
     """At one rank per node (qWD's full reference), what ``enable`` adds to a step beyond its
     codec kernels: no FSDP-side pass (AVG is divided in the last hop's decode), no copies around
     qWD's own row (its decode updates the kept reference), the agreement's digests in one
-    launch; only the backward re-gather's restore of the own slot copies."""
+    launch and the optimizer step's in another; only the backward re-gather's restore of the
+    own slot copies."""
     import gpu_codec_model as m
 
     shape = m.SHAPES["tiny"]
@@ -667,7 +668,7 @@ def test_gpu_codec_model_one_rank_per_node_step_adds_no_pass_beside_the_codec():
     assert list(copies) == [("fsdp_qcomm/collectives/weight_gather.py:reuse", "aten.copy_")]
     assert copies[next(iter(copies))] == shape.layers  # the backward re-gathers (not the root)
     calls = {k: v[0] for (k, _), v in enabled.codec.items()}
-    assert calls["digest float32"] == 1
+    assert calls["digest float32"] == 2  # the agreement's, the optimizer step's: all groups each
     decode = next(k for k in calls if k.startswith("dequantize_segments"))
     assert calls[decode] == shape.layers + 1
 
@@ -696,7 +697,7 @@ def test_gpu_codec_model_counts_each_kernel_once_per_step_and_prices_it():
     from gpu_step_cost import Llama
 
     params = sum(1 for _ in Llama(shape).parameters())
-    assert calls["digest float32"] == 1  # one digest launch for every group of a step
+    assert calls["digest float32"] == 2  # one launch for every group: agreement, step
     old, _ = m.count_step(shape, 4, 2, "sdp4bit", warmup=1, torch_digest=True)
     assert not any(k.startswith("digest") for k, _ in old.codec)
     torch_formula = [v for (s, _), v in old.ops.items() if s.endswith(":_torch_digest")]

@@ -88,7 +88,8 @@ class _Tracker:
 
     def __init__(self, flags: int, changed: bool, offloaded: bool, device: torch.device) -> None:
         self.name, self.device = "m", device
-        self._flags, self._content = flags, torch.tensor(changed)
+        self._flags = flags
+        self._content = torch.tensor(int(Change.CONTENT) if changed else 0)
         if not offloaded:
             self._content = self._content.to(device)
 

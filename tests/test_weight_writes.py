@@ -40,8 +40,11 @@ SCHEMES = {
     "qwd_no_reuse": QCommConfig(weight_scheme="qwd", weight_group_size=16,
                                 weight_reuse_unchanged=False, **_ONE_NODE),
 }
+# "@step": written right after the optimizer step, no forward between (an EMA swap for an
+# evaluation, as diffusers' EMAModel.copy_to does it): the step must not explain the write
 WRITES = ("copy_", "data_copy_", "data_assign", "load_state_dict", "set_model_state_dict",
-          "swap_and_back", "custom_optimizer", "mark_changed")
+          "swap_and_back", "custom_optimizer", "mark_changed", "data_copy_@step",
+          "swap_and_back@step")
 
 
 class _HandSGD:
@@ -133,7 +136,11 @@ def _case(rank, name, how) -> dict:
         opt.step()
         opt.zero_grad()
     cap = Capture(model)
-    old = _forward(model, cap, rank, 50)  # what the gathers delivered last (qWD: the reference)
+    how, _, at = how.partition("@")
+    if at:  # the bound is moot under qWD: the write must arrive exactly
+        old = _exact(model)
+    else:
+        old = _forward(model, cap, rank, 50)  # what the gathers delivered last (qWD: reference)
     modes0 = handle.gather_modes() if handle is not None else {}
     out = {}
     if how == "swap_and_back":
@@ -416,3 +423,48 @@ def _one_rank_prefetch(rank, world):
 def test_a_prefetch_before_the_step_on_one_rank_computes_with_the_stepped_weights():
     (r,) = run_ranks(_one_rank_prefetch, 1)
     assert r == {"fsdp": 0.0, "none": 0.0}, r
+
+
+# ---- an optimizer whose closure runs forwards inside its step -------------------------------
+def _closure_steps(rank, world):
+    cfg = SCHEMES["qwd"]
+    torch.manual_seed(0)
+    model = TinyLM(vocab=38, hidden=46)  # LBFGS flattens each DTensor: even shards only
+    shard(model, True)
+    handle = fsdp_qcomm.enable(model, cfg)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=3)
+    cap = Capture(model)
+    errs, prev = [], None
+
+    def closure():
+        nonlocal prev
+        opt.zero_grad()
+        new = _exact(model)
+        cap.clear()
+        loss = lm_loss(model, batch(0, rank))
+        used = dict(cap.fwd)
+        if prev is not None:  # qWD: within one step of the change from the previous forward
+            errs.append((_err(used, new), _bound("qwd", cfg, new, prev)))
+        prev = used
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+    out = {"errs": errs, "modes": handle.gather_modes(),
+           "notes": handle.stats().get("notes", []), "modules": len(handle._installs)}
+    cap.remove()
+    handle.disable()
+    return out
+
+
+def test_writes_inside_an_optimizer_step_are_the_step_s_own():
+    """``torch.optim.LBFGS`` writes the parameters inside its step and runs the closure's
+    forward before the step ends: those writes are the step's (a quantized difference), not
+    writes outside an optimizer step re-sent at full precision with a note saying so."""
+    for r in run_ranks(_closure_steps, 2):
+        assert len(r["errs"]) >= 3 and all(e <= b for e, b in r["errs"]), r["errs"]
+        modes = r["modes"]
+        assert modes.get("qwd_full", 0) == r["modules"], modes  # the first gathers only
+        assert modes.get("qwd_diff", 0) >= 3, modes
+        assert not any("outside" in n for n in r["notes"]), r["notes"]

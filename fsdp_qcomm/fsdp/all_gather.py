@@ -547,7 +547,8 @@ class QuantizedAllGather(AllGather):
                     output.copy_(q.ref)
                     record(o)
 
-        if self._pending_ref is not None and code & (Change.RESET | Change.WRITE):
+        if self._pending_ref is not None and code & (Change.RESET | Change.WRITE
+                                                     | Change.CONTENT_SINCE_STEP):
             self._pending_ref = None  # re-sent at full precision: no loaded reference needed
         if self._pending_ref is not None:
             input = self._restore_reference(q, input, aliased)

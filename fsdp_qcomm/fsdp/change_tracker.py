@@ -22,7 +22,12 @@ flags:
 * writes found by content only (``CONTENT``): an exact integer digest of this rank's shard
   differs from the one taken at the previous gather. This is what catches ``p.data.copy_``,
   ``p.data = t`` and foreach kernels run outside an optimizer, which leave every version counter
-  unchanged.
+  unchanged. A step explains such a change, so each optimizer step digests the shard again
+  (``step_digests``): a change since that digest (``CONTENT_SINCE_STEP``) is a write after the
+  step, which no step explains.
+
+What a step writes before it ends is the step's, also where its closure's forward gathers in
+the middle of it (``torch.optim.LBFGS``).
 
 ``Agreement`` turns local flags into one decision per module at a fixed point: one small
 all-gather of every module's flags (int64) over the ranks that gather together, before the
@@ -33,26 +38,28 @@ Every rank sees the same gathered rows, so every rank decides alike:
   not (a parameter written on some ranks only, an optimizer stepped on some ranks only), every
   rank raises the same error naming the module and the ranks, at once, instead of hanging in
   the gather that follows;
-* ``CONTENT`` is or-ed over the ranks: a write through ``p.data`` may leave one rank's shard
-  unchanged (all zeros halved), so one changed shard is enough for all to exchange, which is
-  what FSDP2 itself computes (each rank gathers the shards as they are).
+* ``CONTENT`` and ``CONTENT_SINCE_STEP`` are or-ed over the ranks: a write through ``p.data``
+  may leave one rank's shard unchanged (all zeros halved), so one changed shard is enough for
+  all to exchange, which is what FSDP2 itself computes (each rank gathers the shards as they
+  are).
 
 Inside a backward pass (a re-gather for backward, or an activation-checkpoint recomputation)
 only the declared flags count and nothing is exchanged to agree: FSDP's backward must compute
 with the weights its forward used, and those flags are SPMD facts.
 
 What an agreed code means (``plan``): nothing to exchange for no flag or ``REDUCED`` alone;
-full precision for ``FIRST``, ``RESET``, ``WRITE``, and ``CONTENT`` that no ``STEP``,
-``LOADED`` or ``REDUCED`` explains; a quantized difference otherwise. ``LOADED`` has its own
-path: qWD's saved reference is re-assembled; then, when the load set each rank's previous
-digest to the one saved with the state and no rank's loaded shard differs from it
-(``loaded_unchanged``), qWD sends nothing and direct schemes re-send under the loaded counter
-(no new key); else a quantized difference under a new key (full precision after ``reset()``
-or without a saved reference).
+full precision for ``FIRST``, ``RESET``, ``WRITE``, ``CONTENT_SINCE_STEP``, and ``CONTENT``
+that no ``STEP``, ``LOADED`` or ``REDUCED`` explains; a quantized difference otherwise.
+``LOADED`` has its own path: qWD's saved reference is re-assembled; then, when the load set
+each rank's previous digest to the one saved with the state and no rank's loaded shard differs
+from it (``loaded_unchanged``), qWD sends nothing and direct schemes re-send under the loaded
+counter (no new key); else a quantized difference under a new key (full precision after
+``reset()`` or without a saved reference).
 
 Cost: one digest pass over this rank's shard per forward gather decision (integer view, a
-position-weighted int64 sum), and one all-gather of ``8 * modules`` bytes per root forward
-(``4 + 8 * modules`` bytes on the wire for gloo); on CUDA one host read per root forward.
+position-weighted int64 sum) and one per optimizer step (no host read), and one all-gather of
+``8 * modules`` bytes per root forward (``4 + 8 * modules`` bytes on the wire for gloo); on
+CUDA one host read per root forward.
 """
 
 from __future__ import annotations
@@ -78,12 +85,17 @@ class Change(enum.IntFlag):
     WRITE = 16
     REDUCED = 32
     CONTENT = 64
+    CONTENT_SINCE_STEP = 128
+
+
+#: what the digests find, or-ed over the ranks (a write may leave one rank's shard unchanged)
+FOUND = Change.CONTENT | Change.CONTENT_SINCE_STEP
 
 
 #: facts every rank of an SPMD program has alike: ranks must agree on them
 SPMD = Change.FIRST | Change.STEP | Change.RESET | Change.LOADED | Change.WRITE | Change.REDUCED
 #: changes that make the next exchange send full precision
-FULL = Change.FIRST | Change.RESET | Change.WRITE | Change.CONTENT
+FULL = Change.FIRST | Change.RESET | Change.WRITE | FOUND
 
 _DESCRIBE = {
     Change.FIRST: "first gather",
@@ -94,6 +106,8 @@ _DESCRIBE = {
                   "tensors)",
     Change.REDUCED: "a gradient reduction (an optimizer that is not a torch.optim.Optimizer)",
     Change.CONTENT: "values written without a version bump (p.data writes)",
+    Change.CONTENT_SINCE_STEP: "values written without a version bump after the optimizer "
+                               "step (p.data writes)",
 }
 
 
@@ -107,7 +121,8 @@ def plan(code: int) -> tuple[bool, bool]:
     """(exchange, full precision) for an agreed code. Changed values are explained by an
     optimizer step, ``mark_changed()`` or a loaded checkpoint; with a gradient reduction alone
     they are taken for an optimizer step of another kind (a quantized difference); a reduction
-    alone changes nothing; unexplained changes re-send full precision."""
+    alone changes nothing; unexplained changes re-send full precision, among them values written
+    after the optimizer step that explains the rest (``CONTENT_SINCE_STEP``)."""
     c = Change(code)
     if c & Change.CONTENT and c & (Change.STEP | Change.LOADED | Change.REDUCED):
         c &= ~Change.CONTENT
@@ -134,8 +149,7 @@ def values_changed(code: int) -> bool:
     """Whether an agreed code says the shards' values changed since the previous gather (an
     optimizer step, ``mark_changed()``, a write, a load that left another shard), not only
     that the next gather re-sends (the first gather, ``reset()``, an unchanged load)."""
-    changed = code & (Change.STEP | Change.WRITE | Change.CONTENT | Change.LOADED
-                      | Change.REDUCED)
+    changed = code & (Change.STEP | Change.WRITE | FOUND | Change.LOADED | Change.REDUCED)
     return bool(changed & ~Change.REDUCED) and not loaded_unchanged(changed)
 
 
@@ -255,6 +269,8 @@ class ChangeTracker:
         self._expected: Optional[list[tuple]] = None  # signatures explained so far
         self._digest: Optional[torch.Tensor] = None  # at the previous forward gather
         self._digest_now: Optional[torch.Tensor] = None
+        self._digest_step: Optional[torch.Tensor] = None  # after the last optimizer step
+        self._stepping = False  # inside an optimizer step over these parameters
         self._optim_tracked = False  # a torch.optim step over these parameters was seen
         self._written = False  # a write saved with a loaded state, still pending (``loaded``)
         self.pending: Optional[int] = None  # agreed code for the next forward gather
@@ -267,6 +283,7 @@ class ChangeTracker:
         self._flags |= Change.STEP
         self._expected = None
         self._written = False
+        self._digest_step = None  # writes since the last step are vouched for too
 
     def reset(self) -> None:
         self._flags |= Change.RESET
@@ -289,7 +306,7 @@ class ChangeTracker:
             self._flags |= Change.WRITE
         self._expected = None
         self._written = written == 1
-        self._digest_now = None
+        self._digest_now = self._digest_step = None
         self._digest = None if digest is None else torch.tensor(
             digest, dtype=torch.int64, device=self.shard_device())
 
@@ -328,13 +345,18 @@ class ChangeTracker:
         return 1 if self.local_flags(backward=False) & Change.WRITE else 0
 
     def optimizer_step_pre(self, param_ids: set[int]) -> None:
-        """Before an optimizer step: parameters it covers must still be as last explained."""
-        if self._expected is None:
-            return
+        """Before an optimizer step: parameters it covers must still be as last explained.
+        Until its end, what it writes is the step's, also where a closure's forward gathers
+        in the middle of it (``torch.optim.LBFGS``, sharpness-aware minimization)."""
+        covered = False
         for i, fp in enumerate(fsdp.fsdp_params(self._pg)):
-            if id(fsdp.sharded_param(fp)) in param_ids and \
-                    fsdp.param_signature(fp) != self._expected[i]:
-                self._flags |= Change.WRITE
+            if id(fsdp.sharded_param(fp)) in param_ids:
+                covered = True
+                if self._expected is not None and fsdp.param_signature(fp) != self._expected[i]:
+                    self._flags |= Change.WRITE
+        if covered:
+            self._stepping = True
+            self._digest_step = None
 
     def optimizer_step_post(self, param_ids: set[int]) -> bool:
         """After an optimizer step: the weights changed, and its version bumps are explained.
@@ -345,6 +367,7 @@ class ChangeTracker:
                 hit = True
                 if self._expected is not None:
                     self._expected[i] = fsdp.param_signature(fp)
+        self._stepping = False
         if hit:
             self._flags |= Change.STEP
             self._optim_tracked = True
@@ -363,8 +386,10 @@ class ChangeTracker:
         if backward:
             return int(self._flags & (Change.FIRST | Change.STEP | Change.RESET | Change.LOADED))
         flags = self._flags
-        if self._written or (self._expected is not None and self._signature() != self._expected):
+        if self._written:
             flags |= Change.WRITE
+        elif self._expected is not None and self._signature() != self._expected:
+            flags |= Change.STEP if self._stepping else Change.WRITE
         if flags & Change.LOADED and self._digest is None:
             flags |= Change.CONTENT  # loaded without a digest: the shard counts as changed
         return int(flags)
@@ -398,6 +423,7 @@ class ChangeTracker:
             self._flags &= ~(Change.FIRST | Change.STEP | Change.RESET | Change.LOADED)
             return
         self._written = False  # sent
+        self._digest_step = None
         self._flags = Change.NONE
         self._expected = self._signature()
         if self._digest_now is not None:
@@ -405,24 +431,53 @@ class ChangeTracker:
             self._digest_now = None
 
 
-def content_changes(trackers: Sequence[ChangeTracker]) -> list[torch.Tensor]:
-    """For each tracker, a bool on its shards' device: its shard differs from the one at its
-    previous forward gather (False before the first). Each takes the digest its next
-    ``gathered`` records. Batched: per device, the digests of every group in one call
-    (``shard_digests``: one launch per element width on CUDA) and one comparison, where a call
-    per group took three launches (17 groups of a 16-layer model: 51 a step)."""
+def _digests_by_device(trackers: Sequence[ChangeTracker]
+                       ) -> list[tuple[list[int], torch.Tensor]]:
+    """The trackers' shard digests, batched per device (``shard_digests``: one launch per
+    element width on CUDA): ``(indices into trackers, their digests)`` for each device."""
     by_device: dict[torch.device, list[tuple[int, list[torch.Tensor]]]] = {}
     for k, t in enumerate(trackers):
         shards = t.shards()
         by_device.setdefault(t.shard_device(shards), []).append((k, shards))
+    return [([k for k, _ in items], shard_digests([shards for _, shards in items]))
+            for items in by_device.values()]
+
+
+def _differs(now: torch.Tensor, then: list[Optional[torch.Tensor]]) -> torch.Tensor:
+    """``now != then`` elementwise, where a missing ``then`` counts as equal."""
+    return now != torch.stack([now[i] if d is None else d for i, d in enumerate(then)])
+
+
+def step_digests(trackers: Sequence[ChangeTracker]) -> None:
+    """After an optimizer step over these groups: each keeps its stepped shard's digest, so
+    the next agreement tells the step's values from a ``p.data`` write after it (an EMA swap
+    for an evaluation, a checkpoint's weights copied in), which must re-send full precision:
+    a quantized difference of that jump would leave the evaluation's weights off by its
+    quantization step. One digest pass per step, batched like ``content_changes``; on CUDA
+    no host read."""
+    for ks, now in _digests_by_device(trackers):
+        for i, k in enumerate(ks):
+            trackers[k]._digest_step = now[i]
+
+
+def content_changes(trackers: Sequence[ChangeTracker]) -> list[torch.Tensor]:
+    """For each tracker, an int64 code on its shards' device: ``CONTENT`` when its shard
+    differs from the one at its previous forward gather (never before the first), and
+    ``CONTENT_SINCE_STEP`` when it differs from the one its last optimizer step left
+    (``step_digests``). Each takes the digest its next ``gathered`` records. Batched: per
+    device, the digests of every group in one call (``shard_digests``: one launch per element
+    width on CUDA) and one comparison each, where a call per group took three launches (17
+    groups of a 16-layer model: 51 a step)."""
     out: list[Optional[torch.Tensor]] = [None] * len(trackers)
-    for items in by_device.values():
-        now = shard_digests([shards for _, shards in items])
-        before = [trackers[k]._digest for k, _ in items]
-        changed = now != torch.stack([now[i] if d is None else d for i, d in enumerate(before)])
-        for i, (k, _) in enumerate(items):
+    for ks, now in _digests_by_device(trackers):
+        code = _differs(now, [trackers[k]._digest for k in ks]).to(torch.int64) \
+            * int(Change.CONTENT)
+        stepped = [trackers[k]._digest_step for k in ks]
+        if any(d is not None for d in stepped):
+            code |= _differs(now, stepped).to(torch.int64) * int(Change.CONTENT_SINCE_STEP)
+        for i, k in enumerate(ks):
             trackers[k]._digest_now = now[i]
-            out[k] = changed[i]
+            out[k] = code[i]
     return out  # type: ignore[return-value]
 
 
@@ -468,13 +523,13 @@ class Agreement:
         flags = [t.local_flags(backward=False) for t in trackers]
         contents = content_changes(trackers)
         if device.type != "cpu" and any(c.device.type == "cpu" for c in contents):
-            zero = torch.zeros((), dtype=torch.bool, device=device)
+            zero = torch.zeros((), dtype=torch.int64, device=device)
             for k, c in enumerate(contents):
                 if c.device.type == "cpu":
-                    flags[k] |= int(Change.CONTENT) if c else 0
+                    flags[k] |= int(c)
                     contents[k] = zero
         local = self._to_device(flags, device)
-        mine = local | (torch.stack(contents).to(torch.int64) * int(Change.CONTENT))
+        mine = local | torch.stack(contents)
         world = dist.get_world_size(self.group)
         if world == 1:
             return mine.cpu().tolist()
@@ -490,8 +545,10 @@ class Agreement:
             spmd = [c & int(SPMD) for c in col]
             if any(c != spmd[0] for c in spmd):
                 raise RuntimeError(_disagreement(t.name, spmd, where, self.group))
-            content_any = any(c & int(Change.CONTENT) for c in col)
-            out.append(spmd[0] | (int(Change.CONTENT) if content_any else 0))
+            found = 0
+            for c in col:
+                found |= c & int(FOUND)
+            out.append(spmd[0] | found)
         return out
 
 
@@ -512,5 +569,6 @@ def _disagreement(name: str, codes: list[int], where: str,
     )
 
 
-__all__ = ["KIND", "Agreement", "Change", "ChangeTracker", "FULL", "SPMD", "content_changes",
-           "describe", "loaded_unchanged", "plan", "shard_digests", "values_changed"]
+__all__ = ["FOUND", "KIND", "Agreement", "Change", "ChangeTracker", "FULL", "SPMD",
+           "content_changes", "describe", "loaded_unchanged", "plan", "shard_digests",
+           "step_digests", "values_changed"]

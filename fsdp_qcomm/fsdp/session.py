@@ -32,6 +32,7 @@ from torch.optim.optimizer import (
 )
 
 from ..stats import CommStats
+from . import change_tracker
 from . import internals as fsdp
 from .change_tracker import Agreement, Change, ChangeTracker, describe, values_changed
 from .grad_overlap import ReductionQueue
@@ -158,8 +159,10 @@ class Session:
     def optimizer_step_post(self, ids: set[int]) -> None:
         if not self.enabled or not ids & self._param_ids:
             return
-        for t in self.trackers:
-            t.optimizer_step_post(ids)
+        agreeing = {id(t) for t in self.agreeing}
+        stepped = [t for t in self.trackers if t.optimizer_step_post(ids) and id(t) in agreeing]
+        if stepped:  # what a p.data write after the step changes is found against these
+            change_tracker.step_digests(stepped)
         for i, own in zip(self.installs, self._install_ids):
             if i.all_gather is not None and i.all_gather.tracker is None and ids & own:
                 i.all_gather.note_change()
@@ -191,7 +194,7 @@ def _what_changed(code: int) -> str:
     """The value changes in a code, in words: a content change is the optimizer step or load
     that explains it, or the gradient reduction (an optimizer of another kind) that does."""
     c = Change(code)
-    shown = c & (Change.STEP | Change.WRITE | Change.LOADED)
+    shown = c & (Change.STEP | Change.WRITE | Change.LOADED | Change.CONTENT_SINCE_STEP)
     if c & Change.CONTENT and not c & (Change.STEP | Change.LOADED):
         shown |= Change.REDUCED if c & Change.REDUCED else Change.CONTENT
     return describe(shown)
