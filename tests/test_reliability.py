@@ -344,9 +344,12 @@ def _resume_after_a_resend(rank, world, root, kind):
     # resumed run re-sends too (its state holds no reference), bit for bit.
     # A write then mark_changed() after the save: a quantized difference in both runs; a write
     # an optimizer step took in before the save: full precision in both, mark_changed() or not.
+    # A p.data write after the step, or after an evaluation on rank 0 only: found by content,
+    # saved per rank (reference_valid 4), or-ed by the agreement: full precision in both.
     cfg = _EVALUATED[kind][1]
     qwd = not kind.startswith("direct")
-    hows = ("reset", "write", "write_then_mark_changed", "write_stepped_then_mark_changed")
+    hows = ("reset", "write", "write_then_mark_changed", "write_stepped_then_mark_changed",
+            "data_after_step", "data_after_evaluation_on_rank_0")
     for how in hows:
         ckpt = os.path.join(root, how)
         model, handle, opt = _build(cfg)
@@ -361,6 +364,14 @@ def _resume_after_a_resend(rank, world, root, kind):
                     p.mul_(0.99)
             opt.step()
             opt.zero_grad()
+        elif how.startswith("data_"):
+            with torch.no_grad():
+                if how.endswith("rank_0"):
+                    _loss(model, 99, rank)
+                    model.reshard()  # else the root's parameters are its gathered copy
+                if rank == 0 or how == "data_after_step":
+                    for p in model.parameters():
+                        p.data.add_(0.01)  # every value: rank 0's part of each module too
         else:
             with torch.no_grad():
                 for p in model.parameters():
@@ -384,7 +395,10 @@ def _resume_after_a_resend(rank, world, root, kind):
             units = len(_units(model))
             (entry,) = saved.values()
             valid = {m["reference_valid"] for m in entry["modules"].values()}
-            assert valid == {0 if how == "reset" else 3 if "stepped" in how else 2}, (how, valid)
+            want = 0 if how == "reset" else 3 if "stepped" in how else 2
+            if how.startswith("data_"):
+                want = 4 if rank == 0 or how == "data_after_step" else 1
+            assert valid == {want}, (how, valid)
             first = "qwd_diff" if how == "write_then_mark_changed" else "qwd_full"
             assert sent.get(first, 0) >= units, (how, sent)
             # no reference is re-assembled where full precision is re-sent

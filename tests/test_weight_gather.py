@@ -338,7 +338,7 @@ def _misuse_and_lifecycle(rank, world):
     cap = _Capture(model)
     step(3)
     assert handle.gather_modes()["qwd_full"] == 3 * units
-    assert any("outside a torch.optim optimizer" in n for n in handle.stats()["notes"])
+    assert any("no torch.optim optimizer step explains" in n for n in handle.stats()["notes"])
     # an in-place write between steps (e.g. re-initialising a layer) is also caught
     with torch.no_grad():
         model.blocks[1].fc1.weight.mul_(0.5)

@@ -554,10 +554,14 @@ class QuantizedAllGather(AllGather):
             input = self._restore_reference(q, input, aliased)
             full = False  # the loaded reference belongs to these weights
         elif full and q.valid and code & ~int(Change.FIRST | Change.RESET):
+            why = code & (Change.WRITE | Change.CONTENT_SINCE_STEP)
+            if not code & (Change.STEP | Change.LOADED | Change.REDUCED):
+                why |= code & Change.CONTENT
             self._stats.note(
-                f"{self.name}: parameters changed outside a torch.optim optimizer step "
-                f"({describe(code)}); qWD re-sent them at full precision. After a deliberate "
-                "change, handle.mark_changed() on every rank sends a quantized difference instead"
+                f"{self.name}: parameters changed where no torch.optim optimizer step explains "
+                f"it ({describe(why)}); qWD re-sent them at full precision. After a deliberate "
+                "change (a write that belongs to the step, such as clipping or a projection), "
+                "handle.mark_changed() on every rank sends a quantized difference instead"
             )
         full = full or not q.valid
         self.tracker.gathered(backward)

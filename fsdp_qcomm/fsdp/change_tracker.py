@@ -24,10 +24,8 @@ flags:
   ``p.data = t`` and foreach kernels run outside an optimizer, which leave every version counter
   unchanged. A step explains such a change, so each optimizer step digests the shard again
   (``step_digests``): a change since that digest (``CONTENT_SINCE_STEP``) is a write after the
-  step, which no step explains.
-
-What a step writes before it ends is the step's, also where its closure's forward gathers in
-the middle of it (``torch.optim.LBFGS``).
+  step, which no step explains. A checkpoint saved with such a write pending carries it
+  (``content_pending``), so the resumed run re-sends it as the uninterrupted one does.
 
 ``Agreement`` turns local flags into one decision per module at a fixed point: one small
 all-gather of every module's flags (int64) over the ranks that gather together, before the
@@ -270,7 +268,7 @@ class ChangeTracker:
         self._digest: Optional[torch.Tensor] = None  # at the previous forward gather
         self._digest_now: Optional[torch.Tensor] = None
         self._digest_step: Optional[torch.Tensor] = None  # after the last optimizer step
-        self._stepping = False  # inside an optimizer step over these parameters
+        self._content_pending = False  # saved with such a write pending (``loaded``)
         self._optim_tracked = False  # a torch.optim step over these parameters was seen
         self._written = False  # a write saved with a loaded state, still pending (``loaded``)
         self.pending: Optional[int] = None  # agreed code for the next forward gather
@@ -284,12 +282,13 @@ class ChangeTracker:
         self._expected = None
         self._written = False
         self._digest_step = None  # writes since the last step are vouched for too
+        self._content_pending = False
 
     def reset(self) -> None:
         self._flags |= Change.RESET
 
     def loaded(self, restored: bool = False, digest: Optional[int] = None,
-               written: int = 0) -> None:
+               written: int = 0, content_pending: bool = False) -> None:
         """A checkpoint was loaded. ``restored``: it holds what this group's next gather needs
         (qWD's reference, a direct scheme's counter), which stands in for a first gather and
         for any earlier ``reset()`` (a ``reset()`` after the load still re-sends). ``digest``:
@@ -298,7 +297,9 @@ class ChangeTracker:
         counts as changed. ``written``: the state was saved with a write pending
         (``written()``): it stays pending as in the run that saved it, until ``mark_changed()``
         explains it (1 only) or a gather sends it. A load does not turn 1 into 2 through
-        optimizer steps: ``set_state_dict`` takes one at learning rate 0 after every load."""
+        optimizer steps: ``set_state_dict`` takes one at learning rate 0 after every load.
+        ``content_pending``: saved with a write found by content that no step explains
+        (``content_pending()``), likewise pending until ``mark_changed()`` or a gather."""
         self._flags |= Change.LOADED
         if restored:
             self._flags &= ~(Change.FIRST | Change.RESET)
@@ -306,6 +307,7 @@ class ChangeTracker:
             self._flags |= Change.WRITE
         self._expected = None
         self._written = written == 1
+        self._content_pending = content_pending
         self._digest_now = self._digest_step = None
         self._digest = None if digest is None else torch.tensor(
             digest, dtype=torch.int64, device=self.shard_device())
@@ -328,6 +330,19 @@ class ChangeTracker:
             return None  # written without a version bump since (the next gather re-sends)
         return int(self._digest)
 
+    def content_pending(self) -> bool:
+        """Whether this rank's shard holds a write found by content that nothing explains,
+        which the next agreement re-sends at full precision: a change since the last optimizer
+        step's digest, or, with no step or load since the last forward gather, since that
+        gather's. Per rank (a write may leave some shards unchanged): the agreement ors it
+        over the ranks. One digest pass and one host read; for the saved state."""
+        if self._content_pending:
+            return True
+        then = self._digest_step
+        if then is None and not self._flags & (Change.STEP | Change.LOADED | Change.REDUCED):
+            then = self._digest
+        return then is not None and not bool(shard_digests([self.shards()])[0] == then)
+
     def resends_full(self) -> bool:
         """Whether a declared event (the first gather, ``handle.reset()``: alike on every rank,
         and nothing but a gather clears it) makes the next forward gather re-send full
@@ -345,18 +360,13 @@ class ChangeTracker:
         return 1 if self.local_flags(backward=False) & Change.WRITE else 0
 
     def optimizer_step_pre(self, param_ids: set[int]) -> None:
-        """Before an optimizer step: parameters it covers must still be as last explained.
-        Until its end, what it writes is the step's, also where a closure's forward gathers
-        in the middle of it (``torch.optim.LBFGS``, sharpness-aware minimization)."""
-        covered = False
+        """Before an optimizer step: parameters it covers must still be as last explained."""
+        if self._expected is None:
+            return
         for i, fp in enumerate(fsdp.fsdp_params(self._pg)):
-            if id(fsdp.sharded_param(fp)) in param_ids:
-                covered = True
-                if self._expected is not None and fsdp.param_signature(fp) != self._expected[i]:
-                    self._flags |= Change.WRITE
-        if covered:
-            self._stepping = True
-            self._digest_step = None
+            if id(fsdp.sharded_param(fp)) in param_ids and \
+                    fsdp.param_signature(fp) != self._expected[i]:
+                self._flags |= Change.WRITE
 
     def optimizer_step_post(self, param_ids: set[int]) -> bool:
         """After an optimizer step: the weights changed, and its version bumps are explained.
@@ -367,7 +377,6 @@ class ChangeTracker:
                 hit = True
                 if self._expected is not None:
                     self._expected[i] = fsdp.param_signature(fp)
-        self._stepping = False
         if hit:
             self._flags |= Change.STEP
             self._optim_tracked = True
@@ -386,10 +395,10 @@ class ChangeTracker:
         if backward:
             return int(self._flags & (Change.FIRST | Change.STEP | Change.RESET | Change.LOADED))
         flags = self._flags
-        if self._written:
+        if self._written or (self._expected is not None and self._signature() != self._expected):
             flags |= Change.WRITE
-        elif self._expected is not None and self._signature() != self._expected:
-            flags |= Change.STEP if self._stepping else Change.WRITE
+        if self._content_pending:
+            flags |= Change.CONTENT_SINCE_STEP
         if flags & Change.LOADED and self._digest is None:
             flags |= Change.CONTENT  # loaded without a digest: the shard counts as changed
         return int(flags)
@@ -422,7 +431,7 @@ class ChangeTracker:
         if backward:
             self._flags &= ~(Change.FIRST | Change.STEP | Change.RESET | Change.LOADED)
             return
-        self._written = False  # sent
+        self._written = self._content_pending = False  # sent
         self._digest_step = None
         self._flags = Change.NONE
         self._expected = self._signature()

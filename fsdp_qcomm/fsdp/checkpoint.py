@@ -174,6 +174,9 @@ def _reference_pieces(g: Any, flat: torch.Tensor, segs: tuple[int, ...]) -> dict
 #: found by signature (``mark_changed()`` may still explain it), or taken into an optimizer step
 WRITTEN = {1: 2, 2: 3}
 _WRITTEN_OF = {v: k for k, v in WRITTEN.items()}  # the load's way back
+#: ``reference_valid`` of a reference saved with a write found by content pending on this rank
+#: (``ChangeTracker.content_pending``: per rank, or-ed by the next agreement)
+CONTENT_PENDING = 4
 
 
 def gather_state(g: Any) -> dict[str, Any]:
@@ -183,7 +186,8 @@ def gather_state(g: Any) -> dict[str, Any]:
     whatever the gathers keep), and for qWD this rank's shard of the reference (its
     ``own_ref``; zeros with ``reference_valid`` 0 before the first gather, and when the next
     gather re-sends full precision anyway: ``ChangeTracker.resends_full``; 2 or 3, ``WRITTEN``,
-    with a write pending, which the resumed run then finds again)."""
+    with a write pending, which the resumed run then finds again; 4, ``CONTENT_PENDING``, with
+    a write only this rank's digest finds pending)."""
     device = fsdp.group_device(g._pg)
     state: dict[str, Any] = {"weight_calls": g._counter, "gathered_digest": None}
     if g.levels is not None:
@@ -206,6 +210,8 @@ def gather_state(g: Any) -> dict[str, Any]:
         written = g.tracker.written() if valid and g.tracker is not None else 0
         if written:  # the resumed run finds the write again (``load_gather_state``)
             valid = WRITTEN[written]
+        elif valid and g.tracker is not None and g.agrees and g.tracker.content_pending():
+            valid = CONTENT_PENDING
         state["reference_valid"] = valid
         state["reference"] = _reference_pieces(g, flat, segs)
     if g.tracker is not None and not g._plain_like and valid:
@@ -227,10 +233,10 @@ def check_gather_state(g: Any, state: dict[str, Any]) -> None:
             f"{RESUME_WITHOUT_STATE}"
         )
     valid = state.get("reference_valid")
-    if valid not in (None, 0, 1, *WRITTEN.values()):
+    if valid not in (None, 0, 1, *WRITTEN.values(), CONTENT_PENDING):
         raise CheckpointMismatch(
             f"FSDP module {g.name!r}: the saved reference_valid is {valid!r}, not one of 0 to "
-            f"3; the state was written by something else than fsdp_qcomm. "
+            f"4; the state was written by something else than fsdp_qcomm. "
             f"{RESUME_WITHOUT_STATE}"
         )
     if reference_layout(g) is None or not valid:
@@ -262,8 +268,10 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
     # what the next gather needs came back: the qWD reference, or a direct scheme's counter
     restored = layout is None or bool(state.get("reference_valid"))
     if g.tracker is not None:  # the next gather exchanges unless the shards match the digest
+        valid = state.get("reference_valid")
         g.tracker.loaded(restored, state.get("gathered_digest"),
-                         written=_WRITTEN_OF.get(state.get("reference_valid"), 0))
+                         written=_WRITTEN_OF.get(valid, 0),
+                         content_pending=valid == CONTENT_PENDING)
         if not g._plain_like:
             g._gen += 1  # forwards before the load computed with other weights
     g._forward_gathers = 0

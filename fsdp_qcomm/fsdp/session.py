@@ -21,7 +21,7 @@ Fixed points, the same on every rank:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ class Session:
         self.in_root_forward = False
         self._model_ref = weakref.ref(model)
         self._install_ids = [{id(p) for p in fsdp.sharded_params(i.group)} for i in installs]
+        self._digest_due: dict[int, ChangeTracker] = {}  # stepped, digested at the step's end
         self._param_ids = set().union(*self._install_ids)
         # not traced by torch.compile (like FSDP's own hooks); wrapped here, not at import
         before = torch.compiler.disable(self._before_root_forward)
@@ -156,13 +157,23 @@ class Session:
         for t in self.trackers:
             t.optimizer_step_pre(ids)
 
-    def optimizer_step_post(self, ids: set[int]) -> None:
-        if not self.enabled or not ids & self._param_ids:
-            return
+    def optimizer_step_post(self, ids: set[int], outermost: bool = True) -> None:
+        """After a step over the parameters ``ids`` (those with a gradient). The agreeing
+        groups it stepped are digested once the outermost step ends (an optimizer container
+        such as torchtitan's steps inner optimizers): what a ``p.data`` write after the step
+        changes is found against those digests (``change_tracker.step_digests``)."""
+        if self.enabled and ids & self._param_ids:
+            self._stepped(ids)
+        if outermost and self._digest_due:
+            due, self._digest_due = list(self._digest_due.values()), {}
+            if self.enabled:
+                change_tracker.step_digests(due)
+
+    def _stepped(self, ids: set[int]) -> None:
         agreeing = {id(t) for t in self.agreeing}
-        stepped = [t for t in self.trackers if t.optimizer_step_post(ids) and id(t) in agreeing]
-        if stepped:  # what a p.data write after the step changes is found against these
-            change_tracker.step_digests(stepped)
+        for t in self.trackers:
+            if t.optimizer_step_post(ids) and id(t) in agreeing:
+                self._digest_due[id(t)] = t
         for i, own in zip(self.installs, self._install_ids):
             if i.all_gather is not None and i.all_gather.tracker is None and ids & own:
                 i.all_gather.note_change()
@@ -233,13 +244,14 @@ class _Dispatch:
     def __init__(self) -> None:
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self._handles: list = []
+        self._open: list[int] = []  # the optimizers inside step(), outermost first
+        self._with_grad: dict[int, set[int]] = {}  # their parameters with a gradient before
 
     def add(self, session: Session) -> None:
         self._sessions.add(session)
         if not self._handles:
-            self._handles = [
-                register_optimizer_step_pre_hook(self._call("optimizer_step_pre")),
-                register_optimizer_step_post_hook(self._call("optimizer_step_post"))]
+            self._handles = [register_optimizer_step_pre_hook(self._pre),
+                             register_optimizer_step_post_hook(self._post)]
 
     def discard(self, session: Session) -> None:
         self._sessions.discard(session)
@@ -248,24 +260,38 @@ class _Dispatch:
                 h.remove()
             self._handles = []
 
-    def _call(self, method: str) -> Callable[[Any, Any, Any], None]:
-        stepped = method == "optimizer_step_post"
+    # Before a step every parameter it covers must be as last explained. A parameter counts
+    # as stepped when it had a gradient before or after the step: torch.optim leaves one
+    # without a gradient untouched, so a frozen module left in the optimizer sends nothing
+    # under qWD; before, for a hook that frees the gradients after the step (per-optimizer
+    # post hooks run first), after, for a closure that makes them (LBFGS). FSDP2 gives every
+    # rank's shard a gradient (an empty one too) or none, so every rank counts alike; a write
+    # without a gradient is found by content.
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        sessions = list(self._sessions)
+        if not sessions:
+            return
+        k = id(optimizer)
+        if k in self._open:  # its previous step raised: that one and the ones inside are over
+            del self._open[self._open.index(k):]
+        self._open.append(k)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._with_grad[k] = {id(p) for p in params if p.grad is not None}
+        ids = {id(p) for p in params}
+        for s in sessions:
+            s.optimizer_step_pre(ids)
 
-        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            sessions = list(self._sessions)
-            if not sessions:
-                return
-            # Before the step every parameter it covers must be as last explained; after it,
-            # only those with a gradient count as stepped: torch.optim leaves a parameter
-            # without one untouched, so a frozen module left in the optimizer sends nothing
-            # under qWD. FSDP2 gives every rank's shard a gradient (an empty one too) or none,
-            # so every rank counts alike; a write without a gradient is found by content.
-            ids = {id(p) for g in optimizer.param_groups for p in g["params"]
-                   if not stepped or p.grad is not None}
-            for s in sessions:
-                getattr(s, method)(ids)
-
-        return hook
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        sessions = list(self._sessions)
+        if not sessions:
+            return
+        k = id(optimizer)
+        if k in self._open:
+            del self._open[self._open.index(k):]
+        ids = self._with_grad.pop(k, set()) | {
+            id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        for s in sessions:
+            s.optimizer_step_post(ids, outermost=not self._open)
 
 
 _DISPATCH = _Dispatch()
