@@ -133,3 +133,46 @@ def test_float8_all_gather_trains_with_gradients_quantized(preset):
     assert all(abs(a - b) < 0.05 * b for a, b in zip(got[0]["losses"], base["losses"]))
     assert any(k.startswith("grad") for k in got[0]["kinds"]), got[0]
     assert set(got[0]["modes"]) <= {"plain"}, got[0]["modes"]  # float8 payload not re-quantized
+
+
+def _float64_run(rank, world, preset, mesh_shape):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12)).double()
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[
+        -len(mesh_shape):])
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = fsdp_qcomm.enable(model, QCommConfig.preset(preset, ranks_per_node=1)) \
+        if preset != "fsdp2" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 12, generator=g)
+        losses.append(train_step(F.mse_loss(model(x.double()), y.double()), opt))
+    out = {"losses": losses}
+    if handle is not None:
+        out["notes"] = handle.stats().get("notes", [])
+        handle.disable()
+    return out
+
+
+@pytest.mark.parametrize("preset", ["sdp4bit", "qsdp", "bf16"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
+def test_float64_parameters_train_as_fsdp2_does(preset, mesh_shape):
+    """float64 parameters (a numerics check, a scientific model): the codec takes 16- and
+    32-bit values, so their gathers and reductions stay FSDP's own, exact in float64, each
+    with a note; the first backward raised TypeError before."""
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    base = run_ranks(_float64_run, world, "fsdp2", mesh_shape)[0]
+    for r in run_ranks(_float64_run, world, preset, mesh_shape):
+        assert r["losses"] == base["losses"], (r["losses"], base["losses"])
+        notes = " ".join(r["notes"])
+        if preset != "bf16":  # whose gathers of other dtypes are FSDP's anyway
+            assert "weight all-gather fell back" in notes and "torch.float64" in notes, notes
+        assert "reduce-scatter fell back" in notes, notes

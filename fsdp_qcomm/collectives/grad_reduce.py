@@ -322,17 +322,18 @@ def reduce_scatter_plain(
     Blocking. Stats: ``sent_bytes`` = the input handed to the process group, ``recv_bytes`` =
     the output; ``cross_node_bytes`` = the rows of group members on other nodes."""
     world = dist.get_world_size(group)
-    _check_buffers(output, input, world)
+    _check_buffers(output, input, world, _PLAIN_DTYPES)
     finish = reduce_op_finisher(op, world)
     if output.numel() == 0:
         return
+    acc = torch.float64 if output.dtype == torch.float64 else torch.float32
     if world == 1:
-        res = input.reshape(-1).to(torch.float32)
+        res = input.reshape(-1).to(acc)
         output.view(-1).copy_(finish(res.clone()) if finish is not None else res)
         return
     _c10d.reduce_scatter_single(output.view(-1), input.reshape(-1), op=ReduceOp.SUM, group=group)
     if finish is not None:
-        output.copy_(finish(output.to(torch.float32)))
+        output.copy_(finish(output.to(acc)))
     if stats is not None:
         lay = topology.layout if topology is not None else None
         remote = world - 1 if lay is None else lay.remote_peers
@@ -344,11 +345,17 @@ def reduce_scatter_plain(
                      baseline_cross_node_bytes=sent * remote // world)
 
 
-def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int) -> None:
+#: what the unquantized reduce-scatter also takes (FSDP's float64 gradients, summed in float64)
+_PLAIN_DTYPES = (*FLOAT_DTYPES, torch.float64)
+
+
+def _check_buffers(output: torch.Tensor, input: torch.Tensor, world: int,
+                   dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
     for name, t in (("input", input), ("output", output)):
-        if t.dtype not in FLOAT_DTYPES:
+        if t.dtype not in dtypes:
             raise TypeError(
-                f"quantized reduce-scatter {name} must be float32/bfloat16/float16, got {t.dtype}"
+                f"{'reduce-scatter' if dtypes is _PLAIN_DTYPES else 'quantized reduce-scatter'} "
+                f"{name} must be {'/'.join(str(d)[6:] for d in dtypes)}, got {t.dtype}"
             )
     if input.numel() != world * output.numel():
         raise ValueError(

@@ -260,15 +260,15 @@ def all_reduce_plain(
     bytes like ``all_reduce_quantized``: the reference point for the gain of quantization alone.
     ``cross_node_bytes`` counts what a bandwidth-optimal all-reduce sends to remote replicas
     (a reduce-scatter and an all-gather, each ``(R - 1) / R`` of the buffer: ``2 m / R`` values
-    per remote replica)."""
+    per remote replica). Any floating dtype (float64 gradients too)."""
     replicas = dist.get_world_size(group)
     finish = reduce_op_finisher(op, replicas)
     if tensor.numel() == 0:
         return
     if replicas > 1:
         dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
-    if finish is not None:
-        tensor.copy_(finish(tensor.to(torch.float32)))
+    if finish is not None:  # float64 sums stay float64
+        tensor.copy_(finish(tensor.to(torch.promote_types(tensor.dtype, torch.float32))))
     if stats is not None and replicas > 1:
         nbytes = tensor.numel() * tensor.element_size()
         remote = replicas - 1 if remote_peers is None else remote_peers

@@ -706,7 +706,7 @@ def _build_reduce_scatter(
         own = private_group(group)
         overlap = PreparedGroup(own, prepare(own, run.ranks_per_node))
     return QuantizedReduceScatter(run, stats, i.index, i.group, prepared=prepared,
-                                  prepared_overlap=overlap, queue=queue)
+                                  prepared_overlap=overlap, queue=queue, name=i.label)
 
 
 def _build_replica(

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from ..codec import FLOAT_DTYPES
 from ..collectives.cast import all_reduce_cast
 from ..collectives.error_feedback import FeedbackState
 from ..collectives.replica_reduce import (
@@ -232,6 +233,15 @@ class ReplicaAllReduce:
 
     def _reduce(self, tensor: torch.Tensor, group: ProcessGroup, op: Any, key: Any,
                 feedback: Any = None) -> None:
+        if tensor.dtype not in FLOAT_DTYPES:  # float64: a plain all-reduce, as the shards get
+            if self.wire_dtype is not None or self.spec is not None:
+                self.stats.note(
+                    f"{self.label}: replica all-reduce fell back to a plain one: the gradients "
+                    f"are {tensor.dtype}, the codec takes "
+                    f"{', '.join(map(str, FLOAT_DTYPES))}")
+            all_reduce_plain(tensor, group, op=op, stats=self.stats,
+                             remote_peers=self.remote_peers)
+            return
         if self.wire_dtype is not None:
             all_reduce_cast(tensor, group, wire_dtype=self.wire_dtype, op=op, stats=self.stats,
                             remote_peers=self.remote_peers)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from ..codec import RngKey
+from ..codec import FLOAT_DTYPES, RngKey
 from ..collectives.cast import reduce_scatter_cast
 from ..collectives.error_feedback import Feedback, FeedbackState
 from ..collectives.grad_reduce import (
@@ -91,13 +91,14 @@ class QuantizedReduceScatter(ReduceScatter):
         self, config: QCommConfig, stats: CommStats, bucket: int, param_group: Optional[Any] = None,
         *, prepared: Optional[PreparedGroup] = None,
         prepared_overlap: Optional[PreparedGroup] = None,
-        queue: Optional[ReductionQueue] = None,
+        queue: Optional[ReductionQueue] = None, name: str = "",
     ) -> None:
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
             raise ValueError(f"bucket must be a non-negative int (module index), got {bucket!r}")
         self.config = config
         self.stats = stats
         self.bucket = bucket
+        self.name = name or f"bucket {bucket}"
         self.param_group = param_group
         self.prepared = prepared
         self.prepared_overlap = prepared_overlap
@@ -154,6 +155,18 @@ class QuantizedReduceScatter(ReduceScatter):
                                "as the input, in the gradients' 16-bit dtype)")
         if self.param_group is not None:
             op = fsdp.readable_reduce_op(op, self.param_group)
+        if input_tensor.dtype not in FLOAT_DTYPES:
+            # float64 gradients, as the weight gather does for such dtypes: a plain collective
+            if self.config.grad_scheme != "none":
+                self.stats.note(
+                    f"{self.name}: gradient reduce-scatter fell back to a plain one "
+                    f"(grad_scheme={self.config.grad_scheme!r} not applied): the gradients are "
+                    f"{input_tensor.dtype}, the codec takes {', '.join(map(str, FLOAT_DTYPES))}")
+            reduce_scatter_plain(output_tensor, input_tensor, group, op=op, stats=self.stats,
+                                 topology=self._prepared_topology(group))
+            if self.peer_sync is not None:
+                self.peer_sync(output_tensor, self.stats)
+            return None
         key = RngKey(self.config.seed, self.call_count, dist.get_rank(), self.bucket)
         levels = None
         if self.levels is not None and group.size() > 1:
