@@ -415,6 +415,39 @@ def test_resume_after_a_reset_or_a_write_is_bit_identical(tmp_path, kind):
     run_ranks(_resume_after_a_resend, _EVALUATED[kind][0], str(tmp_path), kind)
 
 
+def _pending_on_one_rank_loaded_unverified(rank, world, root):
+    # Saved with a p.data write after the step on rank 0 only (reference_valid 4 there, 1 on
+    # rank 1), loaded by a run with verify_weight_writes=False: no agreement ors the pending
+    # write, so no rank may act on it alone (rank 0 re-sent full precision while rank 1 sent
+    # a difference: a collective mismatch).
+    ckpt = os.path.join(root, "pending")
+    cfg = QCommConfig.preset("qwd", weight_group_size=32, **_ONE_NODE, seed=9)
+    model, handle, opt = _build(cfg)
+    for s in range(2):
+        _train_step(model, opt, s, rank)
+    if rank == 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.add_(0.01)
+    (entry,) = handle.state_dict().values()
+    valid = {m["reference_valid"] for m in entry["modules"].values()}
+    _save(ckpt, model, opt, handle)
+    unverified = QCommConfig.preset("qwd", weight_group_size=32, **_ONE_NODE, seed=9,
+                                    verify_weight_writes=False)
+    model_b, handle_b, opt_b = _build(unverified)
+    _load(ckpt, model_b, opt_b, handle_b)
+    losses = [_train_step(model_b, opt_b, s, rank) for s in range(2, 4)]
+    handle.disable()
+    handle_b.disable()
+    return valid, losses, _full_digests(model_b)
+
+
+def test_a_write_pending_on_some_ranks_loads_into_an_unverified_run(tmp_path):
+    r0, r1 = run_ranks(_pending_on_one_rank_loaded_unverified, 2, str(tmp_path))
+    assert r0[0] == {4} and r1[0] == {1}, (r0[0], r1[0])
+    assert r0[2] == r1[2]  # the same weights after two more steps
+
+
 def _accumulate_step(model, opt, step, rank, k: int = 2) -> list[float]:
     losses = []
     for m in range(k):

@@ -501,6 +501,17 @@ def _container_steps(rank, world):
             except RuntimeError:
                 assert step == 2
             opt.inner.zero_grad()
+        # a step of another optimizer interrupted, never stepped again: the next steps of the
+        # first one still end outermost
+        other = _Container(torch.optim.SGD(model.parameters(), lr=0.0))
+        other.fail = True
+        lm_loss(model, batch(5, rank)).backward()
+        try:
+            other.step()
+        except RuntimeError:
+            pass
+        opt.step()
+        opt.inner.zero_grad()
         with torch.no_grad():  # a p.data write after the container's step: sent exactly
             for p in model.parameters():
                 p.data.mul_(0.5)
@@ -520,10 +531,11 @@ def _container_steps(rank, world):
 def test_an_optimizer_container_digests_each_stepped_shard_once_per_step():
     """The shards a step wrote are digested once its outermost optimizer's step ends (every
     module in one call), not once per nested step; a container step that raised after its
-    inner step leaves the next steps digesting as before; a p.data write after a container's
-    step still reaches the next forward exactly."""
+    inner step leaves the next steps digesting as before, as does another optimizer's step
+    interrupted for good; a p.data write after a container's step still reaches the next
+    forward exactly."""
     for r in run_ranks(_container_steps, 2):
-        assert r["calls"] == [r["modules"]] * 4, r  # steps 0, 1, 3, 4: the raised one ends none
+        assert r["calls"] == [r["modules"]] * 5, r  # steps 0, 1, 3, 4, 6: no raised one ends
         assert r["err"] == 0.0 and r["full"] == r["modules"], r
 
 

@@ -553,10 +553,7 @@ class QuantizedAllGather(AllGather):
         if self._pending_ref is not None:
             input = self._restore_reference(q, input, aliased)
             full = False  # the loaded reference belongs to these weights
-        elif full and q.valid and code & ~int(Change.FIRST | Change.RESET):
-            why = code & (Change.WRITE | Change.CONTENT_SINCE_STEP)
-            if not code & (Change.STEP | Change.LOADED | Change.REDUCED):
-                why |= code & Change.CONTENT
+        elif full and q.valid and (why := _unexplained(code)):
             self._stats.note(
                 f"{self.name}: parameters changed where no torch.optim optimizer step explains "
                 f"it ({describe(why)}); qWD re-sent them at full precision. After a deliberate "
@@ -706,5 +703,14 @@ def _fits(k: KeptWeights, numel: int, dtype: torch.dtype, device: torch.device) 
     """``numel`` values of ``dtype`` on ``device`` are exactly ``k``'s unsharded buffer."""
     return numel % k.world == 0 and k.matches(numel // k.world, dtype, device)
 
+
+
+def _unexplained(code: int) -> int:
+    """The changes in an agreed code that no optimizer step, load or gradient reduction
+    explains (what a full-precision resend's note names; 0 after ``reset()`` alone)."""
+    why = code & (Change.WRITE | Change.CONTENT_SINCE_STEP)
+    if not code & (Change.STEP | Change.LOADED | Change.REDUCED):
+        why |= code & Change.CONTENT
+    return why
 
 __all__ = ["KIND", "KIND_INTRA", "QuantizedAllGather"]

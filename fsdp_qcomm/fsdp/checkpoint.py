@@ -19,7 +19,7 @@ tensors come back on the GPU index that saved them) and any per-rank checkpointe
             "weight_calls": int, "grad_calls": int, "replica_calls": int,  # RNG call counters
             "gathered_digest": int | None,   # digest of the shard last gathered
             "weight_levels": {...}, "grad_levels": {...},    # learned level tables (LevelSync)
-            "reference_valid": 0 to 3, "reference": {param name: its padded shard},  # qWD
+            "reference_valid": 0 to 4, "reference": {param name: its padded shard},  # qWD
             "grad_residuals": {"<hook>.<site>": flat residual}}}}}      # error feedback
 
 Why the key carries the rank: torch.distributed.checkpoint saves a plain tensor or object once
@@ -271,7 +271,8 @@ def load_gather_state(g: Any, state: dict[str, Any]) -> None:
         valid = state.get("reference_valid")
         g.tracker.loaded(restored, state.get("gathered_digest"),
                          written=_WRITTEN_OF.get(valid, 0),
-                         content_pending=valid == CONTENT_PENDING)
+                         # only an agreement ors it: a rank deciding alone would send alone
+                         content_pending=valid == CONTENT_PENDING and g.agrees)
         if not g._plain_like:
             g._gen += 1  # forwards before the load computed with other weights
     g._forward_gathers = 0

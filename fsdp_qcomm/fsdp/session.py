@@ -20,7 +20,9 @@ Fixed points, the same on every rank:
 
 from __future__ import annotations
 
+import sys
 import weakref
+from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -244,7 +246,9 @@ class _Dispatch:
     def __init__(self) -> None:
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self._handles: list = []
-        self._open: list[int] = []  # the optimizers inside step(), outermost first
+        # the optimizers inside step(), outermost first, each with the frame running its
+        # hooks: a step that raised or was interrupted left its frame, so it is over
+        self._open: list[tuple[int, FrameType]] = []
         self._with_grad: dict[int, set[int]] = {}  # their parameters with a gradient before
 
     def add(self, session: Session) -> None:
@@ -259,6 +263,7 @@ class _Dispatch:
             for h in self._handles:
                 h.remove()
             self._handles = []
+            self._open, self._with_grad = [], {}
 
     # Before a step every parameter it covers must be as last explained. A parameter counts
     # as stepped when it had a gradient before or after the step: torch.optim leaves one
@@ -272,9 +277,8 @@ class _Dispatch:
         if not sessions:
             return
         k = id(optimizer)
-        if k in self._open:  # its previous step raised: that one and the ones inside are over
-            del self._open[self._open.index(k):]
-        self._open.append(k)
+        self._close(k)
+        self._open.append((k, sys._getframe(1)))
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._with_grad[k] = {id(p) for p in params if p.grad is not None}
         ids = {id(p) for p in params}
@@ -286,12 +290,21 @@ class _Dispatch:
         if not sessions:
             return
         k = id(optimizer)
-        if k in self._open:
-            del self._open[self._open.index(k):]
+        self._close(k)
         ids = self._with_grad.pop(k, set()) | {
             id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
         for s in sessions:
             s.optimizer_step_post(ids, outermost=not self._open)
+
+    def _close(self, k: int) -> None:
+        """End ``k``'s open step, and every step whose frame is no longer running."""
+        live, f = set(), sys._getframe()
+        while f is not None:
+            live.add(id(f))
+            f = f.f_back
+        self._open = [(o, f) for o, f in self._open if o != k and id(f) in live]
+        open_ids = {o for o, _ in self._open}
+        self._with_grad = {o: v for o, v in self._with_grad.items() if o in open_ids or o == k}
 
 
 _DISPATCH = _Dispatch()
