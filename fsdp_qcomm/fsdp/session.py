@@ -254,8 +254,10 @@ class _Dispatch:
     def add(self, session: Session) -> None:
         self._sessions.add(session)
         if not self._handles:
-            self._handles = [register_optimizer_step_pre_hook(self._pre),
-                             register_optimizer_step_post_hook(self._post)]
+            # eager under a compiled optimizer step too: the digests and frames are host work
+            self._handles = [
+                register_optimizer_step_pre_hook(torch.compiler.disable(self._pre)),
+                register_optimizer_step_post_hook(torch.compiler.disable(self._post))]
 
     def discard(self, session: Session) -> None:
         self._sessions.discard(session)
@@ -278,7 +280,7 @@ class _Dispatch:
             return
         k = id(optimizer)
         self._close(k)
-        self._open.append((k, sys._getframe(1)))
+        self._open.append((k, _step_frame()))
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._with_grad[k] = {id(p) for p in params if p.grad is not None}
         ids = {id(p) for p in params}
@@ -305,6 +307,16 @@ class _Dispatch:
         self._open = [(o, f) for o, f in self._open if o != k and id(f) in live]
         open_ids = {o for o, _ in self._open}
         self._with_grad = {o: v for o, v in self._with_grad.items() if o in open_ids or o == k}
+
+
+def _step_frame() -> FrameType:
+    """The frame running the optimizer's step hooks (torch.optim's step wrapper), past the
+    frames of torch.compiler.disable. Where a compiled step leaves no such frame running
+    until its post hook, the step counts as ended early: its digests are taken at once."""
+    f = sys._getframe(2)
+    while f.f_back is not None and "_dynamo" in f.f_code.co_filename:
+        f = f.f_back
+    return f
 
 
 _DISPATCH = _Dispatch()
