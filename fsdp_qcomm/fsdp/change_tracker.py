@@ -330,6 +330,12 @@ class ChangeTracker:
             return None  # written without a version bump since (the next gather re-sends)
         return int(self._digest)
 
+    def content_pending_since_step(self) -> None:
+        """A step changed the shard, but no digest was taken when it ended (an optimizer
+        container's step that raised after its inner step): a ``p.data`` write since cannot
+        be told apart from it, so the next gather re-sends full precision, exactly."""
+        self._content_pending = True
+
     def content_pending(self) -> bool:
         """Whether this rank's shard holds a write found by content that nothing explains,
         which the next agreement re-sends at full precision: a change since the last optimizer

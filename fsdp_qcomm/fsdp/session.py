@@ -20,9 +20,8 @@ Fixed points, the same on every rank:
 
 from __future__ import annotations
 
-import sys
+import threading
 import weakref
-from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -88,6 +87,11 @@ class Session:
         if not self.enabled or fsdp.autograd_running():
             return  # an activation-checkpoint recomputation inside backward: no new forward
         self.check_installed()
+        _DISPATCH.forward_begins()
+        if self._digest_due:  # stepped, but the step around it never ended (it raised):
+            for t in self._digest_due.values():  # a write since cannot be told apart
+                t.content_pending_since_step()
+            self._digest_due = {}
         trackers = self.agreeing
         codes = self.agreement.agree(trackers, "before the root module's forward")
         _refuse_stale_weights(self._held_stale(trackers, codes))
@@ -241,20 +245,35 @@ def _refuse_stale_weights(stale: list[tuple[str, str, str]]) -> None:
 class _Dispatch:
     """The process's one pair of ``torch.optim`` step hooks, registered while a session lives,
     passing each step to the live sessions (held weakly: a dropped model takes its session
-    along). The last ``disable`` removes them: nothing of ours runs in a step after it."""
+    along). The last ``disable`` removes them: nothing of ours runs in a step after it.
+
+    Each thread keeps the steps it is inside of (an optimizer container steps inner
+    optimizers; a subclass's ``step`` may call its parent's): a post hook with none left open
+    ends the outermost step. A step that raised never reaches its post hook; the next root
+    forward closes what is left (``forward_begins``)."""
 
     def __init__(self) -> None:
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self._handles: list = []
-        # the optimizers inside step(), outermost first, each with the frame running its
-        # hooks: a step that raised or was interrupted left its frame, so it is over
-        self._open: list[tuple[int, FrameType]] = []
-        self._with_grad: dict[int, set[int]] = {}  # their parameters with a gradient before
+        self._local = threading.local()
+
+    def _open(self) -> list[tuple[int, set[int]]]:
+        """This thread's open steps, outermost first: (optimizer id, its parameters that had
+        a gradient before the step)."""
+        stack = getattr(self._local, "open", None)
+        if stack is None:
+            stack = self._local.open = []
+        return stack
+
+    def forward_begins(self) -> None:
+        """A root forward: no step of this thread is still running (an optimizer's closure
+        runs its forward inside the step, which then ends as if outermost: one digest more)."""
+        self._open().clear()
 
     def add(self, session: Session) -> None:
         self._sessions.add(session)
         if not self._handles:
-            # eager under a compiled optimizer step too: the digests and frames are host work
+            # eager under a compiled optimizer step too: the digests are host work
             self._handles = [
                 register_optimizer_step_pre_hook(torch.compiler.disable(self._pre)),
                 register_optimizer_step_post_hook(torch.compiler.disable(self._post))]
@@ -265,7 +284,7 @@ class _Dispatch:
             for h in self._handles:
                 h.remove()
             self._handles = []
-            self._open, self._with_grad = [], {}
+            self._open().clear()
 
     # Before a step every parameter it covers must be as last explained. A parameter counts
     # as stepped when it had a gradient before or after the step: torch.optim leaves one
@@ -278,11 +297,8 @@ class _Dispatch:
         sessions = list(self._sessions)
         if not sessions:
             return
-        k = id(optimizer)
-        self._close(k)
-        self._open.append((k, _step_frame()))
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._with_grad[k] = {id(p) for p in params if p.grad is not None}
+        self._open().append((id(optimizer), {id(p) for p in params if p.grad is not None}))
         ids = {id(p) for p in params}
         for s in sessions:
             s.optimizer_step_pre(ids)
@@ -291,32 +307,16 @@ class _Dispatch:
         sessions = list(self._sessions)
         if not sessions:
             return
-        k = id(optimizer)
-        self._close(k)
-        ids = self._with_grad.pop(k, set()) | {
-            id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        stack, k, ids = self._open(), id(optimizer), set()
+        for i in range(len(stack) - 1, -1, -1):  # its innermost open step, and any inside it
+            if stack[i][0] == k:
+                ids = stack[i][1]
+                del stack[i:]
+                break
+        ids = ids | {id(p) for g in optimizer.param_groups for p in g["params"]
+                     if p.grad is not None}
         for s in sessions:
-            s.optimizer_step_post(ids, outermost=not self._open)
-
-    def _close(self, k: int) -> None:
-        """End ``k``'s open step, and every step whose frame is no longer running."""
-        live, f = set(), sys._getframe()
-        while f is not None:
-            live.add(id(f))
-            f = f.f_back
-        self._open = [(o, f) for o, f in self._open if o != k and id(f) in live]
-        open_ids = {o for o, _ in self._open}
-        self._with_grad = {o: v for o, v in self._with_grad.items() if o in open_ids or o == k}
-
-
-def _step_frame() -> FrameType:
-    """The frame running the optimizer's step hooks (torch.optim's step wrapper), past the
-    frames of torch.compiler.disable. Where a compiled step leaves no such frame running
-    until its post hook, the step counts as ended early: its digests are taken at once."""
-    f = sys._getframe(2)
-    while f.f_back is not None and "_dynamo" in f.f_code.co_filename:
-        f = f.f_back
-    return f
+            s.optimizer_step_post(ids, outermost=not stack)
 
 
 _DISPATCH = _Dispatch()
