@@ -338,6 +338,19 @@ def test_resume_after_an_evaluation_forward_is_bit_identical(tmp_path, kind):
     run_ranks(_resume_after_evaluation, _EVALUATED[kind][0], str(tmp_path), kind, 3, 3)
 
 
+class _RaisingAfter(torch.optim.Optimizer):
+    """An optimizer container whose step raises after its inner step ran (caught by the
+    user): the outermost step never ends, so no step digest is taken."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+
+    def step(self, closure=None):
+        self.inner.step()
+        raise RuntimeError("after the inner step")
+
+
 def _resume_after_a_resend(rank, world, root, kind):
     # A checkpoint written while the next gather must re-send full precision (handle.reset(),
     # or a write found by version counter, as DiLoCo's global_weights() makes on exit): the
@@ -349,7 +362,7 @@ def _resume_after_a_resend(rank, world, root, kind):
     cfg = _EVALUATED[kind][1]
     qwd = not kind.startswith("direct")
     hows = ("reset", "write", "write_then_mark_changed", "write_stepped_then_mark_changed",
-            "data_after_step", "data_after_evaluation_on_rank_0")
+            "data_after_step", "data_after_evaluation_on_rank_0", "data_after_a_raised_step")
     for how in hows:
         ckpt = os.path.join(root, how)
         model, handle, opt = _build(cfg)
@@ -365,11 +378,18 @@ def _resume_after_a_resend(rank, world, root, kind):
             opt.step()
             opt.zero_grad()
         elif how.startswith("data_"):
+            if how == "data_after_a_raised_step":
+                _loss(model, 2, rank).backward()
+                try:
+                    _RaisingAfter(opt).step()
+                except RuntimeError:
+                    pass
+                opt.zero_grad()
             with torch.no_grad():
                 if how.endswith("rank_0"):
                     _loss(model, 99, rank)
                     model.reshard()  # else the root's parameters are its gathered copy
-                if rank == 0 or how == "data_after_step":
+                if rank == 0 or not how.endswith("rank_0"):
                     for p in model.parameters():
                         p.data.add_(0.01)  # every value: rank 0's part of each module too
         else:
@@ -397,7 +417,7 @@ def _resume_after_a_resend(rank, world, root, kind):
             valid = {m["reference_valid"] for m in entry["modules"].values()}
             want = 0 if how == "reset" else 3 if "stepped" in how else 2
             if how.startswith("data_"):
-                want = 4 if rank == 0 or how == "data_after_step" else 1
+                want = 4 if rank == 0 or not how.endswith("rank_0") else 1
             assert valid == {want}, (how, valid)
             first = "qwd_diff" if how == "write_then_mark_changed" else "qwd_full"
             assert sent.get(first, 0) >= units, (how, sent)

@@ -534,10 +534,22 @@ def _container_steps(rank, world):
             pass
         opt.inner.zero_grad()
         after_raise = written_then_forward(8)
+        # and a gather outside the forward after such a step (unshard()): it re-sends, and the
+        # forward on the weights it holds is no stale use
+        lm_loss(model, batch(9, rank)).backward()
+        try:
+            opt.step()
+        except RuntimeError:
+            pass
+        opt.inner.zero_grad()
+        new = _exact(model)  # (full_tensor of the shards: before unshard() swaps them out)
+        model.unshard()
+        after_unshard = _err(_forward(model, cap, rank, 10), new)
         cap.remove()
     finally:
         change_tracker.step_digests = digests
     out = {"calls": calls, "after_other": after_other, "after_raise": after_raise,
+           "after_unshard": after_unshard,
            "modules": len(handle._installs)}
     handle.disable()
     return out
@@ -553,6 +565,7 @@ def test_an_optimizer_container_digests_each_stepped_shard_once_per_step():
         assert r["calls"] == [r["modules"]] * 4, r  # steps 0, 1, 3, 4: no raised one ends
         for where in ("after_other", "after_raise"):  # re-sent exactly, every module
             assert r[where] == (0.0, r["modules"]), (where, r)
+        assert r["after_unshard"] == 0.0, r
 
 
 def _grads_freed_after_the_step(rank, world):

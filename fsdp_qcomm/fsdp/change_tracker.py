@@ -269,6 +269,7 @@ class ChangeTracker:
         self._digest_now: Optional[torch.Tensor] = None
         self._digest_step: Optional[torch.Tensor] = None  # after the last optimizer step
         self._content_pending = False  # saved with such a write pending (``loaded``)
+        self._undigested = False  # stepped, its digest due when the outermost step ends
         self._optim_tracked = False  # a torch.optim step over these parameters was seen
         self._written = False  # a write saved with a loaded state, still pending (``loaded``)
         self.pending: Optional[int] = None  # agreed code for the next forward gather
@@ -282,7 +283,7 @@ class ChangeTracker:
         self._expected = None
         self._written = False
         self._digest_step = None  # writes since the last step are vouched for too
-        self._content_pending = False
+        self._content_pending = self._undigested = False
 
     def reset(self) -> None:
         self._flags |= Change.RESET
@@ -308,6 +309,7 @@ class ChangeTracker:
         self._expected = None
         self._written = written == 1
         self._content_pending = content_pending
+        self._undigested = False
         self._digest_now = self._digest_step = None
         self._digest = None if digest is None else torch.tensor(
             digest, dtype=torch.int64, device=self.shard_device())
@@ -330,11 +332,12 @@ class ChangeTracker:
             return None  # written without a version bump since (the next gather re-sends)
         return int(self._digest)
 
-    def content_pending_since_step(self) -> None:
-        """A step changed the shard, but no digest was taken when it ended (an optimizer
-        container's step that raised after its inner step): a ``p.data`` write since cannot
-        be told apart from it, so the next gather re-sends full precision, exactly."""
-        self._content_pending = True
+    def awaits_step_digest(self) -> None:
+        """A step changed the shard; its digest (``step_digests``) is taken when the outermost
+        step ends. Until then, and for good where that step raised, a ``p.data`` write since
+        cannot be told apart from the step: a forward gather re-sends full precision, exactly,
+        and a save records the write as pending (``content_pending``)."""
+        self._undigested = True
 
     def content_pending(self) -> bool:
         """Whether this rank's shard holds a write found by content that nothing explains,
@@ -342,7 +345,7 @@ class ChangeTracker:
         step's digest, or, with no step or load since the last forward gather, since that
         gather's. Per rank (a write may leave some shards unchanged): the agreement ors it
         over the ranks. One digest pass and one host read; for the saved state."""
-        if self._content_pending:
+        if self._content_pending or self._undigested:
             return True
         then = self._digest_step
         if then is None and not self._flags & (Change.STEP | Change.LOADED | Change.REDUCED):
@@ -403,7 +406,7 @@ class ChangeTracker:
         flags = self._flags
         if self._written or (self._expected is not None and self._signature() != self._expected):
             flags |= Change.WRITE
-        if self._content_pending:
+        if self._content_pending or self._undigested:
             flags |= Change.CONTENT_SINCE_STEP
         if flags & Change.LOADED and self._digest is None:
             flags |= Change.CONTENT  # loaded without a digest: the shard counts as changed
@@ -437,7 +440,7 @@ class ChangeTracker:
         if backward:
             self._flags &= ~(Change.FIRST | Change.STEP | Change.RESET | Change.LOADED)
             return
-        self._written = self._content_pending = False  # sent
+        self._written = self._content_pending = self._undigested = False  # sent
         self._digest_step = None
         self._flags = Change.NONE
         self._expected = self._signature()
@@ -473,6 +476,7 @@ def step_digests(trackers: Sequence[ChangeTracker]) -> None:
     for ks, now in _digests_by_device(trackers):
         for i, k in enumerate(ks):
             trackers[k]._digest_step = now[i]
+            trackers[k]._undigested = False
 
 
 def content_changes(trackers: Sequence[ChangeTracker]) -> list[torch.Tensor]:

@@ -88,10 +88,6 @@ class Session:
             return  # an activation-checkpoint recomputation inside backward: no new forward
         self.check_installed()
         _DISPATCH.forward_begins()
-        if self._digest_due:  # stepped, but the step around it never ended (it raised):
-            for t in self._digest_due.values():  # a write since cannot be told apart
-                t.content_pending_since_step()
-            self._digest_due = {}
         trackers = self.agreeing
         codes = self.agreement.agree(trackers, "before the root module's forward")
         _refuse_stale_weights(self._held_stale(trackers, codes))
@@ -179,6 +175,7 @@ class Session:
         agreeing = {id(t) for t in self.agreeing}
         for t in self.trackers:
             if t.optimizer_step_post(ids) and id(t) in agreeing:
+                t.awaits_step_digest()
                 self._digest_due[id(t)] = t
         for i, own in zip(self.installs, self._install_ids):
             if i.all_gather is not None and i.all_gather.tracker is None and ids & own:
@@ -249,8 +246,8 @@ class _Dispatch:
 
     Each thread keeps the steps it is inside of (an optimizer container steps inner
     optimizers; a subclass's ``step`` may call its parent's): a post hook with none left open
-    ends the outermost step. A step that raised never reaches its post hook; the next root
-    forward closes what is left (``forward_begins``)."""
+    on that thread ends the outermost step. A step that raised never reaches its post hook;
+    the thread's next root forward closes what is left (``forward_begins``)."""
 
     def __init__(self) -> None:
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
@@ -267,8 +264,12 @@ class _Dispatch:
 
     def forward_begins(self) -> None:
         """A root forward: no step of this thread is still running (an optimizer's closure
-        runs its forward inside the step, which then ends as if outermost: one digest more)."""
+        runs its forward inside the step, which then ends as if outermost: one digest more).
+        Digests still due are dropped: their modules re-send exactly
+        (``ChangeTracker.awaits_step_digest``), and a digest taken later could hold a write."""
         self._open().clear()
+        for s in list(self._sessions):
+            s._digest_due.clear()
 
     def add(self, session: Session) -> None:
         self._sessions.add(session)
