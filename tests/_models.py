@@ -105,6 +105,22 @@ def train_step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> float:
     return mean.item() / dist.get_world_size()
 
 
+class OptimizerContainer(torch.optim.Optimizer):
+    """An optimizer over an inner one, as torchtitan's OptimizersContainer: its step hooks fire
+    around the inner one's. ``fail``: its step raises after the inner step ran (a caller that
+    catches it leaves the outer step never ended)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, fail: bool = False) -> None:
+        self.inner = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+        self.fail = fail
+
+    def step(self, closure=None):
+        self.inner.step()
+        if self.fail:
+            raise RuntimeError("after the inner step")
+
+
 class Capture:
     """Weights each leaf module computes with, in forward and in backward."""
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from _models import MLPBlock
+from _models import MLPBlock, OptimizerContainer
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -338,19 +338,6 @@ def test_resume_after_an_evaluation_forward_is_bit_identical(tmp_path, kind):
     run_ranks(_resume_after_evaluation, _EVALUATED[kind][0], str(tmp_path), kind, 3, 3)
 
 
-class _RaisingAfter(torch.optim.Optimizer):
-    """An optimizer container whose step raises after its inner step ran (caught by the
-    user): the outermost step never ends, so no step digest is taken."""
-
-    def __init__(self, inner: torch.optim.Optimizer) -> None:
-        self.inner = inner
-        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
-
-    def step(self, closure=None):
-        self.inner.step()
-        raise RuntimeError("after the inner step")
-
-
 def _resume_after_a_resend(rank, world, root, kind):
     # A checkpoint written while the next gather must re-send full precision (handle.reset(),
     # or a write found by version counter, as DiLoCo's global_weights() makes on exit): the
@@ -381,7 +368,7 @@ def _resume_after_a_resend(rank, world, root, kind):
             if how == "data_after_a_raised_step":
                 _loss(model, 2, rank).backward()
                 try:
-                    _RaisingAfter(opt).step()
+                    OptimizerContainer(opt, fail=True).step()
                 except RuntimeError:
                     pass
                 opt.zero_grad()

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from _models import Capture, TinyLM, batch, lm_loss, shard
+from _models import Capture, OptimizerContainer, TinyLM, batch, lm_loss, shard
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -466,21 +466,6 @@ def test_an_optimizer_closure_computes_with_the_weights_its_step_wrote():
 
 
 # ---- how optimizer steps are seen -----------------------------------------------------------
-class _Container(torch.optim.Optimizer):
-    """An optimizer over inner optimizers, as torchtitan's OptimizersContainer: its step hooks
-    fire around the inner ones'."""
-
-    def __init__(self, inner: torch.optim.Optimizer) -> None:
-        self.inner = inner
-        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
-        self.fail = False
-
-    def step(self, closure=None):
-        self.inner.step()
-        if self.fail:
-            raise RuntimeError("after the inner step")
-
-
 def _container_steps(rank, world):
     from fsdp_qcomm.fsdp import change_tracker
 
@@ -488,7 +473,7 @@ def _container_steps(rank, world):
     model = TinyLM()
     shard(model, True)
     handle = fsdp_qcomm.enable(model, SCHEMES["qwd"])
-    opt = _Container(torch.optim.AdamW(model.parameters(), lr=3e-2))
+    opt = OptimizerContainer(torch.optim.AdamW(model.parameters(), lr=3e-2))
     calls = []
     digests = change_tracker.step_digests
     change_tracker.step_digests = lambda ts: (calls.append(len(ts)), digests(ts))[1]
@@ -515,8 +500,7 @@ def _container_steps(rank, world):
 
         # a step right after another optimizer's step interrupted for good: its digest waits
         # for a step that never ends
-        other = _Container(torch.optim.SGD(model.parameters(), lr=0.0))
-        other.fail = True
+        other = OptimizerContainer(torch.optim.SGD(model.parameters(), lr=0.0), fail=True)
         lm_loss(model, batch(5, rank)).backward()
         try:
             other.step()
