@@ -326,7 +326,7 @@ def reduce_scatter_plain(
     finish = reduce_op_finisher(op, world)
     if output.numel() == 0:
         return
-    acc = torch.float64 if output.dtype == torch.float64 else torch.float32
+    acc = torch.promote_types(output.dtype, torch.float32)  # float64 sums stay float64
     if world == 1:
         res = input.reshape(-1).to(acc)
         output.view(-1).copy_(finish(res.clone()) if finish is not None else res)

@@ -704,7 +704,6 @@ def _fits(k: KeptWeights, numel: int, dtype: torch.dtype, device: torch.device) 
     return numel % k.world == 0 and k.matches(numel // k.world, dtype, device)
 
 
-
 def _unexplained(code: int) -> int:
     """The changes in an agreed code that no optimizer step, load or gradient reduction
     explains (what a full-precision resend's note names; 0 after ``reset()`` alone)."""
@@ -712,5 +711,6 @@ def _unexplained(code: int) -> int:
     if not code & (Change.STEP | Change.LOADED | Change.REDUCED):
         why |= code & Change.CONTENT
     return why
+
 
 __all__ = ["KIND", "KIND_INTRA", "QuantizedAllGather"]
